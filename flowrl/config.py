@@ -1,0 +1,215 @@
+"""Typed run configuration: YAML presets + ``key.sub=value`` overrides, validated strictly.
+
+OmegaConf parses YAML and dotted overrides (values typed by YAML rules); pydantic validates the merged
+tree against the schema below (unknown keys and wrong types rejected). Every error becomes one sentence
+naming the dotted key. The schema is the documentation of every knob: field names follow the
+ecosystem (diffusers' ``num_inference_steps``/``guidance_scale``, trl's ``num_generations``/``beta``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import FlowRLError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PipelineConfig(Section):
+    name: Literal["digits"] = "digits"
+    pretrained: str = "digits_flow"  # an embedded model name or a local directory
+    device: str = "auto"  # "auto" lets accelerate place it (GPU when present)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class FlowSDEConfig(Section):
+    name: Literal["flow_sde"] = "flow_sde"
+    noise_level: float = Field(0.7, ge=0)  # Flow-GRPO's a, or DanceGRPO's eta
+    diffusion: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    reduction: Literal["mean", "sum"] = "mean"
+
+
+class FlowCPSConfig(Section):
+    name: Literal["flow_cps"] = "flow_cps"
+    noise_level: float = Field(0.7, ge=0, le=1)
+    reduction: Literal["mean", "sum"] = "mean"
+
+
+class DDIMConfig(Section):
+    name: Literal["ddim"] = "ddim"
+    eta: float = Field(1.0, ge=0)
+    clip_sample: float | None = None
+    reduction: Literal["mean", "sum"] = "mean"
+
+
+class ODEConfig(Section):
+    name: Literal["ode"] = "ode"
+
+
+SamplerConfig = Annotated[Union[FlowSDEConfig, FlowCPSConfig, DDIMConfig, ODEConfig], Field(discriminator="name")]
+
+
+class RolloutConfig(Section):
+    num_inference_steps: int = Field(10, ge=1)
+    guidance_scale: float = 1.0
+    same_noise_in_group: bool = True
+    sde_window_size: int | None = Field(None, ge=1)  # None: every step stochastic
+    sde_window_start: int = Field(0, ge=0)
+    sde_window_slide_every: int = Field(0, ge=0)  # iterations between one-step slides (MixGRPO); 0 = fixed
+    batch_size: int = Field(64, ge=1)  # samples per denoiser call during rollout
+
+
+class PolicyObjectiveBase(Section):
+    clip_range: float = Field(1e-4, gt=0)
+    beta: float = Field(0.0, ge=0)  # KL weight; see docs/objectives for its scaling
+    kl_form: Literal["gaussian", "flow_grpo"] = "gaussian"
+    timestep_fraction: float = Field(1.0, gt=0, le=1)
+    timestep_order: Literal["random", "first"] = "random"
+
+
+class GRPOConfig(PolicyObjectiveBase):
+    name: Literal["grpo"] = "grpo"
+    std: Literal["unbiased", "biased", "global", "none"] = "unbiased"
+    std_eps: float = Field(1e-8, gt=0)
+    adv_clip_max: float | None = None
+    best_worst_k: int | None = Field(None, ge=2)
+
+
+class DDPOConfig(PolicyObjectiveBase):
+    name: Literal["ddpo"] = "ddpo"
+    per_prompt_stat_tracking: bool = True
+    buffer_size: int = Field(32, ge=1)
+    min_count: int = Field(16, ge=1)
+    adv_clip_max: float = Field(5.0, gt=0)
+
+
+ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig], Field(discriminator="name")]
+
+
+class RewardConfig(Section):
+    components: dict[str, float] = Field(default_factory=lambda: {"digit_classifier": 1.0})  # name -> weight
+    kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # name -> constructor arguments
+
+    @model_validator(mode="after")
+    def _known_names(self):
+        from .reward_models import REWARD_NAMES
+
+        for name in list(self.components) + list(self.kwargs):
+            if name not in REWARD_NAMES:
+                raise ValueError(f"unknown reward '{name}'; choose one of: {', '.join(REWARD_NAMES)}")
+        if not self.components:
+            raise ValueError("at least one reward component is needed")
+        return self
+
+
+class PromptsConfig(Section):
+    dataset: Literal["digits"] = "digits"
+    train_split: str = "train"
+    eval_split: str = "eval"
+
+
+class TrainConfig(Section):
+    iterations: int = Field(40, ge=1)
+    prompts_per_iteration: int = Field(8, ge=1)  # groups per iteration, across all processes
+    num_generations: int = Field(8, ge=1)  # samples per prompt (GRPO group size)
+    batch_size: int = Field(16, ge=1)  # samples per optimizer step
+    inner_epochs: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    weight_decay: float = 1e-4
+    max_grad_norm: float | None = 1.0
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    stop_after: int | None = Field(None, ge=1)  # end this process after N iterations (a planned interruption)
+
+
+class EvalConfig(Section):
+    every: int = Field(10, ge=0)  # iterations between evaluations; 0 = only before and after
+    samples_per_prompt: int = Field(4, ge=1)
+    seed: int = 1234  # held-out seeds, distinct from the training stream
+    num_inference_steps: int | None = None  # None: rollout.num_inference_steps
+    guidance_scale: float | None = None  # None: rollout.guidance_scale
+
+
+class LogConfig(Section):
+    grid_prompts: int = Field(10, ge=1)
+    checkpoint_every: int = Field(10, ge=0)  # 0 = only at the end
+    progress: bool = True
+
+
+class Config(Section):
+    seed: int = 0
+    output_dir: str = "runs/default"
+    resume_from: str | None = None  # a checkpoint directory, or "latest" (in output_dir)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    sampler: SamplerConfig = Field(default_factory=FlowSDEConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = Field(default_factory=GRPOConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+def _describe(error: dict) -> str:
+    loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in {"flow_sde", "flow_cps", "ddim", "ode", "grpo", "ddpo"}))
+    kind, msg = error["type"], error["msg"]
+    if kind == "extra_forbidden":
+        return f"unknown config key '{loc}'"
+    if kind == "union_tag_invalid":
+        return f"config key '{loc}.name' has an unknown value: {error['ctx']['tag']!r} (choose one of {error['ctx']['expected_tags']})"
+    if kind == "value_error":
+        return f"config key '{loc}' is invalid: {msg.removeprefix('Value error, ')}"
+    return f"config key '{loc}' is invalid: {msg[0].lower()}{msg[1:]} (got {error.get('input')!r})"
+
+
+def validate(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise FlowRLError(_describe(e.errors()[0]) + ".") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML preset (or the defaults when ``path`` is None) and apply ``key.sub=value`` overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FlowRLError(f"config file '{path}' does not exist.")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise FlowRLError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+        if not isinstance(tree, dict):
+            raise FlowRLError(f"config file '{path}' must hold a mapping of keys to values.")
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise FlowRLError(f"override '{bad[0]}' must have the form key.sub=value.")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(list(overrides)))
+        tree = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise FlowRLError(f"could not apply the overrides: {str(e).splitlines()[0]}.") from None
+    return validate(tree)
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

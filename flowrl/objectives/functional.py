@@ -1,0 +1,92 @@
+"""Pure loss and advantage math (MATH.md section 3). Every objective calls these; none re-derives them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..samplers.log_prob import Reduction
+
+StdConvention = Literal["unbiased", "biased", "global", "none"]
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, std: StdConvention = "unbiased", eps: float = 1e-8) -> Tensor:
+    """GRPO advantages ``(r - mean_group) / (std + eps)``.
+
+    std: "unbiased" (DanceGRPO: N-1 denominator, eps 1e-8), "biased" (Flow-GRPO: N denominator, eps 1e-4),
+    "global" (Flow-GRPO's global-std option: group mean, std over the whole batch), "none" (d1: r - mean).
+    Non-finite rewards are left out of every statistic and get advantage 0; a group with fewer than two
+    finite rewards gets advantage 0 (nothing to compare against). Returns (B,) float32.
+    """
+    rewards = rewards.float()
+    finite = torch.isfinite(rewards)
+    adv = torch.zeros_like(rewards)
+    global_std = rewards[finite].std(unbiased=False) if std == "global" else None
+    for g in torch.unique(group_ids):
+        members = (group_ids == g) & finite
+        r = rewards[members]
+        if r.numel() < 2:
+            continue
+        centred = r - r.mean()
+        if std == "unbiased":
+            centred = centred / (r.std(unbiased=True) + eps)
+        elif std == "biased":
+            centred = centred / (r.std(unbiased=False) + eps)
+        elif std == "global":
+            centred = centred / (global_std + eps)
+        adv[members] = centred
+    return adv
+
+
+def best_worst_subset(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:
+    """Indices of the top k/2 and bottom k/2 rewards of every group (DanceGRPO's best-of-N subset)."""
+    keep = []
+    for g in torch.unique(group_ids):
+        idx = torch.nonzero((group_ids == g) & torch.isfinite(rewards)).flatten()
+        order = idx[torch.argsort(rewards[idx], descending=True)]
+        half = max(1, k // 2)
+        chosen = order if order.numel() <= 2 * half else torch.cat([order[:half], order[-half:]])
+        keep.append(chosen)
+    return torch.sort(torch.cat(keep)).values
+
+
+def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean over the samples where ``mask`` is True (all when None); 0 when none are."""
+    if mask is None:
+        return values.mean()
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float,
+                      mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate for one denoising step.
+
+    loss = mean_B max(-A r, -A clip(r, 1 - eps, 1 + eps)),  r = exp(log_prob - old_log_prob),
+    the mean taken over samples where ``mask`` (B,) is True (samples whose reward was dropped are
+    masked out rather than removed, so every process keeps the same batch shapes).
+    Returns the scalar loss and detached statistics (ratio mean, clip fraction, approx KL as DDPO logs it:
+    0.5 mean (log r)^2).
+    """
+    mask = None if mask is None else mask.float()
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "ratio_mean": masked_mean(ratio, mask),
+            "clipfrac": masked_mean(((ratio - 1.0).abs() > clip_range).float(), mask),
+            "approx_kl": masked_mean(0.5 * log_ratio**2, mask),
+        }
+    return loss, stats
+
+
+def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduction: Reduction = "mean") -> Tensor:
+    """KL( N(mean, std^2 I) || N(ref_mean, std^2 I) ) = (mean - ref_mean)^2 / (2 std^2), reduced like the
+    log-prob (per-dimension mean by default). Returns (B,)."""
+    elem = (mean.float() - ref_mean.float()) ** 2 / (2 * std.float() ** 2)
+    dims = tuple(range(1, elem.ndim))
+    return elem.mean(dims) if reduction == "mean" else elem.sum(dims)

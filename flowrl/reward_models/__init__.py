@@ -1,0 +1,46 @@
+"""Rewards: callables that score decoded images against their prompts (see ``flowrl.types.Reward``).
+
+``build_reward(name, **kwargs)`` builds one by name; modules are imported only when their reward is
+built, so asking for the JPEG reward never imports the classifier and vice versa.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from flowrl.errors import FlowRLError
+from flowrl.types import Reward
+
+# name -> "module:Class"
+_REGISTRY: dict[str, str] = {
+    "digit_classifier": "flowrl.reward_models.digit_classifier:DigitClassifierReward",
+    "jpeg_compressibility": "flowrl.reward_models.jpeg:JpegCompressibilityReward",
+    "jpeg_incompressibility": "flowrl.reward_models.jpeg:JpegIncompressibilityReward",
+    "ink": "flowrl.reward_models.image_stats:InkReward",
+}
+
+REWARD_NAMES: list[str] = list(_REGISTRY)
+
+
+def build_reward(name: str, **kwargs: Any) -> Reward:
+    """Build the reward registered as ``name``, passing ``kwargs`` to its constructor."""
+    if name not in _REGISTRY:
+        raise FlowRLError(f"unknown reward '{name}'; choose one of: {', '.join(REWARD_NAMES)}.")
+    module_name, class_name = _REGISTRY[name].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**kwargs)
+
+
+def build_reward_from_config(config) -> Reward:
+    """Build the weighted sum of ``config.components`` (name -> weight), each with ``config.kwargs[name]``.
+
+    Always a WeightedSum, even for one component, so every run logs ``reward/<name>`` the same way.
+    """
+    from .combine import WeightedSum
+
+    components = {name: build_reward(name, **config.kwargs.get(name, {})) for name in config.components}
+    return WeightedSum(components, dict(config.components))
+
+
+__all__ = ["REWARD_NAMES", "build_reward", "build_reward_from_config"]

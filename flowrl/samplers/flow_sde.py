@@ -1,0 +1,101 @@
+"""Rectified-flow reverse SDE samplers (Flow-GRPO, DanceGRPO, CPS).
+
+Notation (MATH.md section 1): the model predicts velocity ``v``; ``x0_hat = x - sigma v`` and
+``x1_hat = x + (1 - sigma) v``; ``dt = sigma_next - sigma < 0``. The marginal-preserving reverse SDE
+with diffusion coefficient g has the Euler-Maruyama step
+
+    score = -(x + (1 - sigma) v) / sigma
+    mean  = x + dt (v - g^2 score / 2),   std = g sqrt(-dt)
+
+Flow-GRPO: g = a sqrt(sigma / (1 - sigma)) (at sigma = 1 the denominator uses 1 - sigma_next, the
+reference's ``sigma_max`` trick, written statelessly); DanceGRPO: g = eta, constant.
+CPS (coefficient-preserving): std = sigma_next sin(a pi / 2),
+mean = x0_hat (1 - sigma_next) + x1_hat sqrt(sigma_next^2 - std^2). flowrl scores CPS with the true
+normalised Gaussian density (Flow-GRPO's CPS "log-prob" drops 1/(2 std^2) and the constants).
+All step math runs in float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..types import StepOutput
+from .log_prob import Reduction, gaussian_log_prob, standard_noise
+
+
+def flow_euler_step(v: Tensor, x: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """Deterministic probability-flow ODE step."""
+    return x.float() + (sigma_next - sigma) * v.float()
+
+
+def _finish(mean: Tensor, std: Tensor, x_next: Tensor | None, generator, reduction: Reduction) -> StepOutput:
+    """Sample x_next ~ N(mean, std^2) if not given, then score it."""
+    if x_next is None:
+        x_next = mean + std * standard_noise(mean, generator)
+    x_next = x_next.float()
+    log_prob = gaussian_log_prob(x_next, mean, std, reduction) if float(std) > 0 else None
+    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std)
+
+
+@dataclass
+class FlowSDESampler:
+    """Euler-Maruyama on the marginal-preserving reverse SDE.
+
+    noise_level: ``a`` of Flow-GRPO (0.7 for SD3.5-M) or the constant ``eta`` of DanceGRPO (0.3 FLUX).
+    diffusion:   "flow_grpo" (g = a sqrt(sigma / (1 - sigma))) or "dance_grpo" (g = eta).
+    """
+
+    noise_level: float = 0.7
+    diffusion: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    reduction: Reduction = "mean"
+    name = "flow_sde"
+    prediction_types = ("flow",)
+    stochastic = True
+
+    def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+        sigma = torch.as_tensor(sigma, dtype=torch.float32)
+        if self.diffusion == "dance_grpo":
+            return torch.full_like(sigma, self.noise_level)
+        one_minus = torch.where(sigma >= 1, 1 - torch.as_tensor(sigma_next, dtype=torch.float32), 1 - sigma)
+        return self.noise_level * torch.sqrt(sigma / one_minus)
+
+    def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
+        v, x = model_output.float(), x.float()
+        sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32, device=x.device) for s in (sigma, sigma_next))
+        dt = sigma_next - sigma
+        g = self.diffusion_coefficient(sigma, sigma_next)
+        score = -(x + (1 - sigma) * v) / sigma
+        mean = x + dt * (v - 0.5 * g**2 * score)
+        std = g * torch.sqrt(-dt)
+        return _finish(mean, std, x_next, generator, self.reduction)
+
+    def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
+        return flow_euler_step(model_output, x, sigma, sigma_next)
+
+
+@dataclass
+class FlowCPSSampler:
+    """Coefficient-preserving sampling: the noise added is exactly the noise the mean removes."""
+
+    noise_level: float = 0.7
+    reduction: Reduction = "mean"
+    name = "flow_cps"
+    prediction_types = ("flow",)
+    stochastic = True
+
+    def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
+        v, x = model_output.float(), x.float()
+        sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32, device=x.device) for s in (sigma, sigma_next))
+        x0_hat = x - sigma * v
+        x1_hat = x + (1 - sigma) * v
+        std = sigma_next * math.sin(self.noise_level * math.pi / 2)
+        mean = x0_hat * (1 - sigma_next) + x1_hat * torch.sqrt((sigma_next**2 - std**2).clamp(min=0))
+        return _finish(mean, std, x_next, generator, self.reduction)
+
+    def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
+        return flow_euler_step(model_output, x, sigma, sigma_next)

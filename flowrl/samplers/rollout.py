@@ -1,0 +1,96 @@
+"""Roll a sampler out into a :class:`~flowrl.types.Trajectory`.
+
+The loop is flowrl's, not a diffusers pipeline's ``__call__``: the pipeline only predicts, the
+sampler only steps. Steps inside the SDE window are sampled stochastically and carry a log-prob;
+steps outside it (MixGRPO) use the sampler's deterministic step and are not trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..types import Pipeline, Sampler, Trajectory
+
+
+def sde_window(num_steps: int, size: int | None, start: int = 0, slide_every: int = 0, iteration: int = 0) -> Tensor:
+    """Return (K,) bool: which steps are stochastic.
+
+    ``size=None`` makes every step stochastic. Otherwise a window of ``size`` consecutive steps starting
+    at ``start``; with ``slide_every > 0`` it moves one step later every ``slide_every`` iterations and
+    wraps around (MixGRPO's sliding window, progressing from noise towards data).
+    """
+    mask = torch.zeros(num_steps, dtype=torch.bool)
+    if size is None or size >= num_steps:
+        return ~mask
+    shift = iteration // slide_every if slide_every > 0 else 0
+    first = (start + shift) % (num_steps - size + 1)
+    mask[first : first + size] = True
+    return mask
+
+
+def group_noise(pipeline: Pipeline, group_ids: Tensor, generator: torch.Generator, shared: bool) -> Tensor:
+    """Initial noise; with ``shared`` every member of a prompt group starts from the same x_1
+    (DanceGRPO ``init_same_noise``, Flow-GRPO ``same_latent``), so rewards differ only by the SDE noise."""
+    if not shared:
+        return pipeline.initial_noise(group_ids.shape[0], generator)
+    unique, inverse = torch.unique(group_ids, return_inverse=True)
+    return pipeline.initial_noise(unique.shape[0], generator)[inverse]
+
+
+@torch.no_grad()
+def rollout(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    group_ids: Tensor,
+    sigmas: Tensor,
+    generator: torch.Generator,
+    guidance_scale: float = 1.0,
+    stochastic_steps: Tensor | None = None,
+    initial_noise: Tensor | None = None,
+    same_noise_in_group: bool = True,
+) -> Trajectory:
+    """Sample B trajectories and record every state and transition log-prob.
+
+    sigmas: (K+1,) time grid from 1 (noise) to 0. stochastic_steps: (K,) bool; default all steps when
+    the sampler is stochastic. A step whose transition std is 0 (e.g. CPS or DDIM into sigma = 0) is
+    recorded as deterministic.
+    """
+    num_steps = sigmas.shape[0] - 1
+    if stochastic_steps is None:
+        stochastic_steps = torch.full((num_steps,), sampler.stochastic, dtype=torch.bool)
+    stochastic_steps = stochastic_steps.clone() & sampler.stochastic
+    cond = pipeline.encode(list(prompts))
+    x = initial_noise if initial_noise is not None else group_noise(pipeline, group_ids, generator, same_noise_in_group)
+    x = x.float()
+    states, log_probs = [x], []
+    for k in range(num_steps):
+        sigma, sigma_next = sigmas[k], sigmas[k + 1]
+        model_output = pipeline.predict(x, sigma, cond, guidance_scale)
+        log_prob = None
+        if stochastic_steps[k]:
+            out = sampler.step(model_output, x, sigma, sigma_next, generator=generator)
+            x, log_prob = out.x_next, out.log_prob
+        else:
+            x = sampler.deterministic_step(model_output, x, sigma, sigma_next)
+        if log_prob is None:
+            stochastic_steps[k] = False
+            log_prob = torch.full((x.shape[0],), float("nan"), device=x.device)
+        states.append(x)
+        log_probs.append(log_prob)
+    return Trajectory(
+        latents=torch.stack(states, dim=1),  # (B, K+1, *S)
+        sigmas=sigmas,
+        log_probs=torch.stack(log_probs, dim=1),  # (B, K)
+        stochastic=stochastic_steps,
+        cond=cond,
+        prompts=list(prompts),
+        metadata=[dict(m) for m in metadata],
+        group_ids=group_ids,
+        samples=pipeline.decode(x),
+        guidance_scale=guidance_scale,
+    )

@@ -1,0 +1,299 @@
+"""THE loop: rollout -> score -> prepare -> update -> log/evaluate/save.
+
+Runs through accelerate: one process by default, ``accelerate launch --num_processes N`` for data
+parallelism. Each process rolls out whole prompt groups (so group advantages need no communication);
+gradients are averaged by DDP; rewards and evaluation results are gathered for logging.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm import tqdm
+
+from . import seeding
+from .checkpoint import load_optimizer, read_checkpoint, resolve_checkpoint, save_checkpoint
+from .config import Config, ODEConfig, to_yaml
+from .errors import FlowRLError
+from .objectives import build_objective
+from .pipelines import build_pipeline
+from .prompts import prompt_pool, sample_prompts
+from .reward_models import build_reward_from_config
+from .run_logger import RunLogger
+from .samplers import build_sampler
+from .samplers.rollout import group_noise, rollout, sde_window
+from .types import Trajectory
+from .visualize import save_grid, save_reward_curve
+
+
+class Trainer:
+    def __init__(self, config: Config):
+        self.config = config
+        self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=config.pipeline.device == "cpu")
+        self.is_main = self.accelerator.is_main_process
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self._check_divisibility()
+        self.run_dir = Path(config.output_dir)
+        self.pipeline = build_pipeline(config.pipeline, self.accelerator.device)
+        self.sampler = build_sampler(config.sampler, self.pipeline)
+        self.eval_sampler = build_sampler(ODEConfig(), self.pipeline)
+        self.objective = build_objective(config.objective)
+        self.reward = build_reward_from_config(config.reward)
+        self._check_capabilities()
+        if getattr(self.objective, "needs_reference", False):
+            self.pipeline.enable_reference()
+        params = self.pipeline.trainable_parameters()
+        optimizer = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
+                                      weight_decay=config.train.weight_decay)
+        self.pipeline.denoiser, self.optimizer = self.accelerator.prepare(self.pipeline.denoiser, optimizer)
+        self.train_pool = prompt_pool(config.prompts.dataset, config.prompts.train_split)
+        self.eval_pool = prompt_pool(config.prompts.dataset, config.prompts.eval_split)
+        self.iteration = 0
+        self.logger = RunLogger(self.run_dir, enabled=self.is_main)
+        self._stop_requested = False
+
+    # -- start-up checks ------------------------------------------------------------------------
+    def _check_divisibility(self) -> None:
+        if self.config.train.prompts_per_iteration % self.world:
+            raise FlowRLError(f"train.prompts_per_iteration ({self.config.train.prompts_per_iteration}) must be divisible by the number of processes ({self.world}).")
+
+    def _check_capabilities(self) -> None:
+        if self.objective.needs_log_probs and not self.sampler.stochastic:
+            raise FlowRLError(f"objective '{self.objective.name}' needs log-probs but sampler '{self.sampler.name}' is deterministic; use a stochastic sampler.")
+
+    # -- the coarse verbs ---------------------------------------------------------------------------
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        return self.pipeline.schedule.sigmas(num_steps).to(self.accelerator.device)
+
+    def rollout(self, iteration: int) -> Trajectory:
+        """Sample this process's prompt groups for ``iteration`` and record their trajectories."""
+        cfg, tc = self.config.rollout, self.config.train
+        groups = tc.prompts_per_iteration // self.world
+        chosen = sample_prompts(self.train_pool, groups, seeding.python_rng(self.config.seed, iteration, self.rank, "prompts"))
+        prompts = [p for p, _ in chosen for _ in range(tc.num_generations)]
+        metadata = [m for _, m in chosen for _ in range(tc.num_generations)]
+        group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + self.rank * groups
+        gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "rollout")
+        noise = group_noise(self.pipeline, group_ids, gen, cfg.same_noise_in_group)
+        window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)
+        sigmas = self.sigmas(cfg.num_inference_steps)
+        chunks = []
+        for start in range(0, len(prompts), cfg.batch_size):
+            sl = slice(start, start + cfg.batch_size)
+            chunks.append(rollout(self.pipeline, self.sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, gen,
+                                  cfg.guidance_scale, window, initial_noise=noise[sl]))
+        return Trajectory.cat(chunks)
+
+    @torch.no_grad()
+    def score(self, traj: Trajectory) -> Trajectory:
+        """Attach rewards; non-finite rewards stay NaN and are left out of the update (and counted)."""
+        out = self.reward(traj.samples, traj.prompts, traj.metadata)
+        scores = out.scores.float().to(traj.latents.device)
+        bad = ~torch.isfinite(scores)
+        if bad.any():
+            warnings.warn(f"{int(bad.sum())} of {len(scores)} rewards were NaN or infinite; those samples are left out of the update.", stacklevel=2)
+        traj.rewards = torch.where(bad, torch.full_like(scores, float("nan")), scores)
+        traj.reward_components = {k: v.float().to(scores.device) for k, v in out.extras.items()}
+        return traj
+
+    def update(self, traj: Trajectory, iteration: int) -> dict[str, float]:
+        """Run the objective's inner epochs over minibatches; one optimizer step per minibatch."""
+        tc = self.config.train
+        with torch.no_grad():
+            traj = self.objective.prepare(traj)
+        gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "update")
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        self.pipeline.denoiser.train()
+        for _ in range(tc.inner_epochs):
+            order = torch.randperm(len(traj), generator=gen)
+            for start in range(0, len(traj), tc.batch_size):
+                batch = traj[order[start : start + tc.batch_size]]
+                metrics = self._optimizer_step(batch, gen)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                    counts[k] = counts.get(k, 0) + 1
+        return {k: sums[k] / counts[k] for k in sums}
+
+    def _optimizer_step(self, batch: Trajectory, gen: torch.Generator) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        n = 0
+        for loss_out in self.objective.losses(self.pipeline, self.sampler, batch, gen):
+            self.accelerator.backward(loss_out.loss)
+            for k, v in loss_out.metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+            n += 1
+        metrics = {k: v / max(n, 1) for k, v in sums.items()}
+        if self.config.train.max_grad_norm is not None:
+            norm = self.accelerator.clip_grad_norm_(self.pipeline.trainable_parameters(), self.config.train.max_grad_norm)
+            metrics["train/grad_norm"] = float(norm)
+        self.optimizer.step()
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
+        """Held-out prompts, fixed seeds, deterministic sampler. Returns (metrics, grid samples)."""
+        ec, rc = self.config.eval, self.config.rollout
+        items = [item for item in self.eval_pool for _ in range(ec.samples_per_prompt)]
+        gen = torch.Generator().manual_seed(ec.seed)  # identical on every process and every evaluation
+        noise = self.pipeline.initial_noise(len(items), gen)
+        mine = list(range(self.rank, len(items), self.world))
+        steps = ec.num_inference_steps or rc.num_inference_steps
+        guidance = ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale
+        self.pipeline.denoiser.eval()
+        traj = rollout(self.pipeline, self.eval_sampler, [items[i][0] for i in mine], [items[i][1] for i in mine],
+                       torch.tensor(mine), self.sigmas(steps), gen, guidance, initial_noise=noise[mine])
+        out = self.reward(traj.samples, traj.prompts, traj.metadata)
+        local = [(i, float(out.scores[j]), {k: float(v[j]) for k, v in out.extras.items()}, traj.samples[j].cpu()) for j, i in enumerate(mine)]
+        rows = sorted(gather_object(local), key=lambda r: r[0])
+        metrics = {"eval/reward/mean": _nanmean([r[1] for r in rows])}
+        for key in rows[0][2]:
+            metrics[f"eval/reward/{key}"] = _nanmean([r[2][key] for r in rows])
+        grid = torch.stack([r[3] for r in rows])[: self.config.log.grid_prompts * ec.samples_per_prompt]
+        return metrics, grid
+
+    # -- persistence ----------------------------------------------------------------------------
+    def save(self) -> Path | None:
+        states = gather_object([self.objective.state_dict()])
+        self.accelerator.wait_for_everyone()
+        path = None
+        if self.is_main:
+            weights = self.accelerator.unwrap_model(self.pipeline.denoiser).state_dict()
+            state = {"iteration": self.iteration, "objective": states}
+            path = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.iteration:06d}", weights, self.optimizer.optimizer
+                                   if hasattr(self.optimizer, "optimizer") else self.optimizer, state, to_yaml(self.config))
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def load(self, spec: str) -> None:
+        directory = resolve_checkpoint(spec, self.run_dir)
+        weights, optim, state = read_checkpoint(directory)
+        model = self.accelerator.unwrap_model(self.pipeline.denoiser)
+        try:
+            model.load_state_dict(weights)
+            load_optimizer(getattr(self.optimizer, "optimizer", self.optimizer), optim, state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise FlowRLError(f"checkpoint '{directory}' does not match this model ({str(e).splitlines()[0][:160]}).") from None
+        objective_states = state.get("objective", [])
+        if len(objective_states) != self.world:
+            raise FlowRLError(f"checkpoint '{directory}' was written by {len(objective_states)} process(es) but this run has {self.world}.")
+        self.objective.load_state_dict(objective_states[self.rank])
+        self.iteration = int(state["iteration"])
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg = self.config
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        if cfg.resume_from:
+            self.load(cfg.resume_from)
+            self.logger.truncate_after(self.iteration)
+        if self.iteration == 0:
+            self._evaluate_and_log(0, tag="before")
+        previous = signal.signal(signal.SIGINT, self._request_stop)
+        started, first = time.time(), self.iteration
+        bar = tqdm(range(self.iteration, cfg.train.iterations), initial=self.iteration, total=cfg.train.iterations,
+                   desc="flowrl train", disable=not (self.is_main and cfg.log.progress), dynamic_ncols=True)
+        try:
+            for iteration in bar:
+                metrics = self.train_iteration(iteration)
+                self.iteration = iteration + 1
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                self._after_iteration(metrics)
+                if self._stop_requested or (cfg.train.stop_after and self.iteration - first >= cfg.train.stop_after):
+                    break
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            bar.close()
+        return self._finish(time.time() - started)
+
+    def train_iteration(self, iteration: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        traj = self.rollout(iteration)
+        t1 = time.perf_counter()
+        traj = self.score(traj)
+        t2 = time.perf_counter()
+        metrics = self.update(traj, iteration)
+        t3 = time.perf_counter()
+        metrics.update(self._reward_metrics(traj))
+        metrics.update({"perf/rollout_s": t1 - t0, "perf/score_s": t2 - t1, "perf/update_s": t3 - t2})
+        return metrics
+
+    def _reward_metrics(self, traj: Trajectory) -> dict[str, float]:
+        rewards = torch.cat(gather_object([traj.rewards.cpu()]))
+        finite = torch.isfinite(rewards)
+        metrics = {"reward/mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
+                   "reward/std": float(rewards[finite].std(unbiased=False)) if finite.any() else float("nan"),
+                   "reward/nonfinite_count": int((~finite).sum())}
+        for name, values in traj.reward_components.items():
+            metrics[f"reward/{name}"] = _nanmean(torch.cat(gather_object([values.cpu()])).tolist())
+        return metrics
+
+    def _after_iteration(self, metrics: dict[str, float]) -> None:
+        cfg, it = self.config, self.iteration
+        last = it == cfg.train.iterations
+        if (cfg.eval.every and it % cfg.eval.every == 0) or last:
+            metrics.update(self._evaluate_and_log(it, tag="after" if last else None, log=False))
+        self.logger.log(it, metrics)
+        if (cfg.log.checkpoint_every and it % cfg.log.checkpoint_every == 0) or last or self._stop_requested:
+            self.save()
+        if self.is_main and ((cfg.eval.every and it % cfg.eval.every == 0) or last):
+            save_reward_curve(self.logger.records(), self.run_dir / "reward_curve.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
+
+    def _evaluate_and_log(self, step: int, tag: str | None, log: bool = True) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics, grid = self.evaluate()
+        metrics["perf/eval_s"] = time.perf_counter() - t0
+        if self.is_main:
+            ncol = self.config.eval.samples_per_prompt
+            save_grid(grid, self.run_dir / "samples" / f"step_{step:06d}.png", ncol=ncol)
+            if tag:
+                save_grid(grid, self.run_dir / f"samples_{tag}.png", ncol=ncol)
+        if log:
+            self.logger.log(step, metrics)
+        return metrics
+
+    def _finish(self, seconds: float) -> dict[str, Any]:
+        records = self.logger.records() if self.is_main else []
+        evals = [r for r in records if r.get("eval/reward/mean") is not None]
+        summary = {
+            "iterations_completed": self.iteration,
+            "iterations_planned": self.config.train.iterations,
+            "eval_reward_initial": evals[0]["eval/reward/mean"] if evals else None,
+            "eval_reward_final": evals[-1]["eval/reward/mean"] if evals else None,
+            "samples_per_iteration": self.config.train.prompts_per_iteration * self.config.train.num_generations,
+            "wall_seconds_this_process": round(seconds, 1),
+            "stopped_early": self.iteration < self.config.train.iterations,
+        }
+        if self.is_main:
+            import json
+
+            from .checkpoint import atomic_path
+
+            with atomic_path(self.run_dir / "summary.json") as tmp:
+                tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{self.config.objective.name} on {self.config.pipeline.pretrained}")
+        self.logger.close()
+        self.accelerator.wait_for_everyone()
+        return summary
+
+    def _request_stop(self, signum, frame) -> None:
+        if self._stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        tqdm.write("flowrl: stopping after this iteration and saving a checkpoint (Ctrl-C again to abort now).")
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")

@@ -1,0 +1,227 @@
+"""The records that flow through flowrl and the narrow protocols that connect its parts.
+
+Time convention everywhere outside a pipeline adapter: ``sigma`` in [0, 1], ``sigma = 1`` is pure
+noise, ``sigma = 0`` is data. A trajectory is ordered noise -> data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor
+
+PredictionType = Literal["flow", "epsilon", "v_prediction"]
+
+# A condition is whatever the denoiser needs besides (x, sigma): prompt embeddings, pooled
+# embeddings, masks. Every tensor in it has the batch on dim 0 so it can be indexed with the batch.
+Condition = dict[str, Tensor]
+
+
+def index_condition(cond: Condition, index: Tensor | slice) -> Condition:
+    return {k: v[index] for k, v in cond.items()}
+
+
+def cat_conditions(conds: Sequence[Condition]) -> Condition:
+    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+
+
+@dataclass
+class StepOutput:
+    """One sampler step.
+
+    x_next:   (B, *S) the next state (sampled, or the one given for re-scoring).
+    log_prob: (B,) log p(x_next | x) reduced over non-batch dims by the sampler's reduction;
+              None for a deterministic step.
+    mean:     (B, *S) the transition mean.
+    std:      scalar tensor, the transition std (0 for a deterministic step).
+    """
+
+    x_next: Tensor
+    log_prob: Tensor | None
+    mean: Tensor
+    std: Tensor
+
+
+@dataclass
+class RewardOutput:
+    """scores: (B,) float32, NaN meaning "not applicable"; extras: named (B,) tensors to log."""
+
+    scores: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class LossOutput:
+    """One backward pass worth of loss. ``loss`` is already scaled so that summing the gradients of all
+    LossOutputs of a minibatch gives the gradient of the minibatch objective."""
+
+    loss: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """Everything needed to replay a rollout exactly.
+
+    latents:    (B, K+1, *S) states ordered noise -> data.
+    sigmas:     (K+1,) the time grid, sigmas[0] = start, sigmas[K] = 0.
+    log_probs:  (B, K) log-prob of each transition under the rollout policy; NaN on deterministic steps.
+    stochastic: (K,) bool, which steps were sampled stochastically (trainable with a likelihood ratio).
+    cond:       the condition the denoiser saw, batch on dim 0.
+    prompts:    B prompt strings.
+    metadata:   B dicts (ground truth for rewards, e.g. {"digit": 7}).
+    group_ids:  (B,) int64, samples with the same id share a prompt (a GRPO group).
+    samples:    (B, C, H, W) decoded images in [0, 1] (or None before decoding).
+    rewards:    (B,) float32 combined reward; NaN for samples to drop.
+    reward_components: name -> (B,) per-component reward.
+    advantages: (B,) or (B, K), filled by an objective's prepare().
+    guidance_scale: the CFG scale the rollout used (training re-scores with the same one).
+    """
+
+    latents: Tensor
+    sigmas: Tensor
+    log_probs: Tensor
+    stochastic: Tensor
+    cond: Condition
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    group_ids: Tensor
+    samples: Tensor | None = None
+    rewards: Tensor | None = None
+    reward_components: dict[str, Tensor] = field(default_factory=dict)
+    advantages: Tensor | None = None
+    guidance_scale: float = 1.0
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.shape[0] - 1
+
+    def __getitem__(self, index: Tensor | slice | list[int]) -> "Trajectory":
+        """Select samples (dim 0 of every per-sample field)."""
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long)
+        idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(self)))[index]
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("sigmas", "stochastic", "guidance_scale") or v is None:
+                out[f.name] = v
+            elif f.name == "cond":
+                out[f.name] = index_condition(v, index)
+            elif f.name == "reward_components":
+                out[f.name] = {k: c[index] for k, c in v.items()}
+            elif f.name in ("prompts", "metadata"):
+                out[f.name] = [v[i] for i in idx_list]
+            else:
+                out[f.name] = v[index]
+        return Trajectory(**out)
+
+    @staticmethod
+    def cat(trajs: Sequence["Trajectory"]) -> "Trajectory":
+        first = trajs[0]
+        out: dict[str, Any] = {"sigmas": first.sigmas, "stochastic": first.stochastic, "guidance_scale": first.guidance_scale}
+        for f in fields(first):
+            if f.name in out:
+                continue
+            vals = [getattr(t, f.name) for t in trajs]
+            if vals[0] is None:
+                out[f.name] = None
+            elif f.name == "cond":
+                out[f.name] = cat_conditions(vals)
+            elif f.name == "reward_components":
+                out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
+            elif f.name in ("prompts", "metadata"):
+                out[f.name] = [x for v in vals for x in v]
+            else:
+                out[f.name] = torch.cat(vals)
+        return Trajectory(**out)
+
+    def to(self, device: torch.device | str) -> "Trajectory":
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                moved[f.name] = v.to(device)
+            elif f.name in ("cond", "reward_components"):
+                moved[f.name] = {k: t.to(device) for k, t in v.items()}
+        return replace(self, **moved)
+
+
+@runtime_checkable
+class Pipeline(Protocol):
+    """A model adapter. It owns the only conversion from sigma to the model's own timestep."""
+
+    denoiser: torch.nn.Module
+    prediction_type: PredictionType
+
+    def encode(self, prompts: Sequence[str]) -> Condition: ...
+
+    def initial_noise(self, batch: int, generator: torch.Generator) -> Tensor: ...
+
+    def predict(self, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float = 1.0) -> Tensor:
+        """Return the model output (velocity / epsilon / v) at noise level sigma, with CFG applied."""
+        ...
+
+    def decode(self, x: Tensor) -> Tensor:
+        """Return images (B, C, H, W) float32 in [0, 1]."""
+        ...
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """Context in which predict() uses the frozen reference (initial) model."""
+        ...
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """A stateless transition kernel. ``step`` samples when ``x_next`` is None and otherwise returns the
+    log-prob of the given ``x_next``: rollout and training share one code path by construction."""
+
+    name: str
+    prediction_types: tuple[PredictionType, ...]
+    stochastic: bool
+
+    def step(
+        self,
+        model_output: Tensor,
+        x: Tensor,
+        sigma: Tensor,
+        sigma_next: Tensor,
+        x_next: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> StepOutput: ...
+
+    def deterministic_step(self, model_output: Tensor, x: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+        """The ODE / eta = 0 step used outside an SDE window and for evaluation."""
+        ...
+
+
+@runtime_checkable
+class Reward(Protocol):
+    name: str
+    differentiable: bool
+
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput: ...
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """prepare() runs without grad (advantages, pairs); losses() yields one LossOutput per backward pass."""
+
+    name: str
+    needs_log_probs: bool
+
+    def prepare(self, batch: Trajectory) -> Trajectory: ...
+
+    def losses(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, generator: torch.Generator) -> Iterator[LossOutput]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,38 @@
+"""Shared fixtures: fast settings for running the real trainer on the embedded models."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def fast_overrides(output_dir: Path, **extra: object) -> list[str]:
+    """Overrides that make a digits run take seconds: 2 groups of 4, 4 steps, tiny eval."""
+    base = {
+        "output_dir": str(output_dir),
+        "train.iterations": 2,
+        "train.prompts_per_iteration": 2,
+        "train.num_generations": 4,
+        "train.batch_size": 4,
+        "rollout.num_inference_steps": 4,
+        "eval.every": 0,
+        "eval.samples_per_prompt": 1,
+        "log.checkpoint_every": 0,
+        "log.progress": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,104 @@
+"""Every preset validates; bad input gets one sentence, a non-zero exit, and leaves no files."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIGS, REPO, fast_overrides
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.errors import FlowRLError
+
+PRESETS = sorted(CONFIGS.rglob("*.yaml"))
+GRPO = CONFIGS / "digits" / "grpo.yaml"
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_preset_loads_and_names_its_command(path):
+    config = load_config(path)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# flowrl train") and str(path.relative_to(REPO)) in first
+    assert config.output_dir
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(GRPO, ["train.iterations=3", "sampler.noise_level=0.5", "objective.std=biased", "reward.components.ink=0.5"])
+    assert cfg.train.iterations == 3 and cfg.sampler.noise_level == 0.5 and cfg.objective.std == "biased"
+    assert cfg.reward.components == {"digit_classifier": 1.0, "ink": 0.5}
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.iteratons=3", "unknown config key 'train.iteratons'"),
+    ("train.iterations=abc", "config key 'train.iterations'"),
+    ("sampler.name=euler_magic", "'euler_magic'"),
+    ("objective.name=ppo2", "'ppo2'"),
+    ("reward.components.clip_magic=1.0", "unknown reward 'clip_magic'"),
+    ("rollout.num_inference_steps=0", "rollout.num_inference_steps"),
+    ("train.iterations", "key.sub=value"),
+])
+def test_bad_config_is_one_sentence_and_writes_nothing(tmp_path, capsys, override, needle):
+    out = tmp_path / "run"
+    code = main(["train", str(GRPO), f"output_dir={out}", override])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err and err.startswith("flowrl: error: ") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_sampler_that_does_not_fit_the_model(tmp_path, capsys):
+    assert main(["train", str(GRPO), f"output_dir={tmp_path / 'r'}", "sampler={name: ddim}"]) == 2
+    assert "does not fit this rectified-flow" in capsys.readouterr().err
+
+
+def test_deterministic_sampler_refused_for_policy_gradient(tmp_path, capsys):
+    assert main(["train", str(GRPO), f"output_dir={tmp_path / 'r'}", "sampler={name: ode}"]) == 2
+    assert "needs log-probs" in capsys.readouterr().err
+
+
+def test_missing_config_and_missing_checkpoint(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", str(GRPO), *fast_overrides(tmp_path / "r"), f"resume_from={tmp_path / 'no_ckpt'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_reported_not_loaded(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1})]) == 0
+    capsys.readouterr()
+    ckpt = run / "checkpoints" / "step_000001"
+    bad = tmp_path / "bad_ckpt"
+    shutil.copytree(ckpt, bad)
+    (bad / "denoiser.safetensors").write_bytes(b"\x00garbage" * 10)
+    assert main(["eval", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "corrupt" in err and "denoiser.safetensors" in err and err.count("\n") == 1
+    (bad / "denoiser.safetensors").unlink()
+    assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 2}), f"resume_from={bad}"]) == 2
+    assert "incomplete" in capsys.readouterr().err
+
+
+def test_cli_process_exit_code_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", str(GRPO), "train.lr=1"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "flowrl: error: unknown config key 'train.lr'."
+    assert "Traceback" not in proc.stderr
+
+
+def test_sample_command_writes_a_grid(tmp_path):
+    out = tmp_path / "grid.png"
+    assert main(["sample", "digits_flow", "--prompt", "a handwritten seven", "-n", "3", "--steps", "4", "--out", str(out)]) == 0
+    from PIL import Image
+
+    assert Image.open(out).size[0] > 3 * 8
+
+
+def test_load_config_raises_flowrl_error_for_non_mapping(tmp_path):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(FlowRLError, match="mapping"):
+        load_config(bad)
