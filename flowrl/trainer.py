@@ -110,32 +110,27 @@ class Trainer:
         with torch.no_grad():
             traj = self.objective.prepare(traj)
         gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "update")
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        totals: dict[str, list] = {}
         self.pipeline.denoiser.train()
         for _ in range(tc.inner_epochs):
             order = torch.randperm(len(traj), generator=gen)
             for start in range(0, len(traj), tc.batch_size):
                 batch = traj[order[start : start + tc.batch_size]]
-                metrics = self._optimizer_step(batch, gen)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                    counts[k] = counts.get(k, 0) + 1
-        return {k: sums[k] / counts[k] for k in sums}
+                for k, v in self._optimizer_step(batch, gen).items():
+                    totals.setdefault(k, []).append(v)
+        return {k: float(torch.stack(v).float().mean()) for k, v in totals.items()}
 
-    def _optimizer_step(self, batch: Trajectory, gen: torch.Generator) -> dict[str, float]:
+    def _optimizer_step(self, batch: Trajectory, gen: torch.Generator) -> dict[str, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        n = 0
+        per_step: dict[str, list[torch.Tensor]] = {}
         for loss_out in self.objective.losses(self.pipeline, self.sampler, batch, gen):
             self.accelerator.backward(loss_out.loss)
             for k, v in loss_out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            n += 1
-        metrics = {k: v / max(n, 1) for k, v in sums.items()}
+                per_step.setdefault(k, []).append(v)
+        metrics = {k: torch.stack(v).mean() for k, v in per_step.items()}
         if self.config.train.max_grad_norm is not None:
             norm = self.accelerator.clip_grad_norm_(self.pipeline.trainable_parameters(), self.config.train.max_grad_norm)
-            metrics["train/grad_norm"] = float(norm)
+            metrics["train/grad_norm"] = torch.as_tensor(norm).detach()
         self.optimizer.step()
         return metrics
 
@@ -192,12 +187,12 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         cfg = self.config
+        if cfg.resume_from:  # before anything is written: a bad checkpoint must leave no files behind
+            self.load(cfg.resume_from)
+            self.logger.truncate_after(self.iteration)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        if cfg.resume_from:
-            self.load(cfg.resume_from)
-            self.logger.truncate_after(self.iteration)
         if self.iteration == 0:
             self._evaluate_and_log(0, tag="before")
         previous = signal.signal(signal.SIGINT, self._request_stop)

@@ -56,10 +56,11 @@ class RewardOutput:
 @dataclass
 class LossOutput:
     """One backward pass worth of loss. ``loss`` is already scaled so that summing the gradients of all
-    LossOutputs of a minibatch gives the gradient of the minibatch objective."""
+    LossOutputs of a minibatch gives the gradient of the minibatch objective. ``metrics`` are detached
+    scalar tensors (converted to floats once per update, so a GPU is not synchronised every step)."""
 
     loss: Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -64,6 +64,7 @@ def test_missing_config_and_missing_checkpoint(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["train", str(GRPO), *fast_overrides(tmp_path / "r"), f"resume_from={tmp_path / 'no_ckpt'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_corrupt_checkpoint_is_reported_not_loaded(tmp_path, capsys):

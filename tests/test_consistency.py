@@ -71,8 +71,8 @@ def test_objective_first_update_is_on_policy(model, sampler_config):
     metrics = [lo.metrics for lo in objective.losses(pipeline, sampler, batch, torch.Generator().manual_seed(0))]
     assert len(metrics) == int(traj.stochastic.sum())
     for m in metrics:
-        assert m["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-        assert m["policy/clipfrac"] == 0.0
+        assert float(m["policy/ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
+        assert float(m["policy/clipfrac"]) == 0.0
 
 
 def test_sde_window_only_window_steps_carry_log_probs():

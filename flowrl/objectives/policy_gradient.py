@@ -73,11 +73,11 @@ class PolicyGradientObjective:
             out = sampler.step(model_output, x, sigma, sigma_next, x_next=x_next)
             policy_loss, stats = clipped_surrogate(out.log_prob, batch.log_probs[:, k], advantages, self.clip_range, valid)
             loss = policy_loss
-            metrics = {"loss/policy": policy_loss.item(), **{f"policy/{n}": v.item() for n, v in stats.items()}}
+            metrics = {"loss/policy": policy_loss.detach(), **{f"policy/{n}": v for n, v in stats.items()}}
             if self.beta > 0:
                 kl = self._kl(pipeline, sampler, batch, k, out.mean, out.std, valid)
                 loss = loss + self.beta * kl
-                metrics["loss/kl"] = kl.item()
+                metrics["loss/kl"] = kl.detach()
             yield LossOutput(loss=loss / len(steps), metrics=metrics)
 
     def _kl(self, pipeline, sampler, batch: Trajectory, k: int, mean: Tensor, std: Tensor, valid: Tensor | None) -> Tensor:
