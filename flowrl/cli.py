@@ -35,19 +35,28 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out evaluation reward of a checkpoint or a config's starting model")
     e.add_argument("source", help="checkpoint directory or YAML config")
     e.add_argument("overrides", nargs="*")
+    r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
+    r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
+    r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"train": _train, "sample": _sample, "eval": _eval}[args.command](args)
+        return {"train": _train, "sample": _sample, "eval": _eval, "serve-reward": _serve_reward}[args.command](args)
     except FlowRLError as e:
         print(f"flowrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("flowrl: interrupted.", file=sys.stderr)
         return 130
+
+
+def _serve_reward(args) -> int:
+    from .reward_models.server import serve_main
+
+    return serve_main(args.config, port=args.port)
 
 
 def _train(args) -> int:

@@ -77,6 +77,7 @@ class GRPOConfig(PolicyObjectiveBase):
     name: Literal["grpo"] = "grpo"
     std: Literal["unbiased", "biased", "global", "none"] = "unbiased"
     std_eps: float = Field(1e-8, gt=0)
+    per_reward_advantages: bool = False  # normalise each reward component in its group, then weight and sum
     adv_clip_max: float | None = None
     best_worst_k: int | None = Field(None, ge=2)
 
@@ -92,16 +93,33 @@ class DDPOConfig(PolicyObjectiveBase):
 ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig], Field(discriminator="name")]
 
 
+class EnsembleMember(Section):
+    name: str  # a registered reward
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnsembleConfig(Section):
+    """Several reward models of the same quantity combined conservatively (WCO / UWO)."""
+
+    members: list[EnsembleMember] = Field(min_length=2)
+    mode: Literal["mean", "wco", "uwo"] = "wco"
+    coefficient: float = Field(1.0, ge=0)  # UWO's lambda
+    uncertainty: Literal["variance", "std"] = "variance"
+
+
 class RewardConfig(Section):
     components: dict[str, float] = Field(default_factory=lambda: {"digit_classifier": 1.0})  # name -> weight
     kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # name -> constructor arguments
+    ensembles: dict[str, EnsembleConfig] = Field(default_factory=dict)  # new component names -> ensembles
 
     @model_validator(mode="after")
     def _known_names(self):
         from .reward_models import REWARD_NAMES
 
-        for name in list(self.components) + list(self.kwargs):
-            if name not in REWARD_NAMES:
+        known = set(REWARD_NAMES) | set(self.ensembles)
+        members = [m.name for e in self.ensembles.values() for m in e.members]
+        for name in list(self.components) + list(self.kwargs) + members:
+            if name not in known or (name in members and name in self.ensembles):
                 raise ValueError(f"unknown reward '{name}'; choose one of: {', '.join(REWARD_NAMES)}")
         if not self.components:
             raise ValueError("at least one reward component is needed")

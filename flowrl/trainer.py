@@ -45,7 +45,7 @@ class Trainer:
         self.pipeline = build_pipeline(config.pipeline, self.accelerator.device)
         self.sampler = build_sampler(config.sampler, self.pipeline)
         self.eval_sampler = build_sampler(ODEConfig(), self.pipeline)
-        self.objective = build_objective(config.objective)
+        self.objective = build_objective(config.objective, reward_weights=dict(config.reward.components))
         self.reward = build_reward_from_config(config.reward)
         self._check_capabilities()
         if getattr(self.objective, "needs_reference", False):
@@ -216,7 +216,10 @@ class Trainer:
         t0 = time.perf_counter()
         traj = self.rollout(iteration)
         t1 = time.perf_counter()
-        traj = self.score(traj)
+        try:
+            traj = self.score(traj)
+        except FlowRLError as e:  # e.g. a reward server that stayed down through its retries
+            raise FlowRLError(f"{str(e).rstrip('.')}; {self._save_after_failure()}") from None
         t2 = time.perf_counter()
         metrics = self.update(traj, iteration)
         t3 = time.perf_counter()
@@ -281,6 +284,16 @@ class Trainer:
         self.logger.close()
         self.accelerator.wait_for_everyone()
         return summary
+
+    def _save_after_failure(self) -> str:
+        """Make sure the last completed iteration is on disk (the weights are untouched: scoring
+        precedes the update) and say where. Every process must fail alike: saving is collective."""
+        if self.iteration == 0:
+            return "no iteration had completed, so there is nothing to resume"
+        directory = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
+        if not directory.is_dir():
+            self.save()
+        return f"the run stopped with iteration {self.iteration} saved in {directory} (resume with resume_from=latest)"
 
     def _request_stop(self, signum, frame) -> None:
         if self._stop_requested:  # a second Ctrl-C stops at once

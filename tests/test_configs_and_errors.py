@@ -72,6 +72,9 @@ def test_corrupt_checkpoint_is_reported_not_loaded(tmp_path, capsys):
     assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1})]) == 0
     capsys.readouterr()
     ckpt = run / "checkpoints" / "step_000001"
+    assert main(["eval", str(ckpt)]) == 0 and "eval/reward/mean" in capsys.readouterr().out
+    assert main(["sample", str(ckpt), "--prompt", "digit 4", "-n", "2", "--out", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").is_file()
     bad = tmp_path / "bad_ckpt"
     shutil.copytree(ckpt, bad)
     (bad / "denoiser.safetensors").write_bytes(b"\x00garbage" * 10)

@@ -111,3 +111,25 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     w1 = load_file(tmp_path / "checkpoints" / "step_000001" / "denoiser.safetensors")
     w2 = load_file(tmp_path / "checkpoints" / "step_000002" / "denoiser.safetensors")
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_ctrl_c_finishes_the_iteration_and_saves(tmp_path):
+    """SIGINT mid-run: the current iteration completes, a checkpoint is written, the exit is clean."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "flowrl.cli", "train", str(GRPO), *fast_overrides(tmp_path, **{"train.iterations": 200})]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_early"] and 1 <= summary["iterations_completed"] < 200
+    done = summary["iterations_completed"]
+    assert (tmp_path / "checkpoints" / f"step_{done:06d}" / "denoiser.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"

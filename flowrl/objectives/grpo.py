@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..types import Trajectory
@@ -27,12 +28,26 @@ from .policy_gradient import PolicyGradientObjective
 
 @dataclass
 class GroupAdvantages:
+    """Group-normalised advantages of the combined reward, or, with ``component_weights``, the weighted
+    sum of each component's own group-normalised advantage (so a reward with a large scale or spread
+    cannot drown the others; Flow-GRPO's multi-reward setting)."""
+
     std: StdConvention = "unbiased"
     eps: float = 1e-8
+    component_weights: dict[str, float] | None = None
 
     def __call__(self, batch: Trajectory) -> Tensor:
-        return group_advantages(batch.rewards, batch.group_ids, self.std, self.eps)
+        if not self.component_weights:
+            return group_advantages(batch.rewards, batch.group_ids, self.std, self.eps)
+        total = torch.zeros_like(batch.rewards, dtype=torch.float32)
+        for name, weight in self.component_weights.items():
+            if weight != 0:
+                component = torch.where(torch.isfinite(batch.rewards), batch.reward_components[name], float("nan"))
+                total = total + weight * group_advantages(component, batch.group_ids, self.std, self.eps)
+        return total
 
 
-def build_grpo(std: StdConvention = "unbiased", std_eps: float = 1e-8, **kwargs: Any) -> PolicyGradientObjective:
-    return PolicyGradientObjective(name="grpo", advantage_estimator=GroupAdvantages(std, std_eps), **kwargs)
+def build_grpo(std: StdConvention = "unbiased", std_eps: float = 1e-8, per_reward_advantages: bool = False,
+               reward_weights: dict[str, float] | None = None, **kwargs: Any) -> PolicyGradientObjective:
+    weights = dict(reward_weights or {}) if per_reward_advantages else None
+    return PolicyGradientObjective(name="grpo", advantage_estimator=GroupAdvantages(std, std_eps, weights), **kwargs)

@@ -36,11 +36,18 @@ def build_reward_from_config(config) -> Reward:
     """Build the weighted sum of ``config.components`` (name -> weight), each with ``config.kwargs[name]``.
 
     Always a WeightedSum, even for one component, so every run logs ``reward/<name>`` the same way.
+    A component named in ``config.ensembles`` is a RewardEnsemble of its members.
     """
-    from .combine import WeightedSum
+    from .combine import RewardEnsemble, WeightedSum
 
-    components = {name: build_reward(name, **config.kwargs.get(name, {})) for name in config.components}
-    return WeightedSum(components, dict(config.components))
+    def one(name: str) -> Reward:
+        ensemble = config.ensembles.get(name) if hasattr(config, "ensembles") else None
+        if ensemble is None:
+            return build_reward(name, **config.kwargs.get(name, {}))
+        members = [build_reward(m.name, **m.kwargs) for m in ensemble.members]
+        return RewardEnsemble(members, ensemble.mode, ensemble.coefficient, ensemble.uncertainty, name=name)
+
+    return WeightedSum({name: one(name) for name in config.components}, dict(config.components))
 
 
 __all__ = ["REWARD_NAMES", "build_reward", "build_reward_from_config"]

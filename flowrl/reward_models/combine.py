@@ -47,3 +47,40 @@ class WeightedSum:
             extras[key] = scores.detach()
             extras.update({f"{key}/{k}": v.detach() for k, v in out.extras.items()})
         return RewardOutput(scores=total, extras=extras)
+
+
+class RewardEnsemble:
+    """Combine an ensemble of reward models scoring the same thing (Coste et al. 2023, arXiv:2310.02743).
+
+    mode "mean": mean over members. "wco" (worst-case optimisation): min over members.
+    "uwo" (uncertainty-weighted optimisation): mean - coefficient * disagreement, where disagreement is
+    the intra-ensemble variance (the paper's UWO; ``uncertainty="variance"``) or its standard deviation
+    (``uncertainty="std"``). Both use the population (biased) statistic over members.
+    Extras: ``member<i>`` scores, ``mean``, ``std``. A NaN from any member makes the sample NaN.
+    """
+
+    def __init__(self, members: Sequence[Reward], mode: str = "mean", coefficient: float = 1.0,
+                 uncertainty: str = "variance", name: str = "ensemble") -> None:
+        if len(members) < 2:
+            raise FlowRLError(f"reward ensemble '{name}' needs at least two members, got {len(members)}.")
+        if mode not in ("mean", "wco", "uwo"):
+            raise FlowRLError(f"reward ensemble mode must be mean, wco or uwo, got '{mode}'.")
+        if uncertainty not in ("variance", "std"):
+            raise FlowRLError(f"reward ensemble uncertainty must be variance or std, got '{uncertainty}'.")
+        self.members, self.mode, self.coefficient, self.uncertainty, self.name = list(members), mode, coefficient, uncertainty, name
+        self.differentiable = all(m.differentiable for m in self.members)
+
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+        scores = torch.stack([m(samples, prompts, metadata).scores.float().to(samples.device) for m in self.members])  # (M, B)
+        mean = scores.mean(0)
+        var = scores.var(0, unbiased=False)
+        if self.mode == "wco":
+            total = scores.min(0).values
+        elif self.mode == "uwo":
+            total = mean - self.coefficient * (var if self.uncertainty == "variance" else var.sqrt())
+        else:
+            total = mean
+        total = torch.where(torch.isnan(scores).any(0), torch.full_like(total, float("nan")), total)
+        extras = {f"member{i}": s.detach() for i, s in enumerate(scores)}
+        extras.update(mean=mean.detach(), std=var.sqrt().detach())
+        return RewardOutput(scores=total, extras=extras)

@@ -44,31 +44,31 @@ def jpeg_size_kb(samples: Tensor, upscale: int = 1, quality: int = JPEG_QUALITY)
     return torch.tensor(np.array(sizes, dtype=np.float32), device=samples.device)
 
 
-class JpegCompressibilityReward:
+class _JpegSizeReward:
+    """score = sign * JPEG size in kilobytes (DDPO's compressibility rewards)."""
+
+    name = "jpeg_size"
+    sign = 1.0
+    differentiable = False
+
+    def __init__(self, upscale: int = 1) -> None:
+        self.upscale = upscale
+
+    def __call__(
+        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput:
+        return RewardOutput(scores=self.sign * jpeg_size_kb(samples, self.upscale))
+
+
+class JpegCompressibilityReward(_JpegSizeReward):
     """Reward small JPEG files: score = -size in kilobytes."""
 
     name = "jpeg_compressibility"
-    differentiable = False
-
-    def __init__(self, upscale: int = 1) -> None:
-        self.upscale = upscale
-
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
-        return RewardOutput(scores=-jpeg_size_kb(samples, self.upscale))
+    sign = -1.0
 
 
-class JpegIncompressibilityReward:
+class JpegIncompressibilityReward(_JpegSizeReward):
     """Reward large JPEG files: score = +size in kilobytes."""
 
     name = "jpeg_incompressibility"
-    differentiable = False
-
-    def __init__(self, upscale: int = 1) -> None:
-        self.upscale = upscale
-
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
-        return RewardOutput(scores=jpeg_size_kb(samples, self.upscale))
+    sign = 1.0
