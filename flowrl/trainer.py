@@ -219,7 +219,7 @@ class Trainer:
         try:
             traj = self.score(traj)
         except FlowRLError as e:  # e.g. a reward server that stayed down through its retries
-            raise FlowRLError(f"{str(e).rstrip('.')}; {self._save_after_failure()}") from None
+            raise FlowRLError(f"{str(e).rstrip('.')}; {self._save_after_failure()}.") from None
         t2 = time.perf_counter()
         metrics = self.update(traj, iteration)
         t3 = time.perf_counter()

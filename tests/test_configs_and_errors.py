@@ -49,13 +49,22 @@ def test_bad_config_is_one_sentence_and_writes_nothing(tmp_path, capsys, overrid
     assert not out.exists()
 
 
+def _preset(tmp_path, sampler: str, model: str = "digits_flow"):
+    path = tmp_path / "preset.yaml"
+    path.write_text(f"output_dir: {tmp_path / 'r'}\npipeline: {{pretrained: {model}}}\nsampler: {{name: {sampler}}}\n")
+    return str(path)
+
+
 def test_sampler_that_does_not_fit_the_model(tmp_path, capsys):
-    assert main(["train", str(GRPO), f"output_dir={tmp_path / 'r'}", "sampler={name: ddim}"]) == 2
+    assert main(["train", _preset(tmp_path, "ddim")]) == 2
     assert "does not fit this rectified-flow" in capsys.readouterr().err
+    assert main(["train", _preset(tmp_path, "flow_sde", "digits_ddpm")]) == 2
+    assert "does not fit this diffusion (epsilon)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_deterministic_sampler_refused_for_policy_gradient(tmp_path, capsys):
-    assert main(["train", str(GRPO), f"output_dir={tmp_path / 'r'}", "sampler={name: ode}"]) == 2
+    assert main(["train", _preset(tmp_path, "ode")]) == 2
     assert "needs log-probs" in capsys.readouterr().err
 
 

@@ -191,5 +191,5 @@ def test_build_reward_by_name():
 
 
 def test_unknown_reward_name_is_a_flowrl_error():
-    with pytest.raises(FlowRLError, match="unknown reward 'clip_score'; choose one of: digit_classifier, "):
-        build_reward("clip_score")
+    with pytest.raises(FlowRLError, match="unknown reward 'clip_magic'; choose one of: digit_classifier, "):
+        build_reward("clip_magic")

@@ -18,6 +18,16 @@ _REGISTRY: dict[str, str] = {
     "jpeg_compressibility": "flowrl.reward_models.jpeg:JpegCompressibilityReward",
     "jpeg_incompressibility": "flowrl.reward_models.jpeg:JpegIncompressibilityReward",
     "ink": "flowrl.reward_models.image_stats:InkReward",
+    "aesthetic": "flowrl.reward_models.aesthetic:AestheticReward",
+    "clip_score": "flowrl.reward_models.clip_score:ClipScoreReward",
+    "pickscore": "flowrl.reward_models.pickscore:PickScoreReward",
+    "hpsv2": "flowrl.reward_models.hpsv2:HPSv2Reward",
+    "image_reward": "flowrl.reward_models.image_reward:ImageRewardReward",
+    "motion_quality": "flowrl.reward_models.video_motion:MotionQualityReward",
+    "ocr": "flowrl.reward_models.ocr:OCRReward",
+    "text_similarity": "flowrl.reward_models.text_similarity:TextSimilarityReward",
+    "videoalign": "flowrl.reward_models.videoalign:VideoAlignReward",
+    "remote": "flowrl.reward_models.remote:RemoteReward",
 }
 
 REWARD_NAMES: list[str] = list(_REGISTRY)

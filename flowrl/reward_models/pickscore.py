@@ -1,0 +1,50 @@
+"""PickScore v1 (Kirstain et al. 2023, "Pick-a-Pic"): a CLIP ViT-H/14 fine-tuned on human preferences.
+
+Model ``yuvalkirstain/PickScore_v1`` (a transformers ``CLIPModel``), processor
+``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (224 px, OpenAI CLIP mean / std), both as in the PickScore
+README. Score, as the README computes it: ``model.logit_scale.exp() * cos(image, prompt)``; with the
+released weights ``logit_scale.exp()`` is about 100 and scores sit around 18-24.
+
+``normalize=True`` divides by 26, as Flow-GRPO's ``pickscore_scorer`` does, to put the reward near
+[0, 1] for training; the unnormalised value is always logged as ``extras["raw"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from torch import Tensor
+
+from flowrl.reward_models.clip_common import ClipBackedReward
+from flowrl.types import RewardOutput
+
+DEFAULT_MODEL = "yuvalkirstain/PickScore_v1"
+DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+FLOW_GRPO_DIVISOR = 26.0
+
+
+class PickScoreReward(ClipBackedReward):
+    """PickScore of each image for its prompt (``/ 26`` with ``normalize``)."""
+
+    name = "pickscore"
+
+    def __init__(
+        self,
+        pretrained: str = DEFAULT_MODEL,
+        device: str | None = None,
+        dtype: str = "float32",
+        processor: str = DEFAULT_PROCESSOR,
+        differentiable: bool = True,
+        normalize: bool = False,
+    ) -> None:
+        super().__init__(pretrained, processor=processor, device=device, dtype=dtype, differentiable=differentiable)
+        self.normalize = bool(normalize)
+
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+        img, txt = self.embed(samples, prompts)
+        model = self.model_on(samples.device)
+        raw = model.logit_scale.detach().float().exp() * (img * txt).sum(dim=-1)
+        scores = raw / FLOW_GRPO_DIVISOR if self.normalize else raw
+        return RewardOutput(
+            scores=scores.float().to(samples.device), extras={"raw": raw.detach().float().to(samples.device)}
+        )

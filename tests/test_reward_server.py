@@ -1,0 +1,494 @@
+"""The reward server and its client over real loopback HTTP.
+
+A real server process (``python -m flowrl.reward_models.server``) serves the embedded digit classifier
+and ink rewards; the client must get exactly what the in-process reward gives, NaN included, and the
+server must refuse bad tokens, oversized, malformed and pickled payloads while going on serving. All
+traffic stays on 127.0.0.1 and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from flowrl.config import RewardConfig
+from flowrl.errors import FlowRLError
+from flowrl.reward_models import build_reward, build_reward_from_config
+from flowrl.reward_models.remote import RemoteReward, RewardServerError
+from flowrl.reward_models.server import ServerConfig, _Job, _Scorer, load_server_config, serve_main
+from flowrl.types import RewardOutput
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "test-token-3f9c2a"
+COMPONENTS = {"digit_classifier": 1.0, "ink": 0.5}
+MAX_REQUEST_BYTES = 32768
+MAX_BATCH = 32
+LISTENING = re.compile(r"^flowrl reward server listening on (http://127\.0\.0\.1:(\d+))$")
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+class ServerProcess:
+    """A reward server subprocess on 127.0.0.1, port 0; ``url`` is read from its first stdout line."""
+
+    def __init__(self, config: Path, log: Path, token: str | None = TOKEN) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "FLOWRL_REWARD_TOKEN"}
+        env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+        if token is not None:
+            env["FLOWRL_REWARD_TOKEN"] = token
+        self.log = log
+        self._log_file = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flowrl.reward_models.server", str(config)],
+            stdout=subprocess.PIPE, stderr=self._log_file, text=True, cwd=REPO, env=env,
+        )
+        self.url = self._read_url(deadline=time.monotonic() + 60)
+
+    def _read_url(self, deadline: float) -> str:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                match = LISTENING.match(line.strip())
+                if not match:
+                    self.stop()
+                    raise AssertionError(f"unexpected first line {line!r}; log: {self.log.read_text()}")
+                return match.group(1)
+            if self.proc.poll() is not None:
+                break
+        self.stop()
+        raise AssertionError(f"the reward server did not start; log: {self.log.read_text()}")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._log_file.close()
+        return self.proc.returncode
+
+
+def write_config(path: Path, **extra) -> Path:
+    tree = {"reward": {"components": COMPONENTS}, "port": 0, **extra}
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def request(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+            content_length: bool = True) -> tuple[int, dict | None]:
+    """One raw HTTP request (10 s timeout); returns (status, JSON body or None)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        if content_length:
+            conn.request(method, path, body=body, headers=headers or {})
+        else:
+            conn.putrequest(method, path)
+            for k, v in (headers or {}).items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            if body:
+                conn.send(body)
+        response = conn.getresponse()
+        data = response.read()
+        return response.status, (json.loads(data) if data else None)
+    finally:
+        conn.close()
+
+
+def auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", "Content-Type": "application/x-npz"}
+
+
+def npz(samples, meta: dict | str | None = None, /, **arrays) -> bytes:
+    buffer = io.BytesIO()
+    if meta is not None:
+        arrays["meta"] = np.array(meta if isinstance(meta, str) else json.dumps(meta))
+    np.savez(buffer, samples=samples, **arrays)
+    return buffer.getvalue()
+
+
+def digits(n: int) -> tuple[torch.Tensor, list[str], list[dict]]:
+    """n images in [0, 1] with prompts and digit metadata; the last sample has no digit (NaN)."""
+    g = torch.Generator().manual_seed(n)
+    images = torch.rand(n, 1, 8, 8, generator=g) ** 2
+    meta = [{"digit": i % 10} for i in range(n - 1)] + [{}]
+    return images, [f"a handwritten {m.get('digit', 'scribble')}" for m in meta], meta
+
+
+def assert_same(out: RewardOutput, ref: RewardOutput, extras_prefix: str = "") -> None:
+    assert out.scores.dtype == torch.float32 and out.scores.shape == ref.scores.shape
+    torch.testing.assert_close(out.scores, ref.scores, atol=1e-6, rtol=0, equal_nan=True)
+    assert torch.equal(out.scores.isnan(), ref.scores.isnan())
+    for key, value in ref.extras.items():
+        torch.testing.assert_close(out.extras[extras_prefix + key], value, atol=1e-6, rtol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return build_reward_from_config(RewardConfig(components=COMPONENTS))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reward_server")
+    config = write_config(tmp / "server.yaml", max_request_bytes=MAX_REQUEST_BYTES, max_batch=MAX_BATCH,
+                          coalesce=True, device="cpu")
+    proc = ServerProcess(config, tmp / "server.log")
+    try:
+        yield proc
+    finally:
+        code = proc.stop()
+    assert code == 0, f"SIGTERM should stop the server cleanly; log: {proc.log.read_text()}"
+
+
+def assert_healthy(url: str) -> None:
+    status, body = request(url, "GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["reward"] == list(COMPONENTS)
+
+
+# ----------------------------------------------------------------------------------------- scores
+
+
+def test_remote_scores_equal_in_process_scores(server, reference):
+    images, prompts, meta = digits(7)
+    out = RemoteReward(server.url, token=TOKEN)(images, prompts, meta)
+    ref = reference(images, prompts, meta)
+    assert out.scores[-1].isnan() and not out.scores[:-1].isnan().any()  # NaN round-trips as NaN
+    assert set(out.extras) == {"digit_classifier", "digit_classifier/accuracy", "ink"}
+    assert_same(out, ref)
+    # Several requests per call give the same scores as one.
+    assert_same(RemoteReward(server.url, token=TOKEN, batch_size=3)(images, prompts, meta), ref)
+
+
+@pytest.mark.parametrize("encoding", ["uint8", "png"])
+def test_8bit_encodings_score_the_rounded_pixels(server, reference, encoding):
+    images, prompts, meta = digits(5)
+    rounded = (images * 255).round().clamp(0, 255) / 255
+    out = RemoteReward(server.url, token=TOKEN, encoding=encoding)(images, prompts, meta)
+    assert_same(out, reference(rounded, prompts, meta))
+
+
+def test_remote_reward_from_a_training_config(server, reference, monkeypatch):
+    # The client config of a training run: the token comes from the environment.
+    monkeypatch.setenv("FLOWRL_REWARD_TOKEN", TOKEN)
+    reward = build_reward_from_config(RewardConfig(components={"remote": 1.0}, kwargs={"remote": {"url": server.url}}))
+    assert not reward.differentiable
+    images, prompts, meta = digits(4)
+    out = reward(images, prompts, meta)
+    assert_same(out, reference(images, prompts, meta), extras_prefix="remote/")
+    torch.testing.assert_close(out.extras["remote"], out.scores, equal_nan=True)
+
+
+def test_concurrent_requests_each_get_their_own_scores(server, reference):
+    batches = [digits(n) for n in (2, 3, 4, 5, 6, 7)]
+    results: dict[int, RewardOutput | BaseException] = {}
+
+    def score(i: int) -> None:
+        try:
+            results[i] = RemoteReward(server.url, token=TOKEN, timeout=20)(*batches[i])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=score, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for i, batch in enumerate(batches):
+        assert isinstance(results.get(i), RewardOutput), results.get(i)
+        assert_same(results[i], reference(*batch))
+
+
+# ----------------------------------------------------------------------------------------- refusals
+
+
+def test_wrong_or_missing_token_is_401_and_server_keeps_serving(server):
+    images, prompts, meta = digits(3)
+    body = npz(images.numpy(), {"prompts": prompts, "metadata": meta})
+    for headers in (auth("not-the-token"), {"Content-Type": "application/x-npz"}, {"Authorization": TOKEN}):
+        status, answer = request(server.url, "POST", "/score", body, headers)
+        assert status == 401 and answer == {"error": "wrong or missing token."}
+        assert_healthy(server.url)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match=r"refused the request \(HTTP 401: wrong or missing token\)\.$"):
+        RemoteReward(server.url, token="not-the-token", retries=3, backoff=5.0)(images, prompts, meta)
+    assert time.monotonic() - start < 4, "a 4xx answer must not be retried"
+    status, answer = request(server.url, "POST", "/score", body, auth())
+    assert status == 200 and len(answer["scores"]) == 3 and answer["scores"][-1] is None
+
+
+class _Pickled:
+    """Unpickling this creates ``marker``: proof that the server never unpickles."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _bad_requests(marker: Path) -> dict[str, tuple[dict, int, str]]:
+    images, prompts, meta = digits(3)
+    good_meta = {"prompts": prompts, "metadata": meta}
+    x = images.numpy()
+    objects = np.empty(1, dtype=object)
+    objects[0] = _Pickled(marker)
+    return {
+        "oversized": (dict(body=b"\0" * (MAX_REQUEST_BYTES + 1)), 413, "more than this server's limit"),
+        "no_content_length": (dict(body=npz(x, good_meta), content_length=False), 411, "Content-Length"),
+        "not_npz": (dict(body=b"PK\x03\x04 certainly not a zip archive"), 400, "not a valid NPZ archive"),
+        "truncated_npz": (dict(body=npz(x, good_meta)[:-40]), 400, "NPZ"),
+        "pickled_objects": (dict(body=npz(objects, good_meta)), 400, "Python objects"),
+        "pickled_meta": (dict(body=npz(x, None, meta=objects)), 400, "Python objects"),
+        "extra_member": (dict(body=npz(x, good_meta, other=x)), 400, "exactly the arrays"),
+        "float64": (dict(body=npz(x.astype(np.float64), good_meta)), 400, "expected float32 or uint8"),
+        "three_dims": (dict(body=npz(x[:, 0], good_meta)), 400, "(B, C, H, W)"),
+        "meta_not_json": (dict(body=npz(x, "{not json")), 400, "not valid JSON"),
+        "prompt_count": (dict(body=npz(x, {"prompts": prompts[:2], "metadata": meta})), 400, "3 samples but 2 prompts"),
+        "over_max_batch": (dict(body=npz(np.zeros((MAX_BATCH + 1, 1, 8, 8), np.uint8), {"prompts": [""] * (MAX_BATCH + 1)})),
+                           400, "max_batch of 32"),
+        "reward_refuses_shape": (dict(body=npz(np.zeros((2, 1, 16, 16), np.float32), {"prompts": ["", ""]})),
+                                 400, "the digit classifier reads"),
+        "digit_out_of_range": (dict(body=npz(x[:1], {"prompts": [""], "metadata": [{"digit": 12}]})), 400, "outside 0-9"),
+        "bad_png": (dict(body=json.dumps({"images": ["bm90IGEgcG5n"], "prompts": [""]}).encode(),
+                         headers=auth() | {"Content-Type": "application/json"}), 400, "not a base64-encoded PNG"),
+        "unknown_path": (dict(body=npz(x, good_meta), path="/admin"), 404, "unknown path"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_requests(Path("unused"))))
+def test_bad_requests_are_refused_and_server_keeps_serving(server, tmp_path, case):
+    marker = tmp_path / "unpickled"
+    kwargs, expected_status, expected_text = _bad_requests(marker)[case]
+    kwargs.setdefault("headers", auth())
+    status, answer = request(server.url, "POST", kwargs.pop("path", "/score"), **kwargs)
+    assert status == expected_status, answer
+    message = answer["error"]
+    assert expected_text in message and message.endswith(".") and "\n" not in message
+    assert not marker.exists(), "the server unpickled a payload"
+    assert_healthy(server.url)
+    images, prompts, meta = digits(2)
+    assert RemoteReward(server.url, token=TOKEN)(images, prompts, meta).scores.shape == (2,)
+
+
+# ----------------------------------------------------------------------------------------- failures
+
+
+def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path):
+    proc = ServerProcess(write_config(tmp_path / "server.yaml", device="cpu"), tmp_path / "server.log")
+    try:
+        images, prompts, meta = digits(2)
+        reward = RemoteReward(proc.url, token=TOKEN, retries=2, backoff=0.05, timeout=5)
+        assert reward(images, prompts, meta).scores.shape == (2,)
+        proc.proc.send_signal(signal.SIGKILL)
+        proc.proc.wait(timeout=15)
+        start = time.monotonic()
+        with pytest.raises(RewardServerError) as info:
+            reward(images, prompts, meta)
+        assert time.monotonic() - start < 5
+        assert str(info.value) == f"reward server {proc.url} did not answer after 2 attempts (connection refused)."
+        assert isinstance(info.value, FlowRLError)
+    finally:
+        proc.stop()
+
+
+def test_a_silent_server_times_out_within_the_retry_budget():
+    # A socket that listens but never accepts: the connection opens, no answer ever comes.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(RewardServerError, match=r"did not answer after 2 attempts \(timed out after 0\.2 s\)\.$"):
+            RemoteReward(url, token=TOKEN, timeout=0.2, retries=2, backoff=0.01)(*digits(2))
+        assert time.monotonic() - start < 3
+
+
+class _Fixed(BaseHTTPRequestHandler):
+    status = 500
+    hits = 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).hits += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"error": f"status {self.status}."}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, attempts", [(500, 3), (503, 3), (400, 1), (403, 1)])
+def test_5xx_answers_are_retried_and_4xx_are_not(status, attempts):
+    handler = type("Handler", (_Fixed,), {"status": status, "hits": 0})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        with pytest.raises(RewardServerError, match=f"HTTP {status}: status {status}\\)\\.$"):
+            RemoteReward(url, retries=3, backoff=0.01, timeout=5)(*digits(2))
+        assert handler.hits == attempts
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+
+# ----------------------------------------------------------------------------------------- config
+
+
+def test_unknown_config_key_fails_to_start_with_one_line(tmp_path):
+    config = write_config(tmp_path / "bad.yaml", bogus=1)
+    env = dict(os.environ, PYTHONPATH=str(REPO), FLOWRL_REWARD_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "flowrl.reward_models.server", str(config)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.strip() == "flowrl: error: unknown config key 'bogus'."
+
+
+def test_config_errors_are_flowrl_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLOWRL_REWARD_TOKEN", raising=False)
+    with pytest.raises(FlowRLError, match=r"set the environment variable FLOWRL_REWARD_TOKEN"):
+        serve_main(str(write_config(tmp_path / "a.yaml")))
+    with pytest.raises(FlowRLError, match=r"unknown reward 'no_such_reward'"):
+        load_server_config(write_config(tmp_path / "b.yaml", reward={"components": {"no_such_reward": 1.0}}))
+    with pytest.raises(FlowRLError, match=r"config key 'max_request_bytes' is invalid"):
+        load_server_config(write_config(tmp_path / "c.yaml", max_request_bytes=0))
+    with pytest.raises(FlowRLError, match=r"does not exist"):
+        serve_main(str(tmp_path / "missing.yaml"))
+    defaults = ServerConfig(reward=RewardConfig())
+    assert defaults.host == "127.0.0.1" and defaults.max_request_bytes == 64 * 2**20 and defaults.max_batch == 256
+    with pytest.raises(FlowRLError, match="cannot be differentiable"):
+        RemoteReward("http://127.0.0.1:1", differentiable=True)
+    with pytest.raises(FlowRLError, match="must look like http://HOST:PORT"):
+        build_reward("remote", url="ftp://127.0.0.1/")
+
+
+# ----------------------------------------------------------------------------------------- batching
+
+
+class _Gated:
+    """A reward whose first call waits for a gate, so later requests queue up behind it."""
+
+    name = "gated"
+    differentiable = False
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.batch_sizes: list[int] = []
+
+    def __call__(self, samples, prompts, metadata):
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(timeout=10)
+        self.batch_sizes.append(samples.shape[0])
+        if any(m.get("fail") for m in metadata):
+            raise FlowRLError("this sample fails.")
+        return RewardOutput(scores=samples.mean(dim=(1, 2, 3)), extras={"n": torch.full((samples.shape[0],), 1.0)})
+
+
+def test_queued_requests_are_coalesced_and_split_back():
+    reward = _Gated()
+    scorer = _Scorer(reward, "cpu", max_batch=8, coalesce=True, max_queue=16)
+    scorer.start()
+    try:
+        jobs = [_Job(torch.full((n, 1, 2, 2), float(n)), [""] * n, [{}] * n) for n in (1, 2, 3, 4)]
+        jobs.append(_Job(torch.zeros(1, 1, 2, 2), [""], [{"fail": True}]))
+        scorer.submit(jobs[0])
+        assert reward.entered.wait(timeout=10)  # the first job is being scored; the rest must queue
+        for job in jobs[1:]:
+            scorer.submit(job)
+        reward.gate.set()
+        for job in jobs:
+            assert job.done.wait(timeout=10)
+    finally:
+        scorer.stop()
+    # 1 alone (it was being scored), then 2+3 coalesced (4 more would pass max_batch 8), then 4 + the
+    # failing one together, which fails and is retried one by one.
+    assert reward.batch_sizes == [1, 5, 5, 4, 1]
+    for job, n in zip(jobs[:4], (1, 2, 3, 4)):
+        assert job.error is None and job.result == ([float(n)] * n, {"n": [1.0] * n})
+    assert isinstance(jobs[4].error, FlowRLError)
+
+
+# ------------------------------------------------------------------------ the trainer and a dead server
+
+
+class KillServerAfterFirstCall:
+    """The real RemoteReward, with the server process SIGKILLed right after the first batch is scored."""
+
+    def __init__(self, remote: RemoteReward, server: ServerProcess) -> None:
+        self.remote, self.server, self.calls = remote, server, 0
+        self.name, self.differentiable = remote.name, False
+
+    def __call__(self, samples, prompts, metadata):
+        out = self.remote(samples, prompts, metadata)
+        self.calls += 1
+        if self.calls == 2:  # call 1 is the evaluation before training, call 2 iteration 1's rollout
+            self.server.proc.kill()
+            self.server.proc.wait(timeout=15)
+        return out
+
+
+def test_trainer_stops_cleanly_and_keeps_its_work_when_the_server_dies(tmp_path, monkeypatch, capsys):
+    from conftest import CONFIGS, fast_overrides
+    from flowrl.checkpoint import read_checkpoint
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    server = ServerProcess(write_config(tmp_path / "server.yaml"), tmp_path / "server.log")
+    try:
+        monkeypatch.setenv("FLOWRL_REWARD_TOKEN", TOKEN)
+        overrides = fast_overrides(tmp_path / "run", **{"train.iterations": 3, "reward.components": "{remote: 1.0}",
+                                                        "reward.kwargs.remote.url": server.url, "reward.kwargs.remote.retries": 2,
+                                                        "reward.kwargs.remote.backoff": 0.05})
+        trainer = Trainer(load_config(CONFIGS / "digits" / "grpo.yaml", overrides))
+        trainer.reward = KillServerAfterFirstCall(trainer.reward.components["remote"], server)
+        with pytest.raises(FlowRLError) as info:
+            trainer.fit()
+    finally:
+        server.stop()
+    message = str(info.value)
+    assert "did not answer after 2 attempts" in message and "iteration 1 saved" in message and "\n" not in message
+    weights, _, state = read_checkpoint(tmp_path / "run" / "checkpoints" / "step_000001")
+    assert state["iteration"] == 1 and weights
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
