@@ -202,22 +202,26 @@ def validate(tree: dict[str, Any]) -> Config:
         raise FlowRLError(_describe(e.errors()[0]) + ".") from None
 
 
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """Read a YAML file that must hold a mapping; every problem is one sentence naming ``what`` and the path."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlowRLError(f"{what} '{path}' does not exist.")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise FlowRLError(f"{what} '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+    if not isinstance(tree, dict):
+        raise FlowRLError(f"{what} '{path}' must hold a mapping of keys to values.")
+    return tree
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML preset (or the defaults when ``path`` is None) and apply ``key.sub=value`` overrides."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FlowRLError(f"config file '{path}' does not exist.")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise FlowRLError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
-        if not isinstance(tree, dict):
-            raise FlowRLError(f"config file '{path}' must hold a mapping of keys to values.")
+    tree: dict[str, Any] = read_yaml_mapping(path, "config file") if path is not None else {}
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise FlowRLError(f"override '{bad[0]}' must have the form key.sub=value.")

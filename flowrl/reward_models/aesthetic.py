@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.errors import FlowRLError
-from flowrl.reward_models.clip_common import ClipBackedReward, outside_inference_mode
+from flowrl.reward_models.clip_common import ClipBackedReward, outside_inference_mode, read_state_dict
 from flowrl.types import RewardOutput
 
 DEFAULT_MODEL = "openai/clip-vit-large-patch14"
@@ -61,22 +61,7 @@ def load_head_state(path: str | Path) -> dict[str, Tensor]:
             f"aesthetic head weights not found at {file}; download {HEAD_FILE_NAME} from "
             "github.com/christophschuhmann/improved-aesthetic-predictor and pass its path as head_path."
         )
-    try:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state: Any = load_file(str(file))
-        else:
-            # weights_only: the released .pth is a plain state dict of tensors; never unpickle code.
-            state = torch.load(str(file), map_location="cpu", weights_only=True)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise FlowRLError(f"aesthetic head weights at {file} are corrupt or not a state dict ({first}).") from e
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise FlowRLError(f"aesthetic head weights at {file} are not a state dict of tensors.")
-    return dict(state)
+    return read_state_dict(file, "aesthetic head weights")
 
 
 def load_aesthetic_head(path: str | Path | None, input_dim: int = 768) -> AestheticHead:

@@ -387,3 +387,23 @@ __all__ = [
     "text_embeddings",
     "to_uint8_images",
 ]
+
+
+def read_state_dict(file: Path, what: str) -> dict[str, Tensor]:
+    """Read a tensor state dict from ``.safetensors`` or a ``.pth`` (``weights_only``: never unpickle
+    code); accept a ``{"state_dict": ...}`` wrapper; every problem is one sentence naming ``what``."""
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(file))
+        else:
+            state = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FlowRLError(f"{what} at {file} are corrupt or not a state dict ({first}).") from e
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise FlowRLError(f"{what} at {file} are not a state dict of tensors.")
+    return dict(state)

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from flowrl.errors import FlowRLError
 from flowrl.reward_models.aesthetic import AestheticHead
 from flowrl.reward_models.clip_common import (
+    read_state_dict,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     ClipPreprocess,
@@ -190,21 +191,7 @@ class ImageRewardModel(nn.Module):
 
 
 def _read_state(file: Path) -> dict[str, Tensor]:
-    try:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state: Any = load_file(str(file))
-        else:
-            state = torch.load(str(file), map_location="cpu", weights_only=True)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise FlowRLError(f"ImageReward checkpoint at {file} is corrupt or not a state dict ({first}).") from e
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise FlowRLError(f"ImageReward checkpoint at {file} is not a state dict.")
-    return dict(state)
+    return read_state_dict(file, "ImageReward checkpoint weights")
 
 
 def resolve_files(pretrained: str) -> tuple[Path, Path]:

@@ -49,10 +49,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import torch
-import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from flowrl.config import RewardConfig, Section, _describe
+from flowrl.config import RewardConfig, Section, _describe, read_yaml_mapping
 from flowrl.errors import FlowRLError
 
 DEFAULT_TOKEN_ENV = "FLOWRL_REWARD_TOKEN"
@@ -96,15 +95,7 @@ class ServerConfig(Section):
 
 def load_server_config(path: str | Path) -> ServerConfig:
     """Read and validate a server YAML; every problem is a one-sentence FlowRLError."""
-    path = Path(path)
-    if not path.is_file():
-        raise FlowRLError(f"reward server config '{path}' does not exist.")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise FlowRLError(f"reward server config '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
-    if not isinstance(tree, dict):
-        raise FlowRLError(f"reward server config '{path}' must hold a mapping of keys to values.")
+    tree = read_yaml_mapping(path, "reward server config")
     try:
         return ServerConfig.model_validate(tree)
     except ValidationError as e:
