@@ -102,6 +102,8 @@ def train(kind: str, out: Path, steps: int, batch_size: int, lr: float, seed: in
             "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1),
             "command": f"python -m flowrl.pipelines.embedded.train_digits --kind {kind} --steps {steps} --seed {seed}"}
     (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    for path in [tmp, *tmp.rglob("*")]:  # mkdtemp makes the folder private; shipped files are world-readable
+        path.chmod(0o755 if path.is_dir() else 0o644)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
