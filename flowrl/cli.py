@@ -41,8 +41,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_library_progress() -> None:
+    """flowrl draws its own progress bars; the libraries' per-file loading bars only bury them."""
+    import diffusers
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _quiet_library_progress()
     try:
         return {"train": _train, "sample": _sample, "eval": _eval, "serve-reward": _serve_reward}[args.command](args)
     except FlowRLError as e:

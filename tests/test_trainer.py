@@ -86,7 +86,7 @@ def test_nonfinite_rewards_are_dropped_and_counted(tmp_path):
     with pytest.warns(UserWarning, match="NaN or infinite"):
         trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[1]["reward/nonfinite_count"] == 4  # of 8 samples: indices 0, 3, 6 (nan) and 1 (inf)
+    assert rows[1]["reward/nonfinite_count"] == 5  # of 8 samples: indices 0, 3, 6 (nan) and 1, 7 (inf)
     assert all(torch.isfinite(p).all() for p in trainer.pipeline.denoiser.parameters())
     assert rows[1]["reward/mean"] is not None and rows[1]["loss/policy"] is not None
 
@@ -98,7 +98,9 @@ def _free_port() -> int:
 
 
 def test_accelerate_launch_two_cpu_processes(tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1", "--cpu",
+    # accelerate's --cpu flag always takes its single-process launcher; several CPU processes come from its
+    # torchrun path (--multi_gpu), which on a machine without GPUs gives DistributedType.MULTI_CPU over gloo.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
            "-m", "flowrl.cli", "train", str(GRPO), *fast_overrides(tmp_path, **{"log.checkpoint_every": 1})]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
