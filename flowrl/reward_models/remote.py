@@ -17,7 +17,6 @@ import http.client
 import io
 import ipaddress
 import json
-import math
 import os
 import socket
 import ssl
@@ -31,6 +30,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import FlowRLError
+from flowrl.reward_models.wire import NPZ_CONTENT_TYPE, decode_value
 from flowrl.types import RewardOutput
 
 ENCODINGS = ("float32", "uint8", "png")
@@ -62,16 +62,6 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(value)
 
 
-def _decode_value(v: Any) -> float:
-    if v is None:
-        return math.nan
-    if v == "inf":
-        return math.inf
-    if v == "-inf":
-        return -math.inf
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    raise ValueError(f"{v!r} is not a score")
 
 
 class RemoteReward:
@@ -173,7 +163,7 @@ class RemoteReward:
             array = x.numpy()
         buffer = io.BytesIO()
         np.savez(buffer, samples=array, meta=np.array(self._json(meta)))
-        return buffer.getvalue(), "application/x-npz"
+        return buffer.getvalue(), NPZ_CONTENT_TYPE
 
     @staticmethod
     def _json(obj: Any) -> str:
@@ -264,8 +254,8 @@ class RemoteReward:
         answer = self._post(body, content_type)
         n = samples.shape[0]
         try:
-            scores = [_decode_value(v) for v in answer["scores"]]
-            extras = {str(k): [_decode_value(v) for v in vals] for k, vals in (answer.get("extras") or {}).items()}
+            scores = [decode_value(v) for v in answer["scores"]]
+            extras = {str(k): [decode_value(v) for v in vals] for k, vals in (answer.get("extras") or {}).items()}
             if len(scores) != n or any(len(v) != n for v in extras.values()):
                 raise ValueError(f"{len(scores)} scores for {n} samples")
         except (KeyError, TypeError, ValueError, AttributeError) as e:

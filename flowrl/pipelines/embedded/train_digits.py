@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .digits_data import MAX_PROMPT_TOKENS, NUMBER_WORDS, TRAIN_TEMPLATES, EVAL_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
+from .digits_data import MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, EVAL_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from .digits_models import build_text_encoder, build_unet
 
 CFG_DROPOUT = 0.1
