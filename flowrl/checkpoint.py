@@ -57,7 +57,8 @@ def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "denoiser.safetensors"))
+        # clone: tied weights (an LM's input/output embeddings) share storage, which safetensors refuses
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, str(tmp / "denoiser.safetensors"))
         opt_tensors, groups = optimizer_tensors(optimizer)
         save_file({k: v.cpu() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "optimizer": groups}, indent=1))

@@ -32,9 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the checkpoint's)")
     s.add_argument("--guidance-scale", type=float, default=None)
     s.add_argument("--out", type=Path, default=Path("samples.png"))
-    e = sub.add_parser("eval", help="held-out evaluation reward of a checkpoint or a config's starting model")
-    e.add_argument("source", help="checkpoint directory or YAML config")
+    e = sub.add_parser("eval", help="held-out evaluation reward of a checkpoint or a config's starting model; "
+                       "or grade the generations recorded in a .jsonl file")
+    e.add_argument("source", help="checkpoint directory, YAML config, or .jsonl of recorded generations")
     e.add_argument("overrides", nargs="*")
+    e.add_argument("--field", default="llada_generation_256", help="(.jsonl) the field holding the generations")
+    e.add_argument("--gold-field", default="ground_truth", help="(.jsonl) the field holding the gold answer")
     r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
     r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
     r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
@@ -69,12 +72,22 @@ def _serve_reward(args) -> int:
     return serve_main(args.config, port=args.port)
 
 
-def _train(args) -> int:
-    from .config import load_config
+def build_trainer(config):
+    """The trainer for the config's modality: images (Trainer) or masked-diffusion text (TextTrainer)."""
+    if config.pipeline.name == "dllm":
+        from .text_trainer import TextTrainer
+
+        return TextTrainer(config)
     from .trainer import Trainer
 
+    return Trainer(config)
+
+
+def _train(args) -> int:
+    from .config import load_config
+
     config = load_config(args.config, args.overrides)
-    summary = Trainer(config).fit()
+    summary = build_trainer(config).fit()
     print(json.dumps(summary))
     return 0
 
@@ -93,12 +106,18 @@ def _config_for_source(source: str, overrides: list[str]):
 
 def _eval(args) -> int:
     from .checkpoint import read_weights
-    from .trainer import Trainer
 
+    if args.source.endswith(".jsonl"):
+        from .evaluation.text_data import format_report, grade_recorded
+
+        result = grade_recorded(args.source, field=args.field, gold_field=args.gold_field)
+        print(format_report(result))
+        print(json.dumps({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
+        return 0
     config, checkpoint = _config_for_source(args.source, args.overrides)
-    trainer = Trainer(config)
+    trainer = build_trainer(config)
     if checkpoint is not None:
-        trainer.accelerator.unwrap_model(trainer.pipeline.denoiser).load_state_dict(read_weights(checkpoint))
+        trainer._load_weights(read_weights(checkpoint))
     metrics, _ = trainer.evaluate()
     print(json.dumps({k: round(v, 6) for k, v in metrics.items()}))
     return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from .errors import FlowRLError
 
@@ -26,6 +26,36 @@ class PipelineConfig(Section):
     pretrained: str = "digits_flow"  # an embedded model name or a local directory
     device: str = "auto"  # "auto" lets accelerate place it (GPU when present)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class LoraConfig(Section):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = None  # None: the family's default
+
+
+class DLLMPipelineConfig(Section):
+    """A masked-diffusion language model (LLaDA, MMaDA, Dream, or the embedded arith_mdlm)."""
+
+    name: Literal["dllm"] = "dllm"
+    pretrained: str = "arith_mdlm"  # embedded name, local directory, or hub id
+    family: Literal["auto", "llada", "mmada", "dream"] = "auto"
+    trust_remote_code: bool = False  # LLaDA/MMaDA/Dream ship their modelling code: opt in explicitly
+    device: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig | None = None
+    prompt_length: int | None = Field(None, ge=1)  # pad prompts (left) to this length; None = longest in batch
+
+
+def _pipeline_kind(value: Any) -> str:
+    """``pipeline.name`` may be omitted for the image pipeline (the default family)."""
+    name = value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
+    return name or "digits"
+
+
+AnyPipelineConfig = Annotated[Union[Annotated[PipelineConfig, Tag("digits")], Annotated[DLLMPipelineConfig, Tag("dllm")]],
+                              Discriminator(_pipeline_kind)]
 
 
 class FlowSDEConfig(Section):
@@ -52,7 +82,29 @@ class ODEConfig(Section):
     name: Literal["ode"] = "ode"
 
 
-SamplerConfig = Annotated[Union[FlowSDEConfig, FlowCPSConfig, DDIMConfig, ODEConfig], Field(discriminator="name")]
+class MaskedSamplerConfig(Section):
+    """LLaDA-style masked-diffusion generation (see flowrl/samplers/masked.py)."""
+
+    name: Literal["masked"] = "masked"
+    gen_length: int = Field(16, ge=1)
+    steps: int = Field(8, ge=1)
+    block_length: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)  # rollouts need > 0 for diversity; evaluation uses eval_temperature
+    eval_temperature: float = Field(0.0, ge=0)
+    remasking: Literal["low_confidence", "random", "policy"] = "low_confidence"
+    threshold: float | None = Field(None, gt=0, lt=1)  # dynamic confidence-threshold decoding
+    logit_shift: bool = False
+
+    @model_validator(mode="after")
+    def _blocks(self):
+        if self.gen_length % self.block_length:
+            raise ValueError(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})")
+        if self.steps % (self.gen_length // self.block_length):
+            raise ValueError("steps must be a multiple of the number of blocks (gen_length / block_length)")
+        return self
+
+
+SamplerConfig = Annotated[Union[FlowSDEConfig, FlowCPSConfig, DDIMConfig, ODEConfig, MaskedSamplerConfig], Field(discriminator="name")]
 
 
 class RolloutConfig(Section):
@@ -90,7 +142,50 @@ class DDPOConfig(PolicyObjectiveBase):
     adv_clip_max: float = Field(5.0, gt=0)
 
 
-ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig], Field(discriminator="name")]
+class DLLMObjectiveBase(Section):
+    clip_range: float = Field(0.2, gt=0)
+    beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
+    num_mask_seeds: int = Field(1, ge=1)  # inner iterations each see their own stored mask seed
+
+
+class DiffuGRPOConfig(DLLMObjectiveBase):
+    """d1: one-pass estimator (completion masked, prompt masked at prompt_mask_prob), r - mean advantages."""
+
+    name: Literal["diffu_grpo"] = "diffu_grpo"
+    clip_range: float = Field(0.5, gt=0)
+    prompt_mask_prob: float = Field(0.15, ge=0, lt=1)
+    std: Literal["unbiased", "biased", "global", "none"] = "none"
+
+
+class UniGRPOConfig(DLLMObjectiveBase):
+    """MMaDA: answer-only masking at a ratio ~ U[low, high], z-scored advantages."""
+
+    name: Literal["unigrpo"] = "unigrpo"
+    mask_low: float = Field(0.1, gt=0, lt=1)
+    mask_high: float = Field(0.9, gt=0, le=1)
+    std: Literal["unbiased", "biased", "global", "none"] = "biased"
+
+
+class DCoLTConfig(DLLMObjectiveBase):
+    """DCoLT: exact per-step action log-probs (Plackett-Luce unmasking policy + token log-probs)."""
+
+    name: Literal["dcolt"] = "dcolt"
+    std: Literal["unbiased", "biased", "global", "none"] = "biased"
+    std_eps: float = Field(1e-4, gt=0)
+    scorer_lr_scale: float = Field(1.0, gt=0)
+
+
+class BGPOConfig(DLLMObjectiveBase):
+    """BGPO: linear lower bound of ELBO-GRPO, one backward per Monte Carlo sample."""
+
+    name: Literal["bgpo"] = "bgpo"
+    num_mc_samples: int = Field(4, ge=1)
+    std: Literal["unbiased", "biased", "global", "none"] = "biased"
+    naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
+
+
+ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
+                            Field(discriminator="name")]
 
 
 class EnsembleMember(Section):
@@ -127,7 +222,8 @@ class RewardConfig(Section):
 
 
 class PromptsConfig(Section):
-    dataset: Literal["digits"] = "digits"
+    dataset: Literal["digits", "arith", "gsm8k", "math500", "countdown", "sudoku"] = "digits"
+    eval_size: int = Field(200, ge=1)  # held-out prompts for text datasets
     train_split: str = "train"
     eval_split: str = "eval"
 
@@ -165,7 +261,7 @@ class Config(Section):
     seed: int = 0
     output_dir: str = "runs/default"
     resume_from: str | None = None  # a checkpoint directory, or "latest" (in output_dir)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    pipeline: AnyPipelineConfig = Field(default_factory=PipelineConfig)
     sampler: SamplerConfig = Field(default_factory=FlowSDEConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = Field(default_factory=GRPOConfig)
@@ -184,7 +280,8 @@ class Config(Section):
 
 
 def _describe(error: dict) -> str:
-    loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in {"flow_sde", "flow_cps", "ddim", "ode", "grpo", "ddpo"}))
+    tags = {"flow_sde", "flow_cps", "ddim", "ode", "masked", "grpo", "ddpo", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
+    loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in tags))
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":
         return f"unknown config key '{loc}'"

@@ -8,9 +8,22 @@ from typing import Any
 Prompt = tuple[str, dict[str, Any]]
 
 
-def prompt_pool(dataset: str, split: str) -> list[Prompt]:
-    """Every (prompt, metadata) pair of a dataset split, in a fixed order."""
+def prompt_pool(dataset: str, split: str, size: int = 2000) -> list[Prompt]:
+    """The (prompt, metadata) pairs of a dataset split, in a fixed order (``size`` of them for the
+    generated arith task and the shared evaluation files)."""
     from .errors import FlowRLError
+
+    if dataset == "arith":
+        from .pipelines.embedded.arith_data import problems
+
+        try:
+            return problems(split, size if split == "eval" else 4000, seed=0)
+        except KeyError:
+            raise FlowRLError(f"prompt split '{split}' does not exist for dataset 'arith' (use train or eval).") from None
+    if dataset in ("gsm8k", "math500", "countdown", "sudoku"):  # the shared evaluation files (FLOWRL_DATA_DIR)
+        from .evaluation import text_data
+
+        return getattr(text_data, f"load_{dataset}")(limit=size)
 
     if dataset == "digits":
         from .pipelines.embedded.digits_data import prompt_set

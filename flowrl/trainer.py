@@ -42,23 +42,38 @@ class Trainer:
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self._check_divisibility()
         self.run_dir = Path(config.output_dir)
-        self.pipeline = build_pipeline(config.pipeline, self.accelerator.device)
-        self.sampler = build_sampler(config.sampler, self.pipeline)
-        self.eval_sampler = build_sampler(ODEConfig(), self.pipeline)
-        self.objective = build_objective(config.objective, reward_weights=dict(config.reward.components))
         self.reward = build_reward_from_config(config.reward)
+        self._build_components()
         self._check_capabilities()
         if getattr(self.objective, "needs_reference", False):
             self.pipeline.enable_reference()
-        params = self.pipeline.trainable_parameters()
+        params = self.trainable_parameters()
         optimizer = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
                                       weight_decay=config.train.weight_decay)
-        self.pipeline.denoiser, self.optimizer = self.accelerator.prepare(self.pipeline.denoiser, optimizer)
+        prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
+        setattr(self.pipeline, self.module_attr, prepared)
         self.train_pool = prompt_pool(config.prompts.dataset, config.prompts.train_split)
-        self.eval_pool = prompt_pool(config.prompts.dataset, config.prompts.eval_split)
+        self.eval_pool = prompt_pool(config.prompts.dataset, config.prompts.eval_split, config.prompts.eval_size)
         self.iteration = 0
         self.logger = RunLogger(self.run_dir, enabled=self.is_main)
         self._stop_requested = False
+
+    module_attr = "denoiser"  # the pipeline attribute holding the trained module
+
+    def _build_components(self) -> None:
+        """Build the modality's pipeline, samplers and objective (images here; text in TextTrainer)."""
+        cfg = self.config
+        self.pipeline = build_pipeline(cfg.pipeline, self.accelerator.device)
+        self.sampler = build_sampler(cfg.sampler, self.pipeline)
+        self.eval_sampler = build_sampler(ODEConfig(), self.pipeline)
+        self.objective = build_objective(cfg.objective, reward_weights=dict(cfg.reward.components))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return getattr(self.pipeline, self.module_attr)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return self.pipeline.trainable_parameters() + list(getattr(self.objective, "extra_parameters", lambda: [])())
 
     # -- start-up checks ------------------------------------------------------------------------
     def _check_divisibility(self) -> None:
@@ -111,11 +126,12 @@ class Trainer:
             traj = self.objective.prepare(traj)
         gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "update")
         totals: dict[str, list] = {}
-        self.pipeline.denoiser.train()
-        for _ in range(tc.inner_epochs):
+        self.module.train()
+        for epoch in range(tc.inner_epochs):
             order = torch.randperm(len(traj), generator=gen)
             for start in range(0, len(traj), tc.batch_size):
                 batch = traj[order[start : start + tc.batch_size]]
+                batch.inner_epoch = epoch
                 for k, v in self._optimizer_step(batch, gen).items():
                     totals.setdefault(k, []).append(v)
         return {k: float(torch.stack(v).float().mean()) for k, v in totals.items()}
@@ -129,7 +145,7 @@ class Trainer:
                 per_step.setdefault(k, []).append(v)
         metrics = {k: torch.stack(v).mean() for k, v in per_step.items()}
         if self.config.train.max_grad_norm is not None:
-            norm = self.accelerator.clip_grad_norm_(self.pipeline.trainable_parameters(), self.config.train.max_grad_norm)
+            norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), self.config.train.max_grad_norm)
             metrics["train/grad_norm"] = torch.as_tensor(norm).detach()
         self.optimizer.step()
         return metrics
@@ -144,7 +160,7 @@ class Trainer:
         mine = list(range(self.rank, len(items), self.world))
         steps = ec.num_inference_steps or rc.num_inference_steps
         guidance = ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale
-        self.pipeline.denoiser.eval()
+        self.module.eval()
         traj = rollout(self.pipeline, self.eval_sampler, [items[i][0] for i in mine], [items[i][1] for i in mine],
                        torch.tensor(mine), self.sigmas(steps), gen, guidance, initial_noise=noise[mine])
         out = self.reward(traj.samples, traj.prompts, traj.metadata)
@@ -162,19 +178,31 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         path = None
         if self.is_main:
-            weights = self.accelerator.unwrap_model(self.pipeline.denoiser).state_dict()
+            weights = self._weights_to_save()
             state = {"iteration": self.iteration, "objective": states}
             path = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.iteration:06d}", weights, self.optimizer.optimizer
                                    if hasattr(self.optimizer, "optimizer") else self.optimizer, state, to_yaml(self.config))
         self.accelerator.wait_for_everyone()
         return path
 
+    def _weights_to_save(self) -> dict[str, torch.Tensor]:
+        weights = dict(self.accelerator.unwrap_model(self.module).state_dict())
+        extra = getattr(self.objective, "extra_module", None)
+        if extra is not None:  # e.g. DCoLT's unmasking-policy head
+            weights.update({f"objective.{k}": v for k, v in extra.state_dict().items()})
+        return weights
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        extra = getattr(self.objective, "extra_module", None)
+        if extra is not None:
+            extra.load_state_dict({k[len("objective."):]: v for k, v in weights.items() if k.startswith("objective.")})
+        self.accelerator.unwrap_model(self.module).load_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
+
     def load(self, spec: str) -> None:
         directory = resolve_checkpoint(spec, self.run_dir)
         weights, optim, state = read_checkpoint(directory)
-        model = self.accelerator.unwrap_model(self.pipeline.denoiser)
         try:
-            model.load_state_dict(weights)
+            self._load_weights(weights)
             load_optimizer(getattr(self.optimizer, "optimizer", self.optimizer), optim, state["optimizer"])
         except (RuntimeError, KeyError, ValueError) as e:
             raise FlowRLError(f"checkpoint '{directory}' does not match this model ({str(e).splitlines()[0][:160]}).") from None

@@ -95,6 +95,7 @@ class Trajectory:
     reward_components: dict[str, Tensor] = field(default_factory=dict)
     advantages: Tensor | None = None
     guidance_scale: float = 1.0
+    inner_epoch: int = 0  # set by the trainer for each pass over the rollout
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -111,7 +112,7 @@ class Trajectory:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("sigmas", "stochastic", "guidance_scale") or v is None:
+            if f.name in ("sigmas", "stochastic", "guidance_scale", "inner_epoch") or v is None:
                 out[f.name] = v
             elif f.name == "cond":
                 out[f.name] = index_condition(v, index)
@@ -126,7 +127,8 @@ class Trajectory:
     @staticmethod
     def cat(trajs: Sequence["Trajectory"]) -> "Trajectory":
         first = trajs[0]
-        out: dict[str, Any] = {"sigmas": first.sigmas, "stochastic": first.stochastic, "guidance_scale": first.guidance_scale}
+        out: dict[str, Any] = {"sigmas": first.sigmas, "stochastic": first.stochastic, "guidance_scale": first.guidance_scale,
+                               "inner_epoch": first.inner_epoch}
         for f in fields(first):
             if f.name in out:
                 continue
@@ -226,3 +228,93 @@ class Objective(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Diffusion language models (masked diffusion: LLaDA, MMaDA, Dream)
+# ---------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class MaskedLM(Protocol):
+    """A masked-diffusion language model adapter.
+
+    ``logits(input_ids)`` maps token ids (B, L) with ``mask_token_id`` at masked positions to
+    logits (B, L, V) for every position (Dream-style AR-adapted models already shifted by one inside
+    the adapter, so position i's logits always predict token i). Bidirectional attention.
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    mask_token_id: int
+    eos_token_id: int | None
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
+
+    def reference(self) -> contextlib.AbstractContextManager: ...
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+
+
+@dataclass
+class TokenTrajectory:
+    """One masked-diffusion generation per row, recorded so any estimator or objective can replay it.
+
+    prompt_ids:     (B, P) prompt tokens (left-padded with pad_token_id; prompt_mask marks real ones).
+    prompt_mask:    (B, P) bool.
+    completion_ids: (B, G) the final generated tokens.
+    unmask_step:    (B, G) int64, the denoising step at which each completion position was unmasked
+                    (0-based; every position is unmasked exactly once, LLaDA never re-masks).
+    unmask_rank:    (B, G) int64, the order of unmasking within the whole generation (0..G-1); inside a
+                    step, the order in which the positions were chosen (the Plackett-Luce order).
+    token_log_probs:(B, G) log-prob the sampling policy gave the chosen token at its unmasking step
+                    (at temperature 1 semantics of the model's softmax; see the sampler for T != 1).
+    num_steps:      total denoising steps.
+    prompts, metadata, group_ids, completions (decoded text), rewards, reward_components, advantages:
+                    as in Trajectory.
+    mask_seeds:     (B, N) int64 seeds for the log-likelihood estimator's random masks, one per inner
+                    iteration, drawn at rollout time so old and new policy see the same masks.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    unmask_step: Tensor
+    unmask_rank: Tensor
+    token_log_probs: Tensor
+    num_steps: int
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    group_ids: Tensor
+    completions: list[str] = field(default_factory=list)
+    rewards: Tensor | None = None
+    reward_components: dict[str, Tensor] = field(default_factory=dict)
+    advantages: Tensor | None = None
+    mask_seeds: Tensor | None = None
+    old_log_probs: Tensor | None = None  # filled by an objective's prepare(); batch on dim 0
+    ref_log_probs: Tensor | None = None
+    inner_epoch: int = 0  # set by the trainer for each pass; selects mask_seeds[:, inner_epoch % N]
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def state_at(self, step: int, mask_token_id: int) -> Tensor:
+        """Completion tokens (B, G) as they were *before* denoising step ``step`` (masked if not yet unmasked)."""
+        return torch.where(self.unmask_step < step, self.completion_ids, torch.full_like(self.completion_ids, mask_token_id))
+
+    def __getitem__(self, index: Tensor | slice | list[int]) -> "TokenTrajectory":
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long)
+        idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(self)))[index]
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("num_steps", "inner_epoch") or v is None:
+                out[f.name] = v
+            elif f.name == "reward_components":
+                out[f.name] = {k: c[index] for k, c in v.items()}
+            elif f.name in ("prompts", "metadata", "completions"):
+                out[f.name] = [v[i] for i in idx_list] if v else v
+            else:
+                out[f.name] = v[index]
+        return TokenTrajectory(**out)

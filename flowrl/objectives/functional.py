@@ -59,6 +59,17 @@ def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def clipped_surrogate_terms(ratio: Tensor, advantages: Tensor, clip_range: float) -> Tensor:
+    """Elementwise PPO term max(-A r, -A clip(r, 1 - eps, 1 + eps)) (any shape; A broadcasts)."""
+    return torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range))
+
+
+def k3_kl(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per element: exp(ref - lp) - (ref - lp) - 1 (>= 0, unbiased)."""
+    d = ref_log_prob - log_prob
+    return torch.exp(d) - d - 1
+
+
 def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float,
                       mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate for one denoising step.
@@ -72,9 +83,7 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
     mask = None if mask is None else mask.float()
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = masked_mean(clipped_surrogate_terms(ratio, advantages, clip_range), mask)
     with torch.no_grad():
         stats = {
             "ratio_mean": masked_mean(ratio, mask),

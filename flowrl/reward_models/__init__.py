@@ -28,6 +28,11 @@ _REGISTRY: dict[str, str] = {
     "text_similarity": "flowrl.reward_models.text_similarity:TextSimilarityReward",
     "videoalign": "flowrl.reward_models.videoalign:VideoAlignReward",
     "remote": "flowrl.reward_models.remote:RemoteReward",
+    # Text rewards (diffusion language models): samples are lists of completion strings.
+    "math_answer": "flowrl.reward_models.math_answer:MathAnswerReward",
+    "format": "flowrl.reward_models.math_answer:FormatReward",
+    "countdown": "flowrl.reward_models.puzzles:CountdownReward",
+    "sudoku": "flowrl.reward_models.puzzles:SudokuReward",
 }
 
 REWARD_NAMES: list[str] = list(_REGISTRY)

@@ -11,6 +11,11 @@ from flowrl.errors import FlowRLError
 from flowrl.types import Reward, RewardOutput
 
 
+def _device_of(samples: Any) -> torch.device:
+    """Images and videos are tensors; text completions are a list of strings (scored on the CPU)."""
+    return samples.device if isinstance(samples, Tensor) else torch.device("cpu")
+
+
 class WeightedSum:
     """Score = sum of ``weights[name] * component(samples)``; every component is logged under its name.
 
@@ -36,11 +41,12 @@ class WeightedSum:
     def __call__(
         self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> RewardOutput:
-        total = torch.zeros(samples.shape[0], dtype=torch.float32, device=samples.device)
+        device = _device_of(samples)
+        total = torch.zeros(len(samples), dtype=torch.float32, device=device)
         extras: dict[str, Tensor] = {}
         for key, reward in self.components.items():
             out = reward(samples, prompts, metadata)
-            scores = out.scores.to(device=samples.device, dtype=torch.float32)
+            scores = out.scores.to(device=device, dtype=torch.float32)
             if self.weights[key] != 0.0:
                 total = total + self.weights[key] * scores
             # Logged copies must not keep the autograd graph of a differentiable component alive.
@@ -71,7 +77,8 @@ class RewardEnsemble:
         self.differentiable = all(m.differentiable for m in self.members)
 
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
-        scores = torch.stack([m(samples, prompts, metadata).scores.float().to(samples.device) for m in self.members])  # (M, B)
+        device = _device_of(samples)
+        scores = torch.stack([m(samples, prompts, metadata).scores.float().to(device) for m in self.members])  # (M, B)
         mean = scores.mean(0)
         var = scores.var(0, unbiased=False)
         if self.mode == "wco":

@@ -1,0 +1,1 @@
+"""Evaluation helpers: data loaders and graders for recorded or fresh generations."""

@@ -1,0 +1,213 @@
+"""Policy-gradient objectives for masked-diffusion LMs: diffu-GRPO, UniGRPO, DCoLT, BGPO.
+
+They share GRPO's group advantages and PPO clipping and differ in how they estimate the policy's
+log-likelihood (``estimators.py``), which is the extension point:
+
+- diffu-GRPO (d1, arXiv:2504.12216): one forward, completion fully masked, prompt masked at 15%;
+  per-token ratios; advantages r - mean (no std); clip 0.5; k3 KL (beta 0.04 in d1).
+- UniGRPO (MMaDA, arXiv:2505.15809): prompt never masked, answer tokens masked at a ratio ~ U[0.1, 0.9];
+  mean log-prob over the masked tokens; clip 0.2; z-scored advantages.
+- DCoLT (LLaDOU, arXiv:2505.10446): the exact per-step action log-prob of the recorded trajectory
+  (Plackett-Luce probability of the ordered unmasked positions under a trainable unmasking-policy head,
+  plus the chosen tokens' log-probs); PPO per denoising step; advantages (r - mean) / (std + 1e-4).
+- BGPO (arXiv:2510.11683): ELBO-based GRPO whose surrogate is replaced by a bound linear in the Monte
+  Carlo samples: for A >= 0, exp(d) >= 1 + d (tangent) with d = mean_j d_j; for A < 0, Jensen:
+  exp(mean_j d_j) <= mean_j exp(d_j). Both are sums over j, so each MC sample is backpropagated on its
+  own (memory flat in the number of samples), and on-policy (d = 0) value and gradient equal the
+  ELBO objective's. ``naive=True`` is plain ELBO-GRPO (all samples in one graph) for comparison.
+
+Mask seeds are stored with the rollout; inner epoch e uses seed ``e % num_mask_seeds`` for both the
+old log-probs (computed in prepare, before any update) and the new ones, so the first ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ...types import LossOutput, TokenTrajectory
+from ..functional import StdConvention, clipped_surrogate_terms, group_advantages, k3_kl, masked_mean
+from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
+from .plackett_luce import dcolt_log_probs
+
+
+def _weighted_token_mean(values: Tensor, weights: Tensor) -> Tensor:
+    """(B,) sum_i w_i v_i / sum_i w_i: d1's mean over completion tokens, UniGRPO's mean over masked ones."""
+    return (weights * values).sum(-1) / weights.sum(-1).clamp(min=1e-8)
+
+
+@dataclass
+class _DLLMBase:
+    name: str
+    clip_range: float
+    beta: float
+    num_mask_seeds: int
+    std: StdConvention
+    std_eps: float = 1e-4
+    needs_log_probs: bool = field(default=True, init=False)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    def advantages(self, batch: TokenTrajectory) -> Tensor:
+        return group_advantages(batch.rewards, batch.group_ids, self.std, self.std_eps)
+
+    def _valid(self, batch: TokenTrajectory) -> Tensor:
+        return torch.isfinite(batch.rewards).float().to(batch.completion_ids.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@dataclass
+class TokenPolicyObjective(_DLLMBase):
+    """Per-token clipped ratios under a single-pass estimator (diffu-GRPO, UniGRPO)."""
+
+    estimator: Any = None
+
+    def prepare(self, batch: TokenTrajectory) -> TokenTrajectory:
+        batch.advantages = self.advantages(batch)
+        return batch
+
+    def old_and_ref(self, lm, batch: TokenTrajectory) -> None:
+        """Old (and reference) token log-probs for every stored seed, before any update: (B, N, G)."""
+        with torch.no_grad():
+            batch.old_log_probs = torch.stack([self.estimator(lm, batch, s).token_log_probs for s in range(self.num_mask_seeds)], 1)
+            if self.beta > 0:
+                with lm.reference():
+                    batch.ref_log_probs = torch.stack([self.estimator(lm, batch, s).token_log_probs for s in range(self.num_mask_seeds)], 1)
+
+    def losses(self, lm, sampler, batch: TokenTrajectory, generator: torch.Generator) -> Iterator[LossOutput]:
+        s = batch.inner_epoch % self.num_mask_seeds
+        out: EstimatorOutput = self.estimator(lm, batch, s)
+        adv = batch.advantages.to(out.token_log_probs.device)[:, None]
+        log_ratio = out.token_log_probs - batch.old_log_probs[:, s]
+        ratio = torch.exp(log_ratio)
+        per_seq = _weighted_token_mean(clipped_surrogate_terms(ratio, adv, self.clip_range), out.weights)
+        valid = self._valid(batch)
+        loss = masked_mean(per_seq, valid)
+        counted = out.weights > 0
+        metrics = {"loss/policy": loss.detach(), "policy/ratio_mean": ratio[counted].mean().detach(),
+                   "policy/clipfrac": ((ratio[counted] - 1).abs() > self.clip_range).float().mean(),
+                   "policy/approx_kl": (0.5 * log_ratio[counted] ** 2).mean().detach()}
+        if self.beta > 0:
+            kl = masked_mean(_weighted_token_mean(k3_kl(out.token_log_probs, batch.ref_log_probs[:, s]), out.weights), valid)
+            loss = loss + self.beta * kl
+            metrics["loss/kl"] = kl.detach()
+        yield LossOutput(loss, metrics)
+
+
+@dataclass
+class BGPOObjective(_DLLMBase):
+    """ELBO-GRPO with BGPO's linear bound: one backward per Monte Carlo sample (or ``naive``: one graph)."""
+
+    num_mc_samples: int = 4
+    naive: bool = False
+
+    def prepare(self, batch: TokenTrajectory) -> TokenTrajectory:
+        batch.advantages = self.advantages(batch)
+        return batch
+
+    def _terms(self, lm, batch: TokenTrajectory, s: int) -> Iterator[Tensor]:
+        for term in elbo_terms(lm, batch, s, self.num_mc_samples):
+            yield term.sequence_log_prob()  # (B,)
+
+    def old_and_ref(self, lm, batch: TokenTrajectory) -> None:
+        with torch.no_grad():  # (B, N, n): every MC term of every seed at the rollout weights
+            batch.old_log_probs = torch.stack([torch.stack(list(self._terms(lm, batch, s)), 1) for s in range(self.num_mask_seeds)], 1)
+
+    def losses(self, lm, sampler, batch: TokenTrajectory, generator: torch.Generator) -> Iterator[LossOutput]:
+        s = batch.inner_epoch % self.num_mask_seeds
+        adv = batch.advantages.to(batch.completion_ids.device)
+        valid, old = self._valid(batch), batch.old_log_probs[:, s]
+        n = self.num_mc_samples
+        if self.naive:  # ratio of the averaged ELBO; every sample's graph is alive until backward
+            delta = torch.stack(list(self._terms(lm, batch, s)), 1).sub(old).mean(1)
+            loss = masked_mean(clipped_surrogate_terms(torch.exp(delta), adv, self.clip_range), valid)
+            yield LossOutput(loss, {"loss/policy": loss.detach(), "policy/ratio_mean": torch.exp(delta).mean().detach()})
+            return
+        for j, term in enumerate(self._terms(lm, batch, s)):
+            delta = term - old[:, j]
+            # A >= 0: tangent bound 1 + d_j; A < 0: Jensen bound exp(d_j); each is 1/n of the total.
+            bound = torch.where(adv >= 0, 1 + delta, torch.exp(delta))
+            loss = masked_mean(-adv * bound, valid) / n
+            yield LossOutput(loss, {"loss/policy": loss.detach() * n, "policy/ratio_mean": torch.exp(delta).mean().detach()})
+
+
+class UnmaskingPolicyHead(nn.Module):
+    """DCoLT's unmasking policy, kept small: scores each completion position from the LM's own view of it
+    (top log-prob, entropy, whether it is masked) and its relative position. LLaDOU reads the LM's last
+    hidden layer instead; these features make the head model-agnostic (any MaskedLM exposes logits)."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def forward(self, state: Tensor, logits: Tensor, step: int | None = None, mask_token_id: int | None = None) -> Tensor:
+        logp = torch.log_softmax(logits.float(), -1)
+        top = logp.max(-1).values
+        entropy = -(logp.exp() * logp).sum(-1)
+        masked = (state == mask_token_id).float() if mask_token_id is not None else torch.ones_like(top)
+        pos = torch.linspace(0, 1, state.shape[1], device=state.device).expand_as(top)
+        return self.net(torch.stack([top, entropy, masked, pos], -1)).squeeze(-1)
+
+
+@dataclass
+class DCoLTObjective(_DLLMBase):
+    """PPO on the exact per-step action log-probs of the recorded unmasking trajectory."""
+
+    block_length: int | None = None
+    mask_token_id: int | None = None
+    head: UnmaskingPolicyHead = field(default_factory=UnmaskingPolicyHead)
+
+    @property
+    def extra_module(self) -> nn.Module:
+        return self.head
+
+    def extra_parameters(self) -> list[nn.Parameter]:
+        return list(self.head.parameters())
+
+    def position_scorer(self, logits: Tensor, state: Tensor) -> Tensor:
+        """The sampler's view of the head (it passes logits first)."""
+        return self.head(state, logits, mask_token_id=self.mask_token_id)
+
+    def _scorer(self, state: Tensor, logits: Tensor, step: int) -> Tensor:
+        return self.head(state, logits, step, self.mask_token_id)
+
+    def prepare(self, batch: TokenTrajectory) -> TokenTrajectory:
+        batch.advantages = self.advantages(batch)
+        return batch
+
+    def old_and_ref(self, lm, batch: TokenTrajectory) -> None:
+        with torch.no_grad():
+            batch.old_log_probs = dcolt_log_probs(lm, self._scorer, batch, self.block_length)  # (B, S)
+
+    def losses(self, lm, sampler, batch: TokenTrajectory, generator: torch.Generator) -> Iterator[LossOutput]:
+        new = dcolt_log_probs(lm, self._scorer, batch, self.block_length)  # (B, S), with grad
+        acted = batch.unmask_step.new_zeros(batch.old_log_probs.shape, dtype=torch.bool)
+        acted.scatter_(1, batch.unmask_step.clamp(max=acted.shape[1] - 1), True)  # steps that unmasked something
+        ratio = torch.exp(new - batch.old_log_probs)
+        adv = batch.advantages.to(new.device)[:, None]
+        per_seq = (clipped_surrogate_terms(ratio, adv, self.clip_range) * acted).sum(1) / acted.sum(1).clamp(min=1)
+        loss = masked_mean(per_seq, self._valid(batch))
+        yield LossOutput(loss, {"loss/policy": loss.detach(), "policy/ratio_mean": ratio[acted].mean().detach(),
+                                "policy/clipfrac": ((ratio[acted] - 1).abs() > self.clip_range).float().mean()})
+
+
+def build_dllm_objective(config, sampler_config, mask_token_id: int | None = None):
+    """Build the dLLM objective a config section names."""
+    common = dict(name=config.name, clip_range=config.clip_range, beta=config.beta, num_mask_seeds=config.num_mask_seeds, std=config.std)
+    if config.name == "diffu_grpo":
+        return TokenPolicyObjective(**common, std_eps=1e-8, estimator=OneStepEstimator(config.prompt_mask_prob))
+    if config.name == "unigrpo":
+        return TokenPolicyObjective(**common, std_eps=1e-8, estimator=AnswerMaskEstimator(config.mask_low, config.mask_high))
+    if config.name == "bgpo":
+        return BGPOObjective(**common, num_mc_samples=config.num_mc_samples, naive=config.naive)
+    return DCoLTObjective(**common, std_eps=config.std_eps, block_length=sampler_config.block_length, mask_token_id=mask_token_id)

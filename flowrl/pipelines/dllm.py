@@ -1,0 +1,382 @@
+"""Adapter for masked-diffusion language models (LLaDA, MMaDA, Dream, or any model returning ``.logits``).
+
+``load_masked_lm`` loads a checkpoint (a local directory or a hub id) through the transformers Auto
+classes and wraps it in ``MaskedDiffusionLM``, which implements the ``MaskedLM`` protocol of
+``flowrl.types``. Families:
+
+* ``llada`` (GSAI-ML/LLaDA-8B-Base/-Instruct): remote code (``modeling_llada.py``, ``LLaDAModelLM``),
+  loaded with ``AutoModel``; mask id 126336 when neither the tokenizer nor the config names one.
+* ``mmada`` (Gen-Verse/MMaDA-8B-*): LLaDA-based remote code (``MMadaModelLM``); same defaults as llada.
+* ``dream`` (Dream-org/Dream-v0-*-7B): Qwen2-based remote code (``DreamModel``), AR-adapted: the model's
+  output at position i predicts token i+1, so the adapter shifts logits right by one (position i gets
+  the output at i-1; position 0, which has no predecessor, keeps the output at 0 exactly as Dream's own
+  ``generation_utils`` does -- in practice position 0 is always a prompt token and never masked).
+  Padding is passed as Dream does it: a 4-D boolean mask (B, 1, L, L) plus position ids counting only real
+  tokens; unlike Dream's own mask we only mask padding *keys* so no query row is fully masked (NaN-free).
+* ``auto``: the family is read from the config's ``model_type`` (llada / mmada / dream); anything else is a
+  plain transformers model (``AutoModelForMaskedLM`` for ``*ForMaskedLM`` architectures, else
+  ``AutoModelForCausalLM``) whose 2-D attention mask is passed through unchanged.
+
+Remote code runs only when ``trust_remote_code=True``: a checkpoint whose ``config.json`` has an
+``auto_map`` is refused otherwise, with one sentence naming ``pipeline.trust_remote_code=true``.
+
+Bidirectional attention is checked at load time by a probe (``attends_bidirectionally``): change the last
+of 8 tokens and see whether the logits at position 0 move. A causal model leaves them bit-identical, so a
+causal checkpoint (e.g. a plain Qwen2 loaded as ``auto``) is refused unless ``require_bidirectional=False``.
+The probe tests the same forward path ``logits`` uses, so it also catches a remote-code revision that
+silently attends causally. It cannot tell whether padding is honoured (early ``modeling_llada.py``
+revisions ignore ``attention_mask``; batch without left padding, or with equal prompt lengths, to be safe).
+
+LoRA goes through peft; ``reference()`` disables the adapter (``PeftModel.disable_adapter``) or, without
+LoRA, switches to a frozen deep copy made at the first call (or at ``enable_reference()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from ..errors import FlowRLError
+from . import DTYPES
+
+FAMILIES = ("llada", "mmada", "dream", "auto")
+LLADA_MASK_TOKEN_ID = 126336  # "<|mdm_mask|>" in the LLaDA / MMaDA tokenizer
+LLADA_EOS_TOKEN_ID = 126081  # "<|endoftext|>" (LLaDA's config eos/pad); "<|eot_id|>" is 126348
+
+# LLaDA blocks (OLMo-style LLaDALlamaBlock): q_proj, k_proj, v_proj, attn_out, ff_proj (gate), up_proj, ff_out.
+# The LM head is *also* called ``ff_out`` (``model.transformer.ff_out``), so a plain name list would put LoRA on
+# the 126k-wide head; the regex (peft full-matches a string) only takes modules inside numbered blocks.
+_LLADA_TARGETS = r".*\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)"
+DEFAULT_LORA_TARGETS: dict[str, str | list[str]] = {
+    "llada": _LLADA_TARGETS,
+    "mmada": _LLADA_TARGETS,
+    "dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # Qwen2 names
+    "auto": "all-linear",  # peft: every Linear except the output head
+}
+LORA_KEYS = {"r", "alpha", "target_modules", "dropout", "path"}
+
+# Auto classes tried, in order, per family (the remote ones must be listed in the config's auto_map).
+_REMOTE_AUTO_ORDER = {
+    "llada": ("AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM"),
+    "mmada": ("AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM"),
+    "dream": ("AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM"),
+    "auto": ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModel"),
+}
+
+
+class MaskedDiffusionLM:
+    """``MaskedLM`` adapter over any transformers model whose forward returns ``.logits`` (B, L, V).
+
+    ``attention``: how a 2-D padding mask reaches the model -- ``"2d"`` passes it as ``attention_mask``
+    (BERT, LLaDA, MMaDA); ``"dream"`` builds Dream's 4-D boolean mask and position ids. Logits come back
+    in float32 (the log-softmax of a bf16 model is too coarse for ratios).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        mask_token_id: int,
+        eos_token_id: int | None,
+        shift_logits: bool = False,
+        attention: str = "2d",
+        family: str = "auto",
+    ):
+        if attention not in ("2d", "dream"):
+            raise FlowRLError(f"attention must be '2d' or 'dream', not '{attention}'.")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.mask_token_id = int(mask_token_id)
+        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
+        self.shift_logits = bool(shift_logits)
+        self.attention = attention
+        self.family = family
+        self._reference: torch.nn.Module | None = None
+        self._use_reference = False
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def has_lora(self) -> bool:
+        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "peft_config")
+
+    # -- forward ------------------------------------------------------------------------------
+    def raw_logits(self, input_ids: Tensor, attention_mask: Tensor | None = None, model: torch.nn.Module | None = None) -> Tensor:
+        """The model's own output (no shift), in the model's dtype."""
+        model = self.model if model is None else model
+        kwargs: dict[str, Any] = {"input_ids": input_ids}
+        if self.attention == "dream":
+            mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            # keys only: every query (padding included) sees the real tokens of its row
+            kwargs["attention_mask"] = mask[:, None, None, :].expand(-1, 1, input_ids.shape[1], -1)
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)
+        elif attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        out = model(**kwargs)
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise FlowRLError(f"the model class {type(_base(model)).__name__} returns no .logits; load a model with an LM head.")
+        return logits
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """(B, L, V) float32 logits where position i predicts token i (shifted for AR-adapted models)."""
+        model = self._reference if self._use_reference and self._reference is not None else self.model
+        out = self.raw_logits(input_ids, attention_mask, model=model).float()
+        if self.shift_logits:
+            out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+        return out
+
+    @torch.no_grad()
+    def attends_bidirectionally(self) -> bool:
+        """Probe: does the output at position 0 depend on the last token? (False for causal attention.)"""
+        base = _base(self.model)
+        vocab = _vocab_size(base)
+        ids = (torch.arange(8, device=self.device) % max(vocab - 1, 1)).unsqueeze(0)
+        ids = torch.cat([ids, ids.clone()])
+        ids[1, -1] = (ids[0, -1] + 1) % vocab
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.raw_logits(ids).float()
+        finally:
+            self.model.train(was_training)
+        first = out[:, 0]
+        return bool((first[0] - first[1]).abs().max() > 1e-6 * (first.abs().max() + 1))
+
+    # -- training support ---------------------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def enable_reference(self) -> None:
+        """Freeze a deep copy of the current weights as the reference (full fine-tuning only; LoRA needs none)."""
+        if not self.has_lora and self._reference is None:
+            self._reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Inside: ``logits`` come from the reference policy (LoRA disabled, or the frozen copy)."""
+        if self.has_lora:
+            with self.model.disable_adapter():
+                yield self
+            return
+        self.enable_reference()
+        previous, self._use_reference = self._use_reference, True
+        try:
+            yield self
+        finally:
+            self._use_reference = previous
+
+    def save_lora(self, path: str | Path) -> None:
+        """Write the LoRA adapter (adapter_config.json + weights) with peft's ``save_pretrained``."""
+        if not self.has_lora:
+            raise FlowRLError("save_lora was called but no LoRA adapter is attached (set pipeline.lora).")
+        self.model.save_pretrained(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_masked_lm(
+    pretrained: str,
+    family: str = "auto",
+    trust_remote_code: bool = False,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    lora: Mapping[str, Any] | None = None,
+    mask_token_id: int | None = None,
+    require_bidirectional: bool = True,
+) -> MaskedDiffusionLM:
+    """Load a masked-diffusion LM; every failure is a one-sentence ``FlowRLError``.
+
+    mask id: ``mask_token_id`` > tokenizer's mask token > config's ``mask_token_id`` > family default
+    (126336 for llada / mmada). eos id: tokenizer > config > family default (126081 for llada / mmada).
+    """
+    from transformers import AutoTokenizer
+
+    if family not in FAMILIES:
+        raise FlowRLError(f"pipeline.family must be one of {', '.join(FAMILIES)}, not '{family}'.")
+    torch_dtype = _dtype(dtype)
+    device = _device(device)
+    config = _config_dict(pretrained)
+    model_type = str(config.get("model_type", "")).lower()
+    if family == "auto":
+        family = model_type if model_type in ("llada", "mmada", "dream") else "auto"
+    auto_map = config.get("auto_map") or {}
+    if auto_map and not trust_remote_code:
+        raise FlowRLError(
+            f"the model '{pretrained}' ships its own modeling code (config auto_map), which flowrl runs only if you set pipeline.trust_remote_code=true."
+        )
+
+    model = _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_dtype, device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(pretrained, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
+        raise FlowRLError(f"could not load the tokenizer of '{pretrained}': {_first_line(e)}") from None
+
+    mask_id = _first_not_none(
+        mask_token_id,
+        getattr(tokenizer, "mask_token_id", None),
+        getattr(model.config, "mask_token_id", None),
+        LLADA_MASK_TOKEN_ID if family in ("llada", "mmada") else None,
+    )
+    if mask_id is None:
+        raise FlowRLError(f"the model '{pretrained}' defines no mask token (tokenizer or config); pass pipeline.mask_token_id.")
+    vocab = _vocab_size(model)
+    if not 0 <= int(mask_id) < vocab:
+        raise FlowRLError(f"mask token id {mask_id} is outside the vocabulary of '{pretrained}' (size {vocab}).")
+    eos_id = _first_not_none(
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        LLADA_EOS_TOKEN_ID if family in ("llada", "mmada") and vocab > LLADA_EOS_TOKEN_ID else None,
+    )
+    if isinstance(eos_id, (list, tuple)):
+        eos_id = eos_id[0] if eos_id else None
+
+    adapter = MaskedDiffusionLM(
+        model,
+        tokenizer,
+        mask_id,
+        eos_id,
+        shift_logits=family == "dream",
+        attention="dream" if family == "dream" else "2d",
+        family=family,
+    )
+    if require_bidirectional and not adapter.attends_bidirectionally():
+        raise FlowRLError(
+            f"the model '{pretrained}' attends causally (position 0 ignores later tokens), but masked diffusion needs bidirectional attention; load a diffusion LM or set pipeline.require_bidirectional=false."
+        )
+    if lora is not None:
+        adapter.model = _attach_lora(model, family, lora)
+    return adapter
+
+
+def _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_dtype, device) -> torch.nn.Module:
+    import transformers
+
+    if auto_map:
+        names = [n for n in _REMOTE_AUTO_ORDER[family] if n in auto_map]
+        if not names:
+            raise FlowRLError(f"the auto_map of '{pretrained}' names none of {', '.join(_REMOTE_AUTO_ORDER[family])}.")
+    else:
+        archs = [str(a) for a in config.get("architectures") or []]
+        if any(a.endswith("ForMaskedLM") for a in archs):
+            names = ["AutoModelForMaskedLM"]
+        elif any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+            names = ["AutoModelForCausalLM"]
+        else:
+            names = list(_REMOTE_AUTO_ORDER["auto"])
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if device.type != "cpu":
+        kwargs["device_map"] = {"": str(device)}
+    error: Exception | None = None
+    for name in names:
+        try:
+            model = getattr(transformers, name).from_pretrained(pretrained, **kwargs)
+            break
+        except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError, RuntimeError) as e:
+            error = e
+    else:
+        raise FlowRLError(f"could not load the model in '{pretrained}' with {'/'.join(names)}: {_first_line(error)}") from None
+    return model.to(device)
+
+
+def _attach_lora(model: torch.nn.Module, family: str, lora: Mapping[str, Any]) -> torch.nn.Module:
+    try:
+        import peft
+    except ImportError:
+        raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
+    unknown = set(lora) - LORA_KEYS
+    if unknown:
+        raise FlowRLError(f"unknown pipeline.lora key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(LORA_KEYS))}.")
+    try:
+        if lora.get("path"):
+            if not Path(str(lora["path"])).is_dir():
+                raise FlowRLError(f"pipeline.lora.path '{lora['path']}' is not an existing directory.")
+            return peft.PeftModel.from_pretrained(model, str(lora["path"]), is_trainable=True)
+        r = int(lora.get("r", 8))
+        cfg = peft.LoraConfig(
+            r=r,
+            lora_alpha=float(lora.get("alpha", 2 * r)),
+            lora_dropout=float(lora.get("dropout", 0.0)),
+            target_modules=lora.get("target_modules") or DEFAULT_LORA_TARGETS[family],
+            bias="none",
+        )
+        return peft.get_peft_model(model, cfg)
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+        raise FlowRLError(f"could not attach LoRA ({family} family): {_first_line(e)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _config_dict(pretrained: str) -> dict[str, Any]:
+    """Read config.json without running any code (local directory or hub id)."""
+    from transformers import PretrainedConfig
+
+    path = Path(str(pretrained)).expanduser()
+    if not path.is_dir() and (path.exists() or not _HUB_ID.match(str(pretrained))):
+        raise FlowRLError(f"pipeline.pretrained '{pretrained}' is neither an existing directory nor a hub model id.")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FlowRLError(f"model directory '{pretrained}' has no config.json.")
+    try:
+        config, _ = PretrainedConfig.get_config_dict(str(path) if path.is_dir() else str(pretrained))
+    except (OSError, ValueError) as e:
+        raise FlowRLError(f"could not read the config of '{pretrained}': {_first_line(e)}") from None
+    return config
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    model = _base(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None) or getattr(config, "embedding_size", None)
+    if size is None:
+        raise FlowRLError(f"cannot tell the vocabulary size of {type(model).__name__} (no output embeddings or config.vocab_size).")
+    return int(size)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise FlowRLError(f"pipeline.dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
+    return DTYPES[dtype]
+
+
+def _device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _first_not_none(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _first_line(e: BaseException | None) -> str:
+    text = str(e).strip().splitlines()[0] if e is not None and str(e).strip() else type(e).__name__
+    return text if text.endswith(".") else text + "."

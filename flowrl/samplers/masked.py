@@ -1,0 +1,285 @@
+"""LLaDA-style masked-diffusion generation, recorded into a :class:`~flowrl.types.TokenTrajectory`.
+
+The completion starts fully masked and is filled in semi-autoregressive blocks. Inside a block, each
+step predicts every masked position at once and commits a few of them: the most confident ones
+(``low_confidence``), random ones (``random``), every one above a confidence threshold (dynamic
+decoding, Fast-dLLM), or a Plackett-Luce sample from a learned position scorer (``policy``, DCoLT).
+Committed tokens are never re-masked, so the record (final tokens + the step and order in which each
+position was committed) replays every intermediate state exactly (``TokenTrajectory.state_at``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import FlowRLError
+from ..types import MaskedLM, TokenTrajectory
+
+Remasking = Literal["low_confidence", "random", "policy"]
+# (logits (B, G, V), completion state (B, G)) -> position scores (B, G); higher = unmask sooner.
+PositionScorer = Callable[[Tensor, Tensor], Tensor]
+
+
+def transfer_schedule(n_masked: int, steps: int) -> list[int]:
+    """Return how many tokens to unmask at each of ``steps`` steps, summing to ``n_masked``.
+
+    ``base = n // steps`` per step with the remainder front-loaded (10 over 4 steps -> [3, 3, 2, 2]),
+    as LLaDA's ``get_num_transfer_tokens``.
+    """
+    if steps <= 0 or n_masked < 0:
+        raise ValueError(f"need steps > 0 and n_masked >= 0, got steps={steps}, n_masked={n_masked}")
+    base, rem = divmod(n_masked, steps)
+    return [base + 1] * rem + [base] * (steps - rem)
+
+
+def _gumbel(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """Standard Gumbel noise in float64: -log(-log U), U ~ U(0, 1)."""
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
+    # U = 0 would give -inf noise; clamping keeps every category reachable and the noise finite.
+    return -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))
+
+
+def _index(token: int, like: Tensor) -> Tensor:
+    """Return the (1,) index tensor of ``token`` on ``like``'s device (for index_fill)."""
+    return torch.tensor([token], device=like.device)
+
+
+def gumbel_sample(
+    logits: Tensor, temperature: float, generator: torch.Generator | None = None, exclude: int | None = None
+) -> Tensor:
+    """Sample token ids (...,) from logits (..., V) at ``temperature`` (0 = argmax), never ``exclude``.
+
+    Gumbel-max: argmax_v(log p_v / T + G_v) with i.i.d. standard Gumbel G_v is distributed as
+    softmax(log p / T) = softmax(logits / T), because log p = logits - logsumexp(logits) differs from
+    the logits by a per-row constant that the argmax ignores. LLaDA writes the same thing as
+    argmax(exp(logits) / (-log U)^T) (raise to the power 1/T and take logs). It is computed in float64
+    because in low precision the perturbed scores of near-tied tokens collapse and the sample is biased
+    towards the lower index (LLaDA's observation on generation quality). ``exclude`` (the mask token)
+    gets probability 0, i.e. the sample is from softmax(logits / T) conditioned on not being it.
+    """
+    if temperature == 0:
+        if exclude is not None:
+            logits = logits.index_fill(-1, _index(exclude, logits), float("-inf"))
+        return logits.argmax(dim=-1)
+    # logits / T rather than log_softmax(logits) / T: they differ by a per-row constant the argmax ignores,
+    # and skipping the normalisation saves one (B, L, V) float64 tensor (V ~ 126k for LLaDA).
+    z = logits.to(torch.float64) / temperature
+    if exclude is not None:
+        z.index_fill_(-1, _index(exclude, z), float("-inf"))
+    z += _gumbel(z.shape, generator, z.device)
+    return z.argmax(dim=-1)
+
+
+def shift_logits(logits: Tensor) -> Tensor:
+    """Shift logits (B, L, V) right by one position: position i gets the logits computed at i - 1.
+
+    AR-adapted models (Dream) keep the next-token head, so the prediction for token i comes out at
+    position i - 1; position 0 has no predecessor and keeps its own logits.
+    """
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
+def _select(scores: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """Choose the top-``k[b]`` positions of each row of scores (B, G).
+
+    Returns (chosen (B, G) bool, order (B, G) int64: the rank of each position in descending score,
+    ties broken towards the lower index so that the choice is deterministic).
+    """
+    idx = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    ranks = torch.arange(scores.shape[1], device=scores.device).expand_as(idx)
+    order = torch.empty_like(idx).scatter_(1, idx, ranks)
+    return order < k[:, None], order
+
+
+def _token_log_probs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """Return float64 log_softmax(logits (B, G, V))[tokens (B, G)] without keeping a (B, G, V) float64 copy."""
+    picked = logits.gather(-1, tokens[..., None]).squeeze(-1).to(torch.float64)
+    return picked - torch.logsumexp(logits.to(torch.float64), dim=-1)
+
+
+def _scores(
+    logits: Tensor,
+    log_p: Tensor,
+    state: Tensor,
+    remasking: str,
+    position_scorer: PositionScorer | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """Return float64 scores (B, G) ranking masked positions for unmasking (eligibility applied later).
+
+    log_p: (B, G) float64 log-prob of each position's sampled token; its exp is LLaDA's confidence.
+    """
+    if remasking == "low_confidence":
+        return log_p.exp()
+    if remasking == "random":
+        return torch.rand(log_p.shape, generator=generator, device=log_p.device, dtype=torch.float64)
+    # Gumbel-top-k: sorting scores + i.i.d. Gumbel noise yields a Plackett-Luce sample without
+    # replacement from softmax(scores); the sorted order is the sequential sampling order.
+    s = position_scorer(logits, state).to(torch.float64)
+    return s + _gumbel(s.shape, generator, s.device)
+
+
+def _num_to_unmask(
+    scores: Tensor, eligible: Tensor, scheduled: int, threshold: float | None, last_step: bool
+) -> Tensor:
+    """Return (B,) how many eligible positions each row unmasks this step.
+
+    Fixed schedule: ``scheduled`` for every row. Dynamic: every eligible position with score above
+    ``threshold``, at least one, and all that remain on the block's last step so that the block is
+    complete when the sampler moves on.
+    """
+    n_eligible = eligible.sum(dim=1)
+    if threshold is None:
+        return torch.full_like(n_eligible, scheduled).minimum(n_eligible)
+    if last_step:
+        return n_eligible
+    above = (eligible & (scores > threshold)).sum(dim=1)
+    return above.clamp_min(1).minimum(n_eligible)
+
+
+@dataclass
+class _Recorder:
+    """The growing record of a generation: completion (B, G) and per-position unmask step, rank, log-prob."""
+
+    completion: Tensor
+    unmask_step: Tensor  # -1 while masked
+    unmask_rank: Tensor
+    token_log_probs: Tensor
+    committed: Tensor  # (B,) positions committed so far: the rank offset of the next step
+
+    @staticmethod
+    def start(prompt_ids: Tensor, gen_length: int, mask_token_id: int) -> _Recorder:
+        """Return the record of a fully masked completion."""
+        batch, device = prompt_ids.shape[0], prompt_ids.device
+        unset = torch.full((batch, gen_length), -1, dtype=torch.long, device=device)
+        return _Recorder(
+            completion=torch.full((batch, gen_length), mask_token_id, dtype=prompt_ids.dtype, device=device),
+            unmask_step=unset,
+            unmask_rank=unset.clone(),
+            token_log_probs=torch.zeros((batch, gen_length), dtype=torch.float32, device=device),
+            committed=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    def commit(self, x0: Tensor, log_p: Tensor, scores: Tensor, k: Tensor, step: int) -> None:
+        """Commit the top-``k[b]`` scored positions of each row to their sampled tokens x0 (B, G) at ``step``.
+
+        log_p: (B, G) the tokens' log-probs; scores: (B, G) with -inf at ineligible positions; k: (B,).
+        """
+        chosen, order = _select(scores, k)
+        self.completion = torch.where(chosen, x0.to(self.completion.dtype), self.completion)
+        self.unmask_step = torch.where(chosen, step, self.unmask_step)
+        self.unmask_rank = torch.where(chosen, self.committed[:, None] + order, self.unmask_rank)
+        self.token_log_probs = torch.where(chosen, log_p.float(), self.token_log_probs)
+        self.committed = self.committed + k
+
+    def trajectory(self, prompt_ids: Tensor, prompt_mask: Tensor, num_steps: int) -> TokenTrajectory:
+        """Return the finished record; prompts, metadata and group_ids are placeholders for the caller."""
+        return TokenTrajectory(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=self.completion,
+            unmask_step=self.unmask_step,
+            unmask_rank=self.unmask_rank,
+            token_log_probs=self.token_log_probs,
+            num_steps=num_steps,
+            prompts=[],
+            metadata=[],
+            group_ids=torch.arange(prompt_ids.shape[0], device=prompt_ids.device),
+        )
+
+
+def _check_args(gen_length: int, steps: int, block_length: int, remasking: str, threshold, position_scorer) -> int:
+    """Validate the configuration and return the number of blocks."""
+    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
+        raise FlowRLError(f"gen_length ({gen_length}) must be a positive multiple of block_length ({block_length}).")
+    num_blocks = gen_length // block_length
+    if steps <= 0 or steps % num_blocks:
+        raise FlowRLError(f"steps ({steps}) must be a positive multiple of the number of blocks ({num_blocks}).")
+    if remasking not in ("low_confidence", "random", "policy"):
+        raise FlowRLError(f"unknown remasking '{remasking}'; use low_confidence, random or policy.")
+    if remasking == "policy" and position_scorer is None:
+        raise FlowRLError("remasking 'policy' needs a position_scorer.")
+    if threshold is not None and remasking != "low_confidence":
+        raise FlowRLError("a confidence threshold (dynamic decoding) needs remasking 'low_confidence'.")
+    return num_blocks
+
+
+@torch.no_grad()
+def generate(
+    lm: MaskedLM,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    gen_length: int,
+    steps: int,
+    block_length: int,
+    temperature: float = 0.0,
+    remasking: Remasking = "low_confidence",
+    threshold: float | None = None,
+    position_scorer: PositionScorer | None = None,
+    logit_shift: bool = False,
+    generator: torch.Generator | None = None,
+) -> TokenTrajectory:
+    """Generate completions (B, gen_length) for prompts (B, P) by masked diffusion and record the trajectory.
+
+    The completion is split into ``gen_length / block_length`` blocks filled left to right, each in
+    ``steps / num_blocks`` steps; no position outside the current block is ever unmasked. At each step
+    the model sees ``cat([prompt_ids, completion])`` with attention mask ``cat([prompt_mask, 1])``,
+    tokens are drawn for every masked position with :func:`gumbel_sample` at ``temperature``, and the
+    positions to commit are chosen by ``remasking`` (see the module docstring). With ``threshold`` the
+    per-step count is dynamic and a block whose positions are all committed ends early: its remaining
+    step indices stay unused, so ``unmask_step`` always indexes the fixed grid of ``steps`` steps.
+
+    ``logit_shift`` applies :func:`shift_logits` to the full sequence's logits, for adapters of
+    AR-adapted models (Dream) that return unshifted logits.
+
+    Recorded per completion position: ``unmask_step`` (global step index), ``unmask_rank`` (global
+    commit order; within a step descending confidence, or the Plackett-Luce order for ``policy``), and
+    ``token_log_probs`` = log_softmax(logits)[token] at the commit step, i.e. the log-prob under the
+    model's distribution at temperature 1, whatever temperature was used to sample (the raw softmax, the
+    same quantity a trainer recomputes; the mask token, never sampled, keeps its share of the normaliser).
+    ``prompts``, ``metadata`` and ``group_ids`` are placeholders the caller overwrites.
+    """
+    num_blocks = _check_args(gen_length, steps, block_length, remasking, threshold, position_scorer)
+    steps_per_block = steps // num_blocks
+    schedule = transfer_schedule(block_length, steps_per_block)
+    rec = _Recorder.start(prompt_ids, gen_length, lm.mask_token_id)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(rec.completion, dtype=prompt_mask.dtype)], dim=1)
+    positions = torch.arange(gen_length, device=prompt_ids.device)
+    for block in range(num_blocks):
+        in_block = (positions >= block * block_length) & (positions < (block + 1) * block_length)
+        for s in range(steps_per_block):
+            eligible = (rec.unmask_step < 0) & in_block
+            if not eligible.any() or (threshold is None and schedule[s] == 0):
+                continue  # nothing to commit: skip the forward pass
+            logits = lm.logits(torch.cat([prompt_ids, rec.completion], dim=1), attention_mask=attention_mask)
+            logits = (shift_logits(logits) if logit_shift else logits)[:, prompt_ids.shape[1]:]
+            # The mask token is never a valid output: committing it would leave a hole the record calls filled.
+            x0 = gumbel_sample(logits, temperature, generator, exclude=lm.mask_token_id)
+            log_p = _token_log_probs(logits, x0)
+            scores = _scores(logits, log_p, rec.completion, remasking, position_scorer, generator)
+            scores = scores.masked_fill(~eligible, float("-inf"))
+            k = _num_to_unmask(scores, eligible, schedule[s], threshold, s == steps_per_block - 1)
+            rec.commit(x0, log_p, scores, k, block * steps_per_block + s)
+    return rec.trajectory(prompt_ids, prompt_mask, steps)
+
+
+def decode_completions(tokenizer, completion_ids: Tensor, eos_token_id: int | None) -> list[str]:
+    """Decode completions (B, G) to text, cutting each row at its first EOS and skipping special tokens.
+
+    Everything after the first EOS is discarded (LLaDA fills the tail of a short answer with EOS, and a
+    model may write text after it that is not part of the answer).
+    """
+    texts = []
+    for row in completion_ids.tolist():
+        if eos_token_id is not None and eos_token_id in row:
+            row = row[: row.index(eos_token_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts
+
+
+__all__: Sequence[str] = ["decode_completions", "generate", "gumbel_sample", "shift_logits", "transfer_schedule"]

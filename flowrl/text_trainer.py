@@ -1,0 +1,130 @@
+"""The trainer for masked-diffusion language models (LLaDA, MMaDA, Dream, the embedded arith_mdlm).
+
+Same loop, optimizer, logging, checkpoints and resume as the image Trainer; what differs is the
+modality: rollouts are LLaDA-style generations recorded as TokenTrajectory, rewards read text, and
+evaluation is greedy decoding on held-out prompts (accuracy = mean reward), with the decoded answers
+written to the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+
+from . import seeding
+from .checkpoint import atomic_path
+from .errors import FlowRLError
+from .objectives.dllm.policy import build_dllm_objective
+from .pipelines.dllm import load_masked_lm
+from .prompts import sample_prompts
+from .samplers.masked import decode_completions, generate
+from .trainer import Trainer, _nanmean
+from .types import TokenTrajectory
+
+EMBEDDED_LMS = {"arith_mdlm": Path(__file__).resolve().parent / "assets" / "arith_mdlm"}
+NUM_EVAL_SAMPLES_SHOWN = 12
+
+
+class TextTrainer(Trainer):
+    module_attr = "model"
+
+    def _build_components(self) -> None:
+        cfg = self.config
+        if cfg.sampler.name != "masked":
+            raise FlowRLError(f"a dllm pipeline needs sampler.name=masked, got '{cfg.sampler.name}'.")
+        pretrained = str(EMBEDDED_LMS.get(cfg.pipeline.pretrained, cfg.pipeline.pretrained))
+        lora = cfg.pipeline.lora.model_dump() if cfg.pipeline.lora else None
+        self.pipeline = load_masked_lm(pretrained, family=cfg.pipeline.family, trust_remote_code=cfg.pipeline.trust_remote_code,
+                                       dtype=cfg.pipeline.dtype, device=self.accelerator.device, lora=lora)
+        self.sampler = cfg.sampler
+        self.objective = build_dllm_objective(cfg.objective, cfg.sampler, self.pipeline.mask_token_id)
+
+    def _check_capabilities(self) -> None:
+        if self.config.objective.name not in ("diffu_grpo", "unigrpo", "dcolt", "bgpo"):
+            raise FlowRLError(f"objective '{self.config.objective.name}' is for image models; use diffu_grpo, unigrpo, dcolt or bgpo.")
+        if self.config.objective.name == "dcolt" and self.config.sampler.remasking != "policy":
+            raise FlowRLError("objective 'dcolt' trains the unmasking policy: set sampler.remasking=policy.")
+
+    # -- generation -----------------------------------------------------------------------------
+    def _generate(self, prompts: list[str], temperature: float, gen: torch.Generator) -> TokenTrajectory:
+        tok, sc, pc = self.pipeline.tokenizer, self.config.sampler, self.config.pipeline
+        tok.padding_side = "left"
+        enc = tok(prompts, padding="max_length" if pc.prompt_length else "longest", max_length=pc.prompt_length,
+                  truncation=pc.prompt_length is not None, return_tensors="pt")
+        device = self.accelerator.device
+        scorer = getattr(self.objective, "position_scorer", None) if sc.remasking == "policy" else None
+        traj = generate(self.pipeline, enc.input_ids.to(device), enc.attention_mask.bool().to(device), sc.gen_length, sc.steps,
+                        sc.block_length, temperature=temperature, remasking=sc.remasking, threshold=sc.threshold,
+                        position_scorer=scorer, logit_shift=sc.logit_shift, generator=gen)
+        traj.completions = decode_completions(tok, traj.completion_ids, self.pipeline.eos_token_id)
+        return traj
+
+    @torch.no_grad()
+    def rollout(self, iteration: int) -> TokenTrajectory:
+        tc = self.config.train
+        groups = tc.prompts_per_iteration // self.world
+        chosen = sample_prompts(self.train_pool, groups, seeding.python_rng(self.config.seed, iteration, self.rank, "prompts"))
+        prompts = [p for p, _ in chosen for _ in range(tc.num_generations)]
+        gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "rollout")
+        self.module.eval()
+        traj = self._generate(prompts, self.config.sampler.temperature, gen)
+        traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(tc.num_generations)]
+        traj.group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + self.rank * groups
+        traj.mask_seeds = torch.randint(0, 2**62, (len(prompts), self.config.objective.num_mask_seeds), generator=gen)
+        # The rollout policy's log-likelihood estimates (and the reference's) are part of the record, computed
+        # with the weights that generated it, before any update: the first ratio is exactly 1.
+        self.objective.old_and_ref(self.pipeline, traj)
+        return traj
+
+    @torch.no_grad()
+    def score(self, traj: TokenTrajectory) -> TokenTrajectory:
+        out = self.reward(traj.completions, traj.prompts, traj.metadata)
+        scores = out.scores.float().cpu()
+        traj.rewards = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, float("nan")))
+        if not torch.isfinite(scores).all():
+            import warnings
+
+            warnings.warn(f"{int((~torch.isfinite(scores)).sum())} of {len(scores)} rewards were NaN or infinite; "
+                          "those samples are left out of the update.", stacklevel=2)
+        traj.reward_components = {k: v.float().cpu() for k, v in out.extras.items()}
+        return traj
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[dict[str, float], list[dict]]:
+        """Greedy (eval_temperature) decoding of the held-out prompts; accuracy = mean reward."""
+        items = self.eval_pool
+        mine = list(range(self.rank, len(items), self.world))
+        self.module.eval()
+        rows = []
+        for start in range(0, len(mine), self.config.rollout.batch_size):
+            idx = mine[start : start + self.config.rollout.batch_size]
+            prompts, meta = [items[i][0] for i in idx], [items[i][1] for i in idx]
+            traj = self._generate(prompts, self.config.sampler.eval_temperature, torch.Generator().manual_seed(self.config.eval.seed))
+            out = self.reward(traj.completions, prompts, meta)
+            for j, i in enumerate(idx):
+                rows.append({"index": i, "prompt": prompts[j], "completion": traj.completions[j], "score": float(out.scores[j]),
+                             **{k: float(v[j]) for k, v in out.extras.items()}})
+        rows = sorted((r for part in gather_object([rows]) for r in part), key=lambda r: r["index"])
+        metrics = {"eval/reward/mean": _nanmean([r["score"] for r in rows])}
+        for key in rows[0]:
+            if key not in ("index", "prompt", "completion", "score"):
+                metrics[f"eval/reward/{key}"] = _nanmean([r[key] for r in rows])
+        return metrics, rows
+
+    def _evaluate_and_log(self, step: int, tag: str | None, log: bool = True) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics, rows = self.evaluate()
+        metrics["perf/eval_s"] = time.perf_counter() - t0
+        if self.is_main:
+            text = "".join(json.dumps({k: r[k] for k in ("prompt", "completion", "score")}) + "\n" for r in rows[:NUM_EVAL_SAMPLES_SHOWN])
+            for path in [self.run_dir / "samples" / f"step_{step:06d}.jsonl"] + ([self.run_dir / f"samples_{tag}.jsonl"] if tag else []):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with atomic_path(path) as tmp:
+                    tmp.write_text(text)
+        if log:
+            self.logger.log(step, metrics)
+        return metrics
