@@ -261,6 +261,7 @@ class Config(Section):
     seed: int = 0
     output_dir: str = "runs/default"
     resume_from: str | None = None  # a checkpoint directory, or "latest" (in output_dir)
+    overwrite: bool = False  # start afresh in an output_dir that already holds a run (its files are replaced)
     pipeline: AnyPipelineConfig = Field(default_factory=PipelineConfig)
     sampler: SamplerConfig = Field(default_factory=FlowSDEConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -218,6 +218,8 @@ class Trainer:
         if cfg.resume_from:  # before anything is written: a bad checkpoint must leave no files behind
             self.load(cfg.resume_from)
             self.logger.truncate_after(self.iteration)
+        else:
+            self._claim_output_dir()
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -239,6 +241,24 @@ class Trainer:
             signal.signal(signal.SIGINT, previous)
             bar.close()
         return self._finish(time.time() - started)
+
+    def _claim_output_dir(self) -> None:
+        """A fresh run never mixes its metrics or checkpoints with an earlier run's."""
+        previous = [p for p in ("metrics.jsonl", "checkpoints") if (self.run_dir / p).exists()]
+        if not previous:
+            return
+        if not self.config.overwrite:
+            raise FlowRLError(f"output_dir '{self.run_dir}' already holds a run; continue it with resume_from=latest, "
+                              "choose another output_dir, or set overwrite=true to replace it.")
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            import shutil
+
+            for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
+                (self.run_dir / name).unlink(missing_ok=True)
+            for name in ("checkpoints", "samples", "tensorboard"):
+                shutil.rmtree(self.run_dir / name, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
 
     def train_iteration(self, iteration: int) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -115,3 +116,14 @@ def test_load_config_raises_flowrl_error_for_non_mapping(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(FlowRLError, match="mapping"):
         load_config(bad)
+
+
+def test_fresh_run_refuses_an_existing_run_dir(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1})]) == 0
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1})]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == before  # nothing lost
+    assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1}), "overwrite=true"]) == 0
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]

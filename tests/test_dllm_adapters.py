@@ -16,7 +16,6 @@ import importlib
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +23,9 @@ import torch
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from flowrl.errors import FlowRLError  # noqa: E402
-from flowrl.pipelines.dllm import LLADA_MASK_TOKEN_ID, MaskedDiffusionLM, load_masked_lm  # noqa: E402
-from flowrl.types import MaskedLM  # noqa: E402
+from flowrl.errors import FlowRLError
+from flowrl.pipelines.dllm import LLADA_MASK_TOKEN_ID, MaskedDiffusionLM, load_masked_lm
+from flowrl.types import MaskedLM
 
 LLADA_VOCAB = 126464
 
@@ -150,7 +149,7 @@ class TinyLLaDAModelLM(PreTrainedModel):
 '''
 
 
-def _word_tokenizer(tmp_dir: Path, words: list[str], **special: str):
+def _word_tokenizer(words: list[str], **special: str):
     """A tiny fast tokenizer (WordLevel) with the given special tokens, saved and reloaded by AutoTokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -176,7 +175,7 @@ def bert_ckpt(tmp_path_factory):
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)
     model = BertForMaskedLM(config).eval()
     model.save_pretrained(path)
-    _word_tokenizer(path, words, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]").save_pretrained(path)
+    _word_tokenizer(words, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]").save_pretrained(path)
     return path, model
 
 
@@ -192,7 +191,7 @@ def qwen2_ckpt(tmp_path_factory):
     )
     model = Qwen2ForCausalLM(config).eval()
     model.save_pretrained(path)
-    _word_tokenizer(path, words, eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|mask|>").save_pretrained(path)
+    _word_tokenizer(words, eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|mask|>").save_pretrained(path)
     return path, model
 
 
@@ -220,7 +219,7 @@ def tinyllada_ckpt(tmp_path_factory):
         for name in [m for m in sys.modules if m.startswith(package)]:
             del sys.modules[name]
     words = ["<|endoftext|>", "[UNK]"] + [f"w{i}" for i in range(30)]
-    _word_tokenizer(path, words, eos_token="<|endoftext|>").save_pretrained(path)  # no mask token, like LLaDA's
+    _word_tokenizer(words, eos_token="<|endoftext|>").save_pretrained(path)  # no mask token, like LLaDA's
     return path, model
 
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -1,6 +1,6 @@
 """Train the embedded masked-diffusion math LM and write it where flowrl ships it.
 
-    python -m flowrl.pipelines.embedded.train_arith [--steps 1500] [--out flowrl/assets/arith_mdlm]
+    python -m flowrl.pipelines.embedded.train_arith [--steps 400] [--out flowrl/assets/arith_mdlm]
 
 The model is a tiny ``transformers.BertForMaskedLM`` (bidirectional attention) trained as a masked
 diffusion LM in LLaDA's SFT form: the prompt is never masked; each completion token is masked with
@@ -92,7 +92,7 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_prob
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "assets" / "arith_mdlm")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
