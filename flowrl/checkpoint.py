@@ -38,6 +38,25 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+@contextlib.contextmanager
+def atomic_directory(path: Path, world_readable: bool = True) -> Iterator[Path]:
+    """Yield a temporary directory beside ``path``; replace ``path`` with it only if the block succeeds.
+    ``world_readable``: mkdtemp makes the folder private, shipped assets must be readable by everyone."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    try:
+        yield tmp
+        if world_readable:
+            for p in [tmp, *tmp.rglob("*")]:
+                p.chmod(0o755 if p.is_dir() else 0o644)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     state = optimizer.state_dict()
     tensors = {f"{idx}.{name}": v.contiguous() for idx, s in state["state"].items() for name, v in s.items() if torch.is_tensor(v)}

@@ -36,3 +36,12 @@ def fast_overrides(output_dir: Path, **extra: object) -> list[str]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: more intra-op threads only add overhead (and slow badly when other jobs share the CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -148,12 +148,7 @@ def assert_same(out: RewardOutput, ref: RewardOutput, extras_prefix: str = "") -
         torch.testing.assert_close(out.extras[extras_prefix + key], value, atol=1e-6, rtol=0, equal_nan=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ from flowrl.reward_models.train_digit_classifier import split_indices, unit_imag
 from flowrl.types import RewardOutput
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: more threads only add overhead (and other jobs share the machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

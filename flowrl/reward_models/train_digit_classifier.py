@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowrl.checkpoint import atomic_directory
 from flowrl.pipelines.embedded.digits_data import load_digit_images
 from flowrl.reward_models.digit_classifier import DEFAULT_DIR, WEIGHTS_FILE, DigitClassifier
 
@@ -85,18 +84,10 @@ def save(model: DigitClassifier, out: Path, info: dict) -> None:
     """Write weights and info into a temporary sibling, then swap it in: a crash never leaves half a model."""
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS_FILE))
-    (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    # mkdtemp makes a private directory; shipped assets must be readable by everyone.
-    tmp.chmod(0o755)
-    for f in tmp.iterdir():
-        f.chmod(0o644)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        save_file(state, str(tmp / WEIGHTS_FILE))
+        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
 def train(out: Path, seed: int, epochs: int, batch_size: int, lr: float) -> dict:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ...checkpoint import atomic_directory
 from .arith_data import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems, vocabulary
 
 
@@ -73,19 +72,13 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_prob
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    model.save_pretrained(tmp)  # one directory holding model and tokenizer, like a hub checkpoint
-    tokenizer.save_pretrained(tmp)
     info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "train_problems": num_problems,
             "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1),
             "command": f"python -m flowrl.pipelines.embedded.train_arith --steps {steps} --seed {seed}"}
-    (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    for path in [tmp, *tmp.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)  # one directory holding model and tokenizer, like a hub checkpoint
+        tokenizer.save_pretrained(tmp)
+        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info))
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ...checkpoint import atomic_directory
 from .digits_data import MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, EVAL_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from .digits_models import build_text_encoder, build_unet
 
@@ -91,22 +90,15 @@ def train(kind: str, out: Path, steps: int, batch_size: int, lr: float, seed: in
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.4f}")
-    # Write into a temporary sibling, then swap in: a crash never leaves a half-written model.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    unet.save_pretrained(tmp / "unet")
-    text_encoder.save_pretrained(tmp / "text_encoder")
-    tokenizer.save_pretrained(tmp / "tokenizer")
-    scheduler.save_pretrained(tmp / "scheduler")
     info = {"kind": kind, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
             "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1),
             "command": f"python -m flowrl.pipelines.embedded.train_digits --kind {kind} --steps {steps} --seed {seed}"}
-    (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    for path in [tmp, *tmp.rglob("*")]:  # mkdtemp makes the folder private; shipped files are world-readable
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:  # a crash never leaves a half-written model
+        unet.save_pretrained(tmp / "unet")
+        text_encoder.save_pretrained(tmp / "text_encoder")
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        scheduler.save_pretrained(tmp / "scheduler")
+        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info))
 
 
