@@ -295,7 +295,25 @@ def outside_inference_mode(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
-class ClipBackedReward:
+class LazyLoadedModel:
+    """A reward whose model loads on first use (``_load`` sets ``_model``) and follows the samples'
+    device unless ``device`` pins it. Loading happens outside inference mode so later calls can take
+    gradients through it."""
+
+    _model: Any = None
+    device: str | None = None
+    _load: Any  # each reward's own loader: sets self._model
+
+    def model_on(self, device: torch.device) -> Any:
+        """The loaded model on ``self.device`` or ``device``; loads on first use."""
+        if self._model is None:
+            outside_inference_mode(self._load)
+        target = torch.device(self.device) if self.device is not None else device
+        self._model = outside_inference_mode(lambda: self._model.to(target))
+        return self._model
+
+
+class ClipBackedReward(LazyLoadedModel):
     """Lazy, frozen CLIPModel + processor shared by the CLIP-family rewards.
 
     Nothing is loaded in ``__init__``; the first call loads the model onto ``device`` (or the samples'
@@ -330,13 +348,6 @@ class ClipBackedReward:
         self._processor = processor
         self._model = model
 
-    def model_on(self, device: torch.device) -> Any:
-        """The loaded model on ``self.device`` or ``device``; loads on first use."""
-        if self._model is None:
-            outside_inference_mode(self._load)
-        target = torch.device(self.device) if self.device is not None else device
-        self._model = outside_inference_mode(lambda: self._model.to(target))
-        return self._model
 
     @property
     def processor(self) -> Any:

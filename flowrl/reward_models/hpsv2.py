@@ -31,13 +31,13 @@ from torch import Tensor
 
 from flowrl.errors import FlowRLError
 from flowrl.reward_models.clip_common import (
+    LazyLoadedModel,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     ClipPreprocess,
     as_rgb,
     check_batch,
     looks_local,
-    outside_inference_mode,
     parse_dtype,
     to_uint8_images,
 )
@@ -100,7 +100,7 @@ def resolve_checkpoint(pretrained: str, version: str) -> Path:
         ) from e
 
 
-class HPSv2Reward:
+class HPSv2Reward(LazyLoadedModel):
     """HPSv2.1 score of each image for its prompt (cosine; ``scale=100`` for the README's numbers).
 
     pretrained: hub repo (default ``xswu/HPSv2``), a checkpoint file, or a directory holding it.
@@ -149,12 +149,6 @@ class HPSv2Reward:
         self._preprocess_val = preprocess_val
         self._model = model
 
-    def model_on(self, device: torch.device) -> Any:
-        if self._model is None:
-            outside_inference_mode(self._load)
-        target = torch.device(self.device) if self.device is not None else device
-        self._model = outside_inference_mode(lambda: self._model.to(target))
-        return self._model
 
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         check_batch(samples, prompts)

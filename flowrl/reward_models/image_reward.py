@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from flowrl.errors import FlowRLError
 from flowrl.reward_models.aesthetic import AestheticHead
 from flowrl.reward_models.clip_common import (
+    LazyLoadedModel,
     read_state_dict,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -52,7 +53,6 @@ from flowrl.reward_models.clip_common import (
     check_batch,
     from_pretrained,
     looks_local,
-    outside_inference_mode,
     parse_dtype,
     processor_pixel_values,
 )
@@ -268,7 +268,7 @@ def normalize_scores(raw: Tensor) -> Tensor:
     return (raw - SCORE_MEAN) / SCORE_STD
 
 
-class ImageRewardReward:
+class ImageRewardReward(LazyLoadedModel):
     """ImageReward score (normalised head output, roughly standard normal over its training set).
 
     differentiable=True preprocesses in torch (gradients reach the images); False uses transformers'
@@ -321,12 +321,6 @@ class ImageRewardReward:
         self._tokenizer = tokenizer
         self._model = model
 
-    def model_on(self, device: torch.device) -> ImageRewardModel:
-        if self._model is None:
-            outside_inference_mode(self._load)
-        target = torch.device(self.device) if self.device is not None else device
-        self._model = outside_inference_mode(lambda: self._model.to(target))
-        return self._model
 
     def tokenize(self, prompts: Sequence[str], device: torch.device) -> tuple[Tensor, Tensor]:
         tokens = self._tokenizer(
