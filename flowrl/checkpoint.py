@@ -73,21 +73,13 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
 
 def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], config_yaml: str) -> Path:
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
-    try:
+    with atomic_directory(directory, world_readable=False) as tmp:
         # clone: tied weights (an LM's input/output embeddings) share storage, which safetensors refuses
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, str(tmp / "denoiser.safetensors"))
         opt_tensors, groups = optimizer_tensors(optimizer)
         save_file({k: v.cpu() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "optimizer": groups}, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     with atomic_path(directory.parent / "latest") as pointer:
         pointer.write_text(directory.name + "\n")
     return directory

@@ -80,18 +80,8 @@ class TextTrainer(Trainer):
         self.objective.old_and_ref(self.pipeline, traj)
         return traj
 
-    @torch.no_grad()
-    def score(self, traj: TokenTrajectory) -> TokenTrajectory:
-        out = self.reward(traj.completions, traj.prompts, traj.metadata)
-        scores = out.scores.float().cpu()
-        traj.rewards = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, float("nan")))
-        if not torch.isfinite(scores).all():
-            import warnings
-
-            warnings.warn(f"{int((~torch.isfinite(scores)).sum())} of {len(scores)} rewards were NaN or infinite; "
-                          "those samples are left out of the update.", stacklevel=2)
-        traj.reward_components = {k: v.float().cpu() for k, v in out.extras.items()}
-        return traj
+    def reward_inputs(self, traj: TokenTrajectory) -> list[str]:
+        return traj.completions
 
     @torch.no_grad()
     def evaluate(self) -> tuple[dict[str, float], list[dict]]:

@@ -110,14 +110,18 @@ class Trainer:
     @torch.no_grad()
     def score(self, traj: Trajectory) -> Trajectory:
         """Attach rewards; non-finite rewards stay NaN and are left out of the update (and counted)."""
-        out = self.reward(traj.samples, traj.prompts, traj.metadata)
-        scores = out.scores.float().to(traj.latents.device)
+        out = self.reward(self.reward_inputs(traj), traj.prompts, traj.metadata)
+        scores = out.scores.float()  # on the reward's device: the samples' for images, the CPU for text
         bad = ~torch.isfinite(scores)
         if bad.any():
             warnings.warn(f"{int(bad.sum())} of {len(scores)} rewards were NaN or infinite; those samples are left out of the update.", stacklevel=2)
         traj.rewards = torch.where(bad, torch.full_like(scores, float("nan")), scores)
         traj.reward_components = {k: v.float().to(scores.device) for k, v in out.extras.items()}
         return traj
+
+    def reward_inputs(self, traj):
+        """What the reward scores: decoded images here, decoded completions for text."""
+        return traj.samples
 
     def update(self, traj: Trajectory, iteration: int) -> dict[str, float]:
         """Run the objective's inner epochs over minibatches; one optimizer step per minibatch."""
