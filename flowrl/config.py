@@ -21,18 +21,35 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class PipelineConfig(Section):
-    name: Literal["digits"] = "digits"
-    pretrained: str = "digits_flow"  # an embedded model name or a local directory
-    device: str = "auto"  # "auto" lets accelerate place it (GPU when present)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-
-
 class LoraConfig(Section):
     r: int = Field(8, ge=1)
     alpha: int = Field(16, ge=1)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] | None = None  # None: the family's default
+
+
+# Image and video model families (flowrl/pipelines/<family>.py). "digits"/"digits_video" are the
+# embedded tiny models; the others load real diffusers checkpoints (hub id or local directory).
+IMAGE_FAMILIES = ("digits", "digits_video", "stable_diffusion", "sdxl", "sd3", "flux", "wan", "cogvideox", "wan_i2v")
+
+
+class PipelineConfig(Section):
+    """A diffusion / flow model driven through its diffusers components (see docs/model_families.md)."""
+
+    name: Literal[IMAGE_FAMILIES] = "digits"  # type: ignore[valid-type]
+    pretrained: str = "digits_flow"  # an embedded model name, a local directory, or a hub id
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    variant: str | None = None  # diffusers weight variant, e.g. "fp16"
+    device: str = "auto"  # "auto" lets accelerate place it (GPU when present)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of the frozen parts and the base model
+    lora: LoraConfig | None = None  # None: full fine-tuning of the denoiser
+    gradient_checkpointing: bool = False
+    attention: Literal["sdpa", "xformers"] = "sdpa"  # xformers needs the [gpu] extra
+    offload_frozen: bool = False  # keep text encoders / VAE on the CPU except while they run
+    height: int | None = Field(None, ge=8)  # sample size in pixels; None: the family's default
+    width: int | None = Field(None, ge=8)
+    num_frames: int | None = Field(None, ge=1)  # video families
+    max_sequence_length: int | None = Field(None, ge=1)  # text-encoder tokens (T5 families)
 
 
 class DLLMPipelineConfig(Section):
@@ -109,7 +126,12 @@ SamplerConfig = Annotated[Union[FlowSDEConfig, FlowCPSConfig, DDIMConfig, ODECon
 
 class RolloutConfig(Section):
     num_inference_steps: int = Field(10, ge=1)
-    guidance_scale: float = 1.0
+    guidance_scale: float = 1.0  # 1.0 = no guidance
+    # How guidance enters rollout and training (docs/guidance.md): "cfg" both, gradient through both
+    # branches; "cfg_detached_uncond" both, unconditional branch without gradient; "cfg_rollout_only"
+    # rollout guided, training re-scores the conditional branch alone; "embedded" the scale is a model
+    # input (FLUX.1-dev guidance embedding), one forward pass.
+    guidance_mode: Literal["cfg", "cfg_detached_uncond", "cfg_rollout_only", "embedded"] = "cfg"
     same_noise_in_group: bool = True
     sde_window_size: int | None = Field(None, ge=1)  # None: every step stochastic
     sde_window_start: int = Field(0, ge=0)

@@ -59,6 +59,12 @@ class DigitsPipeline:
         self._use_reference = False
         self._uncond: Tensor | None = None
 
+    @classmethod
+    def from_config(cls, config, device: str | torch.device) -> "DigitsPipeline":
+        from . import DTYPES
+
+        return cls(config.pretrained, device=device, dtype=DTYPES[config.dtype])
+
     def _configure_schedule(self, scheduler_dir: Path) -> None:
         config = json.loads((scheduler_dir / "scheduler_config.json").read_text())
         self.num_train_timesteps = int(config.get("num_train_timesteps", 1000))
