@@ -25,6 +25,7 @@ from .config import Config, ODEConfig, to_yaml
 from .errors import FlowRLError
 from .objectives import build_objective
 from .pipelines import build_pipeline
+from .pipelines.guidance import training_guidance_scale
 from .prompts import prompt_pool, sample_prompts
 from .reward_models import build_reward_from_config
 from .run_logger import RunLogger
@@ -64,6 +65,7 @@ class Trainer:
         """Build the modality's pipeline, samplers and objective (images here; text in TextTrainer)."""
         cfg = self.config
         self.pipeline = build_pipeline(cfg.pipeline, self.accelerator.device)
+        self.pipeline.guidance_mode = cfg.rollout.guidance_mode
         self.sampler = build_sampler(cfg.sampler, self.pipeline)
         self.eval_sampler = build_sampler(ODEConfig(), self.pipeline)
         self.objective = build_objective(cfg.objective, reward_weights=dict(cfg.reward.components))
@@ -128,6 +130,8 @@ class Trainer:
         tc = self.config.train
         with torch.no_grad():
             traj = self.objective.prepare(traj)
+        if hasattr(traj, "guidance_scale"):  # cfg_rollout_only re-scores the conditional branch alone
+            traj.guidance_scale = training_guidance_scale(self.config.rollout.guidance_mode, traj.guidance_scale)
         gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "update")
         totals: dict[str, list] = {}
         self.module.train()

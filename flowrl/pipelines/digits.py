@@ -20,6 +20,7 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import DiscreteSchedule, FlowSchedule
 from ..types import Condition
+from .guidance import guided_prediction
 from .embedded.digits_data import MAX_PROMPT_TOKENS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -58,6 +59,7 @@ class DigitsPipeline:
         self._reference: torch.nn.Module | None = None
         self._use_reference = False
         self._uncond: Tensor | None = None
+        self.guidance_mode = "cfg"  # set by the trainer from rollout.guidance_mode (see guidance.py)
 
     @classmethod
     def from_config(cls, config, device: str | torch.device) -> "DigitsPipeline":
@@ -101,17 +103,13 @@ class DigitsPipeline:
 
     def predict(self, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float = 1.0) -> Tensor:
         model = self._reference if self._use_reference else self.denoiser
-        embeds = cond["prompt_embeds"]
-        x_in = x.to(self.dtype)
-        if guidance_scale != 1.0:
-            x_in = torch.cat([x_in, x_in])
-            embeds = torch.cat([embeds, self.unconditional(x.shape[0])])
-        t = self.timestep(sigma).expand(x_in.shape[0])
-        out = model(x_in, t, embeds.to(self.dtype)).sample.float()
-        if guidance_scale != 1.0:
-            cond_out, uncond_out = out.chunk(2)
-            out = uncond_out + guidance_scale * (cond_out - uncond_out)
-        return out
+        t = self.timestep(sigma)
+
+        def forward(x_in: Tensor, c: Condition) -> Tensor:
+            return model(x_in.to(self.dtype), t.expand(x_in.shape[0]), c["prompt_embeds"].to(self.dtype)).sample
+
+        uncond = {"prompt_embeds": self.unconditional(x.shape[0])}
+        return guided_prediction(forward, x, cond, uncond, guidance_scale, self.guidance_mode)
 
     def initial_noise(self, batch: int, generator: torch.Generator) -> Tensor:
         return torch.randn((batch, 1, 8, 8), generator=generator, device=generator.device).to(self.device)
