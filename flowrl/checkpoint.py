@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError
@@ -72,8 +72,11 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
 
 
 def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], config_yaml: str) -> Path:
+                    trainer_state: dict[str, Any], config_yaml: str, extra: Callable[[Path], Any] | None = None) -> Path:
+    """Write a checkpoint directory atomically; ``extra(tmp_dir)`` may add files (e.g. a diffusers LoRA)."""
     with atomic_directory(directory, world_readable=False) as tmp:
+        if extra is not None:
+            extra(tmp)
         # clone: tied weights (an LM's input/output embeddings) share storage, which safetensors refuses
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, str(tmp / "denoiser.safetensors"))
         opt_tensors, groups = optimizer_tensors(optimizer)

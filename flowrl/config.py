@@ -68,7 +68,7 @@ class DLLMPipelineConfig(Section):
 def _pipeline_kind(value: Any) -> str:
     """``pipeline.name`` may be omitted for the image pipeline (the default family)."""
     name = value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
-    return name or "digits"
+    return "dllm" if name == "dllm" else "digits"  # every image/video family validates as PipelineConfig
 
 
 AnyPipelineConfig = Annotated[Union[Annotated[PipelineConfig, Tag("digits")], Annotated[DLLMPipelineConfig, Tag("dllm")]],

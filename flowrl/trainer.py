@@ -188,13 +188,16 @@ class Trainer:
         if self.is_main:
             weights = self._weights_to_save()
             state = {"iteration": self.iteration, "objective": states}
+            lora = getattr(self.pipeline, "has_lora", False)  # + the diffusers LoRA file, for load_lora_weights(checkpoint)
             path = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.iteration:06d}", weights, self.optimizer.optimizer
-                                   if hasattr(self.optimizer, "optimizer") else self.optimizer, state, to_yaml(self.config))
+                                   if hasattr(self.optimizer, "optimizer") else self.optimizer, state, to_yaml(self.config),
+                                   extra=self.pipeline.save_lora if lora else None)
         self.accelerator.wait_for_everyone()
         return path
 
     def _weights_to_save(self) -> dict[str, torch.Tensor]:
-        weights = dict(self.accelerator.unwrap_model(self.module).state_dict())
+        own = getattr(self.pipeline, "trainable_state_dict", None)  # LoRA runs store the adapter only
+        weights = own() if own else dict(self.accelerator.unwrap_model(self.module).state_dict())
         extra = getattr(self.objective, "extra_module", None)
         if extra is not None:  # e.g. DCoLT's unmasking-policy head
             weights.update({f"objective.{k}": v for k, v in extra.state_dict().items()})
@@ -204,7 +207,9 @@ class Trainer:
         extra = getattr(self.objective, "extra_module", None)
         if extra is not None:
             extra.load_state_dict({k[len("objective."):]: v for k, v in weights.items() if k.startswith("objective.")})
-        self.accelerator.unwrap_model(self.module).load_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
+        weights = {k: v for k, v in weights.items() if not k.startswith("objective.")}
+        own = getattr(self.pipeline, "load_trainable_state_dict", None)
+        own(weights) if own else self.accelerator.unwrap_model(self.module).load_state_dict(weights)
 
     def load(self, spec: str) -> None:
         directory = resolve_checkpoint(spec, self.run_dir)

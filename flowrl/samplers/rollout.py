@@ -64,7 +64,8 @@ def rollout(
     if stochastic_steps is None:
         stochastic_steps = torch.full((num_steps,), sampler.stochastic, dtype=torch.bool)
     stochastic_steps = stochastic_steps.clone() & sampler.stochastic
-    cond = pipeline.encode(list(prompts))
+    # image-to-video adapters condition on metadata too (the first frame): they set needs_metadata
+    cond = pipeline.encode(list(prompts), list(metadata)) if getattr(pipeline, "needs_metadata", False) else pipeline.encode(list(prompts))
     x = initial_noise if initial_noise is not None else group_noise(pipeline, group_ids, generator, same_noise_in_group)
     x = x.float()
     states, log_probs = [x], []

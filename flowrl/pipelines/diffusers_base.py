@@ -1,0 +1,277 @@
+"""What every adapter over real diffusers components shares: loading, freezing, prompt caching,
+guidance, LoRA / full fine-tuning, the KL reference, memory options, and the diffusers LoRA format.
+
+A family file (stable_diffusion.py, sdxl.py, sd3.py, flux.py, wan.py, cogvideox.py) subclasses
+:class:`DiffusersAdapter` and supplies only what differs between families:
+
+* ``_load_components()``: ``from_pretrained`` of its denoiser, text encoder(s), tokenizer(s), VAE and
+  scheduler config (through :meth:`_load`, which turns every failure into one sentence);
+* ``_encode_prompts(prompts) -> Condition``: text encodings, batch on dim 0;
+* ``_forward(model, x, sigma, cond) -> Tensor``: one denoiser call. This is the only place where
+  flowrl's ``sigma`` becomes the model's own timestep;
+* ``latent_shape()`` and ``decode(x)``.
+
+The denoising loop is flowrl's (flowrl/samplers); a diffusers pipeline's ``__call__`` is never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import FlowRLError
+from ..types import Condition, cat_conditions
+from .guidance import guided_prediction
+
+
+def resolve_source(pretrained: str) -> str:
+    """A local directory (returned as an absolute path) or a hub id (returned as is).
+
+    Anything that looks like a filesystem path but is not a directory fails here with one sentence,
+    rather than as a confusing hub lookup later.
+    """
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if pretrained.startswith((".", "/", "~")) or pretrained.count("/") > 1 or path.exists():
+        raise FlowRLError(f"pipeline.pretrained '{pretrained}' is not an existing model directory.")
+    return pretrained
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "module", module)  # DDP / accelerate wrappers
+
+
+class DiffusersAdapter:
+    """Base class of the adapters over diffusers components (see the module docstring)."""
+
+    denoiser_subfolder = "transformer"  # "unet" for the UNet families
+    lora_pipeline_class = ""  # the diffusers pipeline whose save_lora_weights writes this family's format
+    default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    default_size = (512, 512)  # (height, width) when the config gives none
+    prediction_type = "flow"
+
+    def __init__(self, config, device: str | torch.device):
+        from . import DTYPES
+
+        self.config = config
+        self.source = resolve_source(config.pretrained)
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.dtype]
+        self.guidance_mode = "cfg"  # set by the trainer from rollout.guidance_mode
+        self._prompt_cache: dict[str, Condition] = {}
+        self._reference: torch.nn.Module | None = None
+        self._use_reference = False
+        self.denoiser: torch.nn.Module
+        self._load_components()
+        for module in self.frozen_modules():
+            module.requires_grad_(False).eval()
+            module.to("cpu" if config.offload_frozen else self.device)
+        self._configure_denoiser()
+
+    @classmethod
+    def from_config(cls, config, device: str | torch.device) -> "DiffusersAdapter":
+        return cls(config, device)
+
+    # -- loading --------------------------------------------------------------------------------
+    def _load(self, cls: Any, subfolder: str | None, **kwargs) -> Any:
+        """``cls.from_pretrained(source, subfolder=...)`` with flowrl's options and one-sentence errors."""
+        options: dict[str, Any] = {"revision": self.config.revision}
+        if subfolder:
+            options["subfolder"] = subfolder
+        is_model = hasattr(cls, "save_pretrained") and not cls.__name__.endswith(("Tokenizer", "TokenizerFast", "Processor"))
+        if is_model and "Scheduler" not in cls.__name__:
+            options["torch_dtype"] = kwargs.pop("torch_dtype", self.dtype)
+            if self.config.variant:
+                options["variant"] = self.config.variant
+        try:
+            return cls.from_pretrained(self.source, **options, **kwargs)
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise FlowRLError(f"could not load {cls.__name__} from '{self.source}'{f' ({subfolder}/)' if subfolder else ''}: {first[:200]}") from None
+
+    def _load_components(self) -> None:
+        raise NotImplementedError
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Text encoders, VAE, image encoders: never trained, optionally kept on the CPU."""
+        return [m for m in (getattr(self, n, None) for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "image_encoder"))
+                if m is not None]
+
+    def _configure_denoiser(self) -> None:
+        cfg, model = self.config, self.denoiser
+        # the dtype of the denoiser's base weights, which its inputs are cast to
+        self.model_dtype = self.dtype if cfg.lora is not None else torch.float32
+        if cfg.lora is not None:
+            self._add_lora(cfg.lora)
+        elif self.dtype != torch.float32:
+            # full fine-tuning keeps fp32 master weights; bf16/fp16 enter through autocast (train.mixed_precision)
+            model.to(torch.float32)
+        model.to(self.device)
+        if cfg.gradient_checkpointing:
+            if not getattr(model, "_supports_gradient_checkpointing", False):
+                raise FlowRLError(f"{type(model).__name__} does not support gradient checkpointing.")
+            model.enable_gradient_checkpointing()
+        if cfg.attention == "xformers":
+            try:
+                import xformers  # noqa: F401
+            except ImportError:
+                raise FlowRLError("pipeline.attention=xformers needs the xformers package (pip install 'flowrl[gpu]').") from None
+            model.enable_xformers_memory_efficient_attention()
+        # otherwise diffusers' default processors call torch's scaled_dot_product_attention (SDPA)
+
+    def _add_lora(self, lora) -> None:
+        try:
+            from peft import LoraConfig
+        except ImportError:
+            raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
+        self.denoiser.requires_grad_(False)
+        targets = list(lora.target_modules or self.default_lora_targets)
+        try:
+            self.denoiser.add_adapter(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 init_lora_weights="gaussian", target_modules=targets))
+        except ValueError as e:
+            raise FlowRLError(f"pipeline.lora.target_modules {targets} do not match {type(self.denoiser).__name__}: {str(e).splitlines()[0][:160]}") from None
+        for p in self.denoiser.parameters():
+            if p.requires_grad:  # the adapter trains in fp32 over a bf16/fp16 base
+                p.data = p.data.float()
+
+    @property
+    def has_lora(self) -> bool:
+        return self.config.lora is not None
+
+    # -- conditioning ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _frozen_on_device(self, *modules: torch.nn.Module) -> Iterator[None]:
+        """With ``offload_frozen``, bring frozen modules to the device only while they run."""
+        if self.config.offload_frozen:
+            for m in modules:
+                m.to(self.device)
+        try:
+            yield
+        finally:
+            if self.config.offload_frozen:
+                for m in modules:
+                    m.to("cpu")
+
+    def _encode_prompts(self, prompts: list[str]) -> Condition:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str]) -> Condition:
+        """Text encodings (float32, on the device), computed once per distinct prompt and cached."""
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._prompt_cache))
+        if missing:
+            fresh = self._encode_prompts(missing)
+            for i, p in enumerate(missing):
+                self._prompt_cache[p] = {k: v[i : i + 1].to(self.device) for k, v in fresh.items()}
+        return cat_conditions([self._prompt_cache[p] for p in prompts])
+
+    def unconditional(self, batch: int) -> Condition:
+        return {k: v.expand(batch, *v.shape[1:]) for k, v in self.encode([""]).items()}
+
+    # -- denoising ------------------------------------------------------------------------------
+    def _forward(self, model: torch.nn.Module, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
+        raise NotImplementedError
+
+    def predict(self, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float = 1.0) -> Tensor:
+        """Model output at noise level sigma with guidance applied (float32)."""
+        model = self._reference if self._reference is not None and self._use_reference else self.denoiser
+        sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32)
+
+        def forward(x_in: Tensor, c: Condition) -> Tensor:
+            return self._forward(model, x_in, sigma, c, guidance_scale)
+
+        if self.guidance_mode == "embedded" or guidance_scale == 1.0:
+            return forward(x, cond).float()
+        return guided_prediction(forward, x, cond, self.unconditional(x.shape[0]), guidance_scale, self.guidance_mode)
+
+    def latent_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def initial_noise(self, batch: int, generator: torch.Generator) -> Tensor:
+        return torch.randn((batch, *self.latent_shape()), generator=generator, device=generator.device).to(self.device)
+
+    def decode(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def sample_size(self) -> tuple[int, int]:
+        h, w = self.config.height or self.default_size[0], self.config.width or self.default_size[1]
+        return h, w
+
+    # -- training support -----------------------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.denoiser.parameters() if p.requires_grad]
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """What a checkpoint stores: the LoRA weights only, or the whole denoiser."""
+        model = _unwrap(self.denoiser)
+        if not self.has_lora:
+            return dict(model.state_dict())
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in model.state_dict().items() if k in names}
+
+    def load_trainable_state_dict(self, weights: dict[str, Tensor]) -> None:
+        model = _unwrap(self.denoiser)
+        if not self.has_lora:
+            model.load_state_dict(weights)
+            return
+        expected = set(self.trainable_state_dict())
+        if set(weights) != expected:
+            raise RuntimeError(f"LoRA keys differ ({len(set(weights) ^ expected)} mismatched, e.g. {sorted(set(weights) ^ expected)[0]})")
+        model.load_state_dict(weights, strict=False)
+
+    def enable_reference(self) -> None:
+        """LoRA: the reference is the base model (adapters disabled), no copy. Full fine-tuning: a frozen copy."""
+        if not self.has_lora:
+            self._reference = copy.deepcopy(_unwrap(self.denoiser)).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def reference(self):
+        model = _unwrap(self.denoiser)
+        if self.has_lora:
+            model.disable_adapters()
+            try:
+                yield self
+            finally:
+                model.enable_adapters()
+            return
+        if self._reference is None:
+            raise FlowRLError("a reference model was requested but none was enabled (objective.beta is 0).")
+        self._use_reference = True
+        try:
+            yield self
+        finally:
+            self._use_reference = False
+
+    # -- export ---------------------------------------------------------------------------------
+    def save_lora(self, directory: str | Path) -> Path:
+        """Write ``pytorch_lora_weights.safetensors`` in the diffusers format, so that
+        ``DiffusionPipeline.from_pretrained(base).load_lora_weights(directory)`` reproduces this model."""
+        if not self.has_lora:
+            raise FlowRLError("save_lora needs a LoRA run (pipeline.lora is not set).")
+        import diffusers
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        model = _unwrap(self.denoiser)
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
+        prefix = self.denoiser_subfolder
+        pipeline_cls = getattr(diffusers, self.lora_pipeline_class)
+        pipeline_cls.save_lora_weights(str(directory), **{f"{prefix}_lora_layers": layers,
+                                                          f"{prefix}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
+                                       safe_serialization=True)
+        return Path(directory) / "pytorch_lora_weights.safetensors"
+
+    def merged_denoiser(self) -> torch.nn.Module:
+        """A plain copy of the denoiser with the LoRA folded into its weights (for export)."""
+        model = copy.deepcopy(_unwrap(self.denoiser))
+        if self.has_lora:
+            model.fuse_lora(lora_scale=1.0)
+            model.unload_lora()
+        return model.to(self.dtype)

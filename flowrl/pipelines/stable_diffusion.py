@@ -1,0 +1,64 @@
+"""Stable Diffusion 1.x / 2.x: UNet2DConditionModel + CLIP text encoder + AutoencoderKL.
+
+Epsilon- and v-prediction checkpoints both work (the scheduler config says which); the DDIM/DDPM
+sampler does the step math from the scheduler's alpha-bar table. Load any diffusers-layout checkpoint:
+``pipeline.name=stable_diffusion pipeline.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..samplers.schedules import DiscreteSchedule
+from ..types import Condition
+from .diffusers_base import DiffusersAdapter
+
+
+class StableDiffusionAdapter(DiffusersAdapter):
+    denoiser_subfolder = "unet"
+    lora_pipeline_class = "StableDiffusionPipeline"
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora default
+
+    def _load_components(self) -> None:
+        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+        from transformers import AutoTokenizer, CLIPTextModel
+
+        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
+        self.text_encoder = self._load(CLIPTextModel, "text_encoder")
+        self.vae = self._load(AutoencoderKL, "vae")
+        self.denoiser = self._load(UNet2DConditionModel, "unet")
+        scheduler = self._load(DDPMScheduler, "scheduler")
+        self.prediction_type = scheduler.config.prediction_type  # "epsilon" or "v_prediction"
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"unsupported prediction_type {self.prediction_type!r}")
+        self.schedule = DiscreteSchedule.from_diffusers(scheduler)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        size = self.denoiser.config.sample_size * self.vae_scale_factor
+        self.default_size = (size, size)
+
+    def _encode_prompts(self, prompts: list[str]) -> Condition:
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
+                             truncation=True, return_tensors="pt").input_ids
+        with self._frozen_on_device(self.text_encoder):
+            hidden = self.text_encoder(ids.to(self.text_encoder.device))[0]
+        return {"prompt_embeds": hidden.float()}
+
+    def timestep(self, sigma: Tensor) -> Tensor:
+        """The only sigma -> UNet timestep conversion of this family (integer DDPM step)."""
+        return self.schedule.timestep(sigma)
+
+    def _forward(self, model, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
+        t = self.timestep(sigma).to(self.device).expand(x.shape[0])
+        return model(x.to(self.model_dtype), t, encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype)).sample
+
+    def latent_shape(self) -> tuple[int, ...]:
+        h, w = self.sample_size()
+        return (self.denoiser.config.in_channels, h // self.vae_scale_factor, w // self.vae_scale_factor)
+
+    @torch.no_grad()
+    def decode(self, x: Tensor) -> Tensor:
+        with self._frozen_on_device(self.vae):
+            latents = x.to(self.vae.dtype).to(self.vae.device) / self.vae.config.scaling_factor
+            images = self.vae.decode(latents).sample.float()
+        return ((images + 1) / 2).clamp(0, 1).to(self.device)

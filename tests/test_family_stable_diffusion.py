@@ -1,0 +1,104 @@
+"""Stable Diffusion 1.x/2.x through flowrl: real diffusers classes at tiny size, saved with
+``save_pretrained`` and loaded through ``pipeline.pretrained=<dir>``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_components import (family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_tokenizer, tiny_vae,
+                                   two_grpo_iterations_change_every_parameter)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def build_tiny_sd(directory, prediction_type: str = "epsilon"):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                                cross_attention_dim=32, attention_head_dim=4, norm_num_groups=4)
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1, prediction_type=prediction_type)
+    pipe = StableDiffusionPipeline(vae=tiny_vae(), text_encoder=tiny_clip_text(), tokenizer=tiny_tokenizer(), unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sd_dir(tmp_path_factory):
+    return build_tiny_sd(tmp_path_factory.mktemp("tiny_sd"))
+
+
+@pytest.fixture(scope="module")
+def sd_v_dir(tmp_path_factory):
+    return build_tiny_sd(tmp_path_factory.mktemp("tiny_sd_v"), prediction_type="v_prediction")
+
+
+def test_loads_through_flowrl_and_samples(sd_dir):
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+
+    pipe = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(sd_dir), device="cpu"), "cpu")
+    assert pipe.prediction_type == "epsilon" and pipe.sample_size() == (16, 16)
+    images = ode_sample(pipe, ["a photo of a cat", "a dog"])
+    assert images.shape == (2, 3, 16, 16) and 0 <= images.min() and images.max() <= 1
+    assert not pipe.text_encoder.training and not any(p.requires_grad for p in pipe.text_encoder.parameters())
+    assert not any(p.requires_grad for p in pipe.vae.parameters())
+    # the prompt cache returns exactly what the text encoder gives
+    cached = pipe.encode(["a dog", "a photo of a cat"])["prompt_embeds"]
+    fresh = pipe._encode_prompts(["a dog", "a photo of a cat"])["prompt_embeds"]
+    assert torch.equal(cached, fresh)
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_two_grpo_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
+    directory = sd_dir if prediction == "epsilon" else sd_v_dir
+    trainer = two_grpo_iterations_change_every_parameter(
+        family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0}))
+    assert trainer.pipeline.prediction_type == prediction
+    rescoring_ratio_is_one(trainer)
+
+
+def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from flowrl.pipelines import pipeline_class
+
+    trainer = two_grpo_iterations_change_every_parameter(
+        family_config("stable_diffusion", sd_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}"}))
+    rescoring_ratio_is_one(trainer)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
+    ours = ode_sample(trainer.pipeline, ["a photo of a cat", "a dog"], seed=3)
+
+    # the user's path: the base checkpoint + load_lora_weights(run checkpoint), nothing of flowrl
+    pipe = StableDiffusionPipeline.from_pretrained(sd_dir)
+    pipe.load_lora_weights(checkpoint)
+    adapter = pipeline_class("stable_diffusion").from_config(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
+    adapter.denoiser = pipe.unet  # flowrl's sampler around the diffusers-loaded UNet + LoRA
+    theirs = ode_sample(adapter, ["a photo of a cat", "a dog"], seed=3)
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    base = ode_sample(pipeline_class("stable_diffusion").from_config(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu"),
+                      ["a photo of a cat", "a dog"], seed=3)
+    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
+
+    # merged export: a plain UNet whose outputs equal base + LoRA
+    merged = trainer.pipeline.merged_denoiser()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    adapter.denoiser = merged
+    torch.testing.assert_close(ode_sample(adapter, ["a photo of a cat", "a dog"], seed=3), ours, atol=1e-4, rtol=0)
+
+
+def test_bad_sources_fail_with_one_sentence(tmp_path):
+    from flowrl.config import PipelineConfig
+    from flowrl.errors import FlowRLError
+    from flowrl.pipelines import build_pipeline
+
+    with pytest.raises(FlowRLError, match="not an existing model directory"):
+        build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(tmp_path / "missing")), "cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FlowRLError, match="could not load"):
+        build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(tmp_path / "empty")), "cpu")
