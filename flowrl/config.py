@@ -224,10 +224,18 @@ class EnsembleConfig(Section):
     uncertainty: Literal["variance", "std"] = "variance"
 
 
+class FrameSelection(Section):
+    """Score videos with an image reward frame by frame (the mean), or only the first frame (the cheap proxy)."""
+
+    first_frame_only: bool = False
+    every_n: int = Field(1, ge=1)
+
+
 class RewardConfig(Section):
     components: dict[str, float] = Field(default_factory=lambda: {"digit_classifier": 1.0})  # name -> weight
     kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # name -> constructor arguments
     ensembles: dict[str, EnsembleConfig] = Field(default_factory=dict)  # new component names -> ensembles
+    video_frames: dict[str, FrameSelection] = Field(default_factory=dict)  # component -> frames an image reward scores
 
     @model_validator(mode="after")
     def _known_names(self):
@@ -235,7 +243,7 @@ class RewardConfig(Section):
 
         known = set(REWARD_NAMES) | set(self.ensembles)
         members = [m.name for e in self.ensembles.values() for m in e.members]
-        for name in list(self.components) + list(self.kwargs) + members:
+        for name in list(self.components) + list(self.kwargs) + members + list(self.video_frames):
             if name not in known or (name in members and name in self.ensembles):
                 raise ValueError(f"unknown reward '{name}'; choose one of: {', '.join(REWARD_NAMES)}")
         if not self.components:
@@ -244,10 +252,20 @@ class RewardConfig(Section):
 
 
 class PromptsConfig(Section):
-    dataset: Literal["digits", "digits_video", "arith", "gsm8k", "math500", "countdown", "sudoku"] = "digits"
+    dataset: Literal["digits", "digits_video", "arith", "gsm8k", "math500", "countdown", "sudoku", "file"] = "digits"
     eval_size: int = Field(200, ge=1)  # held-out prompts for text datasets
     train_split: str = "train"
     eval_split: str = "eval"
+    # dataset "file": one prompt per line (.txt) or JSON lines with a "prompt" key, the other keys being
+    # metadata for the rewards (.jsonl); a bundled name (flowrl/data/prompts/<name>) or a path
+    train_file: str | None = None
+    eval_file: str | None = None
+
+    @model_validator(mode="after")
+    def _files(self):
+        if self.dataset == "file" and not (self.train_file and self.eval_file):
+            raise ValueError("dataset 'file' needs both train_file and eval_file")
+        return self
 
 
 class TrainConfig(Section):

@@ -8,10 +8,15 @@ from typing import Any
 Prompt = tuple[str, dict[str, Any]]
 
 
-def prompt_pool(dataset: str, split: str, size: int = 2000) -> list[Prompt]:
+def prompt_pool(dataset: str, split: str, size: int = 2000, file: str | None = None) -> list[Prompt]:
     """The (prompt, metadata) pairs of a dataset split, in a fixed order (``size`` of them for the
-    generated arith task and the shared evaluation files)."""
+    generated arith task and the shared evaluation files; ``file`` for dataset "file")."""
     from .errors import FlowRLError
+
+    if dataset == "file":
+        from .prompt_files import read_prompt_file
+
+        return read_prompt_file(file)
 
     if dataset == "arith":
         from .pipelines.embedded.arith_data import problems
@@ -32,6 +37,13 @@ def prompt_pool(dataset: str, split: str, size: int = 2000) -> list[Prompt]:
             return prompt_set(split)
         except KeyError:
             raise FlowRLError(f"prompt split '{split}' does not exist for dataset 'digits' (use train or eval).") from None
+    if dataset == "digits_video":  # the embedded text-to-video model: "the digit three moving left"
+        from .pipelines.embedded.digits_video_data import prompt_set as video_prompt_set
+
+        try:
+            return video_prompt_set(split)
+        except KeyError:
+            raise FlowRLError(f"prompt split '{split}' does not exist for dataset 'digits_video' (use train or eval).") from None
     raise FlowRLError(f"unknown prompt dataset '{dataset}'.")
 
 

@@ -32,7 +32,7 @@ from .run_logger import RunLogger
 from .samplers import build_sampler
 from .samplers.rollout import group_noise, rollout, sde_window
 from .types import Trajectory
-from .visualize import save_grid, save_reward_curve
+from .visualize import save_grid, save_reward_curve, save_videos
 
 
 class Trainer:
@@ -53,8 +53,9 @@ class Trainer:
                                       weight_decay=config.train.weight_decay)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
         setattr(self.pipeline, self.module_attr, prepared)
-        self.train_pool = prompt_pool(config.prompts.dataset, config.prompts.train_split)
-        self.eval_pool = prompt_pool(config.prompts.dataset, config.prompts.eval_split, config.prompts.eval_size)
+        pc = config.prompts
+        self.train_pool = prompt_pool(pc.dataset, pc.train_split, file=pc.train_file)
+        self.eval_pool = prompt_pool(pc.dataset, pc.eval_split, pc.eval_size, file=pc.eval_file)
         self.iteration = 0
         self.logger = RunLogger(self.run_dir, enabled=self.is_main)
         self._stop_requested = False
@@ -318,6 +319,10 @@ class Trainer:
             save_grid(grid, self.run_dir / "samples" / f"step_{step:06d}.png", ncol=ncol)
             if tag:
                 save_grid(grid, self.run_dir / f"samples_{tag}.png", ncol=ncol)
+            if grid.ndim == 5:  # videos: also an animated grid as MP4 and GIF
+                save_videos(grid, self.run_dir / "samples" / f"step_{step:06d}", ncol=ncol)
+                if tag:
+                    save_videos(grid, self.run_dir / f"samples_{tag}", ncol=ncol)
         if log:
             self.logger.log(step, metrics)
         return metrics

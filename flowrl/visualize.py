@@ -13,7 +13,18 @@ from .checkpoint import atomic_path
 
 
 def save_grid(samples: torch.Tensor, path: Path, ncol: int, scale: int = 6, pad: int = 2) -> None:
-    """Save images (N, C, H, W) in [0, 1] as one PNG grid, rows of ``ncol``, upscaled ``scale`` x."""
+    """Save images (N, C, H, W) in [0, 1] as one PNG grid, rows of ``ncol``, upscaled ``scale`` x.
+
+    Videos (N, C, T, H, W) become a filmstrip: one row per video, its T frames left to right."""
+    if samples.ndim == 5:
+        n, c, t, h, w = samples.shape
+        samples, ncol = samples.permute(0, 2, 1, 3, 4).reshape(n * t, c, h, w), t
+    with atomic_path(path) as tmp:
+        Image.fromarray(grid_array(samples, ncol, scale, pad)).save(tmp, format="PNG")
+
+
+def grid_array(samples: torch.Tensor, ncol: int, scale: int = 1, pad: int = 2) -> np.ndarray:
+    """Images (N, C, H, W) in [0, 1] -> one uint8 (H', W', 3) grid, rows of ``ncol``."""
     n, c, h, w = samples.shape
     nrow = (n + ncol - 1) // ncol
     H, W = h * scale + pad, w * scale + pad
@@ -24,8 +35,36 @@ def save_grid(samples: torch.Tensor, path: Path, ncol: int, scale: int = 6, pad:
         img = img.transpose(1, 2, 0).repeat(scale, 0).repeat(scale, 1)
         r, col = divmod(i, ncol)
         canvas[pad + r * H : pad + r * H + h * scale, pad + col * W : pad + col * W + w * scale] = img
-    with atomic_path(path) as tmp:
-        Image.fromarray(canvas).save(tmp, format="PNG")
+    return canvas
+
+
+def save_videos(videos: torch.Tensor, stem: Path, ncol: int, fps: int = 8, scale: int | None = None) -> list[Path]:
+    """Write videos (N, C, T, H, W) in [0, 1] as one animated grid: ``stem.mp4`` (H.264 through imageio's
+    ffmpeg plugin) and ``stem.gif``. Returns the paths written."""
+    import imageio.v2 as imageio
+
+    n, c, t, h, w = videos.shape
+    if scale is None:  # tiny embedded videos are upscaled to be visible; real ones are kept as they are
+        scale = max(1, 128 // max(h, w))
+    frames = [grid_array(videos[:, :, i], ncol, scale) for i in range(t)]
+    # H.264 in yuv420p needs even sides
+    frames = [np.pad(f, ((0, f.shape[0] % 2), (0, f.shape[1] % 2), (0, 0))) for f in frames]
+    written = []
+    with atomic_path(stem.with_suffix(".gif")) as tmp:
+        imageio.mimsave(tmp, frames, format="GIF", duration=1000 / fps, loop=0)
+    written.append(stem.with_suffix(".gif"))
+    mp4 = stem.with_suffix(".mp4")
+    tmp = mp4.with_name(f".{mp4.stem}.partial.mp4")  # ffmpeg picks the container from the suffix
+    try:
+        imageio.mimsave(tmp, frames, fps=fps, codec="libx264", pixelformat="yuv420p", macro_block_size=1)
+        tmp.replace(mp4)
+        written.append(mp4)
+    except (ImportError, ValueError, RuntimeError, OSError) as e:  # no ffmpeg backend: the GIF still shows the run
+        tmp.unlink(missing_ok=True)
+        import warnings
+
+        warnings.warn(f"MP4 not written ({str(e).splitlines()[0][:120]}); install imageio-ffmpeg (flowrl[video]).", stacklevel=2)
+    return written
 
 
 def save_reward_curve(records: Sequence[dict[str, Any]], path: Path, title: str = "") -> None:

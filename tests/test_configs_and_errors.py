@@ -20,10 +20,21 @@ GRPO = CONFIGS / "digits" / "grpo.yaml"
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_preset_loads_and_names_its_command(path):
+    """Every preset (real checkpoints included: no weights needed) validates, names its launch command
+    and hardware, resolves its prompt files, and names a pipeline family and rewards that exist."""
+    from flowrl.pipelines import FAMILIES, pipeline_class
+    from flowrl.prompt_files import resolve_prompt_file
+
     config = load_config(path)
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("# flowrl train") and str(path.relative_to(REPO)) in first
+    text = path.read_text()
+    first = text.splitlines()[0]
+    assert first.startswith(("# flowrl train", "# accelerate launch")) and str(path.relative_to(REPO)) in first
+    assert "Hardware:" in text
     assert config.output_dir
+    if config.prompts.dataset == "file":
+        resolve_prompt_file(config.prompts.train_file), resolve_prompt_file(config.prompts.eval_file)
+    if config.pipeline.name in FAMILIES:
+        assert hasattr(pipeline_class(config.pipeline.name), "from_config")
 
 
 def test_overrides_apply_with_types():

@@ -58,9 +58,16 @@ def build_reward_from_config(config) -> Reward:
     def one(name: str) -> Reward:
         ensemble = config.ensembles.get(name) if hasattr(config, "ensembles") else None
         if ensemble is None:
-            return build_reward(name, **config.kwargs.get(name, {}))
-        members = [build_reward(m.name, **m.kwargs) for m in ensemble.members]
-        return RewardEnsemble(members, ensemble.mode, ensemble.coefficient, ensemble.uncertainty, name=name)
+            reward = build_reward(name, **config.kwargs.get(name, {}))
+        else:
+            members = [build_reward(m.name, **m.kwargs) for m in ensemble.members]
+            reward = RewardEnsemble(members, ensemble.mode, ensemble.coefficient, ensemble.uncertainty, name=name)
+        frames = getattr(config, "video_frames", {}).get(name)
+        if frames is not None:  # an image reward applied to videos: all frames, every n-th, or the first only
+            from .per_frame import PerFrameReward
+
+            reward = PerFrameReward(reward, every_n=frames.every_n, first_frame_only=frames.first_frame_only)
+        return reward
 
     return WeightedSum({name: one(name) for name in config.components}, dict(config.components))
 
