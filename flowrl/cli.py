@@ -14,6 +14,7 @@ EPILOG = """examples:
   flowrl train configs/digits/grpo.yaml train.iterations=10 output_dir=runs/quick
   flowrl sample runs/digits_grpo/checkpoints/step_000040 --prompt "a handwritten seven" -n 8
   flowrl eval runs/digits_grpo/checkpoints/step_000040
+  flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
 """
 
 
@@ -38,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.add_argument("--field", default="llada_generation_256", help="(.jsonl) the field holding the generations")
     e.add_argument("--gold-field", default="ground_truth", help="(.jsonl) the field holding the gold answer")
+    x = sub.add_parser("export", help="write a run checkpoint as a standalone diffusers model directory (merged weights) "
+                       "or as a diffusers LoRA file")
+    x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000040")
+    x.add_argument("out", type=Path, help="output directory (must not exist)")
+    x.add_argument("--lora-only", action="store_true", help="write only pytorch_lora_weights.safetensors (LoRA runs)")
     r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
     r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
     r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_library_progress()
     try:
-        return {"train": _train, "sample": _sample, "eval": _eval, "serve-reward": _serve_reward}[args.command](args)
+        return {"train": _train, "sample": _sample, "eval": _eval, "export": _export, "serve-reward": _serve_reward}[args.command](args)
     except FlowRLError as e:
         print(f"flowrl: error: {e}", file=sys.stderr)
         return 2
@@ -126,7 +132,6 @@ def _eval(args) -> int:
 def _sample(args) -> int:
     import torch
 
-    from .checkpoint import read_weights
     from .config import PipelineConfig
     from .pipelines import build_pipeline
     from .samplers import build_sampler
@@ -143,7 +148,8 @@ def _sample(args) -> int:
     device = "cuda" if torch.cuda.is_available() and pipe_cfg.device != "cpu" else "cpu"
     pipeline = build_pipeline(pipe_cfg, device)
     if config is not None:
-        pipeline.denoiser.load_state_dict(read_weights(source))
+        _load_checkpoint_weights(pipeline, source)
+        pipeline.guidance_mode = config.rollout.guidance_mode
     pipeline.denoiser.eval()
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     gen = torch.Generator().manual_seed(args.seed)
@@ -151,7 +157,65 @@ def _sample(args) -> int:
                    pipeline.schedule.sigmas(args.steps or steps).to(device), gen,
                    guidance if args.guidance_scale is None else args.guidance_scale, same_noise_in_group=False)
     save_grid(traj.samples, args.out, ncol=args.num_samples)
-    print(f"wrote {args.out} ({len(args.prompt)} prompt(s) x {args.num_samples} samples)")
+    written = [args.out]
+    if traj.samples.ndim == 5:  # videos: the PNG is a filmstrip; the clips themselves as MP4 and GIF
+        from .visualize import save_videos
+
+        written += save_videos(traj.samples, args.out.with_suffix(""), ncol=args.num_samples)
+    print(f"wrote {', '.join(map(str, written))} ({len(args.prompt)} prompt(s) x {args.num_samples} samples)")
+    return 0
+
+
+def _load_checkpoint_weights(pipeline, checkpoint: Path) -> None:
+    from .checkpoint import read_weights
+
+    weights = {k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")}
+    try:
+        own = getattr(pipeline, "load_trainable_state_dict", None)
+        own(weights) if own else pipeline.denoiser.load_state_dict(weights)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise FlowRLError(f"checkpoint '{checkpoint}' does not match its model ({str(e).splitlines()[0][:160]}).") from None
+
+
+def _export(args) -> int:
+    """A standalone model directory: the base model's components with the fine-tuned denoiser (LoRA
+    merged into its weights), loadable with ``DiffusionPipeline.from_pretrained(out)`` for diffusers
+    checkpoints; or, with --lora-only, the diffusers LoRA file for ``load_lora_weights``."""
+    import shutil
+
+    from .checkpoint import atomic_directory
+    from .pipelines import build_pipeline
+
+    source = Path(args.checkpoint)
+    if not (source / "config.yaml").is_file():
+        raise FlowRLError(f"'{source}' is not a run checkpoint directory (it has no config.yaml).")
+    if args.out.exists():
+        raise FlowRLError(f"export target '{args.out}' already exists; choose a new directory.")
+    config, _ = _config_for_source(str(source), [])
+    pipeline = build_pipeline(config.pipeline, "cpu")
+    _load_checkpoint_weights(pipeline, source)
+    subfolder = getattr(pipeline, "denoiser_subfolder", "unet")
+    with atomic_directory(args.out) as tmp:
+        if args.lora_only:
+            if not getattr(pipeline, "has_lora", False):
+                raise FlowRLError("--lora-only needs a LoRA run (this checkpoint fine-tuned the whole denoiser).")
+            pipeline.save_lora(tmp)
+        else:
+            merged = pipeline.merged_denoiser() if hasattr(pipeline, "merged_denoiser") else pipeline.denoiser
+            base = Path(getattr(pipeline, "source", "") or "")
+            if not base.is_dir():  # embedded models resolve to their shipped directory
+                from .pipelines.digits import resolve_pretrained
+
+                base = resolve_pretrained(config.pipeline.pretrained) if config.pipeline.name == "digits" else None
+            if base is not None and base.is_dir():
+                shutil.copytree(base, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(subfolder, "training_info.json"))
+                merged.save_pretrained(tmp / subfolder)
+            else:  # a hub id: diffusers assembles the pipeline around the merged denoiser
+                from diffusers import DiffusionPipeline
+
+                DiffusionPipeline.from_pretrained(config.pipeline.pretrained, revision=config.pipeline.revision,
+                                                  **{subfolder: merged}).save_pretrained(tmp)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -91,6 +91,17 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):
     adapter.denoiser = merged
     torch.testing.assert_close(ode_sample(adapter, ["a photo of a cat", "a dog"], seed=3), ours, atol=1e-4, rtol=0)
 
+    # `flowrl export`: a standalone diffusers directory with the LoRA merged in, and the LoRA file alone
+    from flowrl.cli import main
+
+    assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 0
+    exported = StableDiffusionPipeline.from_pretrained(tmp_path / "merged")
+    adapter.denoiser = exported.unet
+    torch.testing.assert_close(ode_sample(adapter, ["a photo of a cat", "a dog"], seed=3), ours, atol=1e-4, rtol=0)
+    assert main(["export", str(checkpoint), str(tmp_path / "lora"), "--lora-only"]) == 0
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert main(["export", str(checkpoint), str(tmp_path / "lora")]) == 2  # exists: refused, nothing touched
+
 
 def test_bad_sources_fail_with_one_sentence(tmp_path):
     from flowrl.config import PipelineConfig
