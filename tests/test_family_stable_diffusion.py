@@ -113,3 +113,46 @@ def test_bad_sources_fail_with_one_sentence(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FlowRLError, match="could not load"):
         build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(tmp_path / "empty")), "cpu")
+
+
+def test_bf16_lora_with_autocast_keeps_fp32_step_math(sd_dir, tmp_path):
+    """bf16 base weights + fp32 LoRA + bf16 autocast: trains, log-probs are fp32, re-scoring ratio == 1."""
+    trainer = two_grpo_iterations_change_every_parameter(
+        family_config("stable_diffusion", sd_dir, tmp_path / "run", sampler="ddim",
+                      **{"pipeline.lora": "{r: 4, alpha: 4}", "pipeline.dtype": "bfloat16", "train.mixed_precision": "bf16"}))
+    pipe = trainer.pipeline
+    assert pipe.text_encoder.dtype == torch.bfloat16 and pipe.vae.dtype == torch.bfloat16
+    lora = [p for n, p in pipe.denoiser.named_parameters() if "lora" in n]
+    assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora)
+    assert all(p.dtype == torch.bfloat16 for n, p in pipe.denoiser.named_parameters() if "lora" not in n)
+    traj = trainer.rollout(0)
+    assert traj.log_probs.dtype == torch.float32 and traj.latents.dtype == torch.float32
+    rescoring_ratio_is_one(trainer)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(sd_dir):
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+
+    grads = []
+    for checkpointing in (False, True):
+        pipe = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(sd_dir), gradient_checkpointing=checkpointing), "cpu")
+        pipe.denoiser.train()
+        assert pipe.denoiser.is_gradient_checkpointing == checkpointing
+        x = torch.randn(2, *pipe.latent_shape(), generator=torch.Generator().manual_seed(0))
+        pipe.predict(x, torch.tensor(0.5), pipe.encode(["a cat", "a dog"]), 2.0).square().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in pipe.denoiser.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_xformers_missing_is_one_sentence(sd_dir):
+    import importlib.util
+
+    from flowrl.config import PipelineConfig
+    from flowrl.errors import FlowRLError
+    from flowrl.pipelines import build_pipeline
+
+    if importlib.util.find_spec("xformers") is not None:
+        pytest.skip("xformers is installed here")
+    with pytest.raises(FlowRLError, match="needs the xformers package"):
+        build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(sd_dir), attention="xformers"), "cpu")
