@@ -220,3 +220,19 @@ def test_not_an_sdxl_unet_fails_with_one_sentence(tmp_path):
     directory = build_tiny_sd(tmp_path / "sd")
     with pytest.raises(FlowRLError, match="not an SDXL base checkpoint"):
         _adapter(directory)
+
+
+def test_documented_real_checkpoint_overrides_validate():
+    """docs/model_families/sdxl.md: the SD 1.5 DDPO preset with the SDXL overrides loads (no weights)."""
+    from pathlib import Path
+
+    from flowrl.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    doc = (repo / "docs" / "model_families" / "sdxl.md").read_text()
+    command = doc.split("```bash")[1].split("```")[0].replace("\\\n", " ").split()
+    start = command.index("train") + 1
+    config = load_config(repo / command[start], command[start + 1:])
+    assert config.pipeline.name == "sdxl" and config.pipeline.pretrained == "stabilityai/stable-diffusion-xl-base-1.0"
+    assert config.pipeline.dtype == "bfloat16" and config.train.mixed_precision == "bf16" and config.pipeline.lora is not None
+    assert (config.pipeline.height, config.pipeline.width) == (1024, 1024)
