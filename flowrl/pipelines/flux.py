@@ -1,0 +1,139 @@
+"""FLUX.1 (dev / schnell): FluxTransformer2DModel + CLIP (pooled) + T5 + AutoencoderKL (16 channels).
+
+Rectified flow (``prediction_type="flow"``, velocity ``noise - x0`` as FlowMatchEulerDiscreteScheduler).
+
+* Latents: flowrl keeps the trajectory in the VAE's unpacked layout ``(B, C, H/8, W/8)``; the 2x2
+  patch packing into FLUX's token sequence ``(B, H/16 * W/16, 4C)`` (and the unpacking of the output)
+  happens inside :meth:`FluxAdapter._forward`. Packing is a permutation, so log-probs are unchanged.
+* Time: the transformer takes sigma itself (diffusers passes ``timestep / 1000``); the resolution
+  shift is dynamic: ``shift = exp(mu)``, mu linear in the image token count (scheduler config
+  base/max shift), which is FlowSchedule's shift formula.
+* Guidance: FLUX.1-dev is guidance-distilled (``guidance_embeds=True``): the scale is a model input,
+  one forward per step, ``rollout.guidance_mode: embedded`` (the default this adapter sets). FLUX.1-schnell
+  has no guidance embedding: no guidance (``guidance_scale: 1``), or true CFG with ``cfg``.
+
+``pipeline.name=flux pipeline.pretrained=black-forest-labs/FLUX.1-dev``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..errors import FlowRLError
+from ..samplers.schedules import FlowSchedule
+from ..types import Condition
+from .diffusers_base import DiffusersAdapter
+from .sd3 import batch_timestep, decode_latents, flow_shift, save_transformer_lora
+
+
+def pack_latents(x: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): diffusers' FluxPipeline._pack_latents."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(x: Tensor, height: int, width: int) -> Tensor:
+    """(B, H/2 * W/2, 4C) -> (B, C, H, W), the inverse of :func:`pack_latents` (H, W in latent pixels)."""
+    b, _, d = x.shape
+    return x.view(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, height, width)
+
+
+def latent_image_ids(height: int, width: int) -> Tensor:
+    """(H/2 * W/2, 3) RoPE positions of the packed image tokens (diffusers' _prepare_latent_image_ids)."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] += torch.arange(height // 2)[:, None]
+    ids[..., 2] += torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+class FluxAdapter(DiffusersAdapter):
+    denoiser_subfolder = "transformer"
+    lora_pipeline_class = "FluxPipeline"
+    # Flow-GRPO's FLUX targets: the attention projections of the double-stream blocks (image + text)
+    # and, through the same names, q/k/v of the single-stream blocks
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    default_max_sequence_length = 512  # T5 tokens (diffusers' default; FLUX.1-schnell was trained with 256)
+
+    def __init__(self, config, device):
+        super().__init__(config, device)
+        # a guidance-distilled model (FLUX.1-dev) takes the scale as an input; the trainer may override
+        self.guidance_mode = "embedded" if self.guidance_embeds else "cfg"
+
+    # the trainer sets rollout.guidance_mode after construction: check it against the model then
+    @property
+    def guidance_mode(self) -> str:
+        return self._guidance_mode
+
+    @guidance_mode.setter
+    def guidance_mode(self, mode: str) -> None:
+        embeds = getattr(self, "guidance_embeds", None)
+        if embeds is True and mode != "embedded":
+            raise FlowRLError(f"this FLUX model is guidance-distilled (guidance_embeds=True, e.g. FLUX.1-dev): set rollout.guidance_mode "
+                              f"to 'embedded' (got '{mode}'); the scale is then a model input, one forward per step.")
+        if embeds is False and mode == "embedded":
+            raise FlowRLError("rollout.guidance_mode 'embedded' needs a guidance-distilled model, but this FLUX transformer has no "
+                              "guidance embedding (guidance_embeds=False, e.g. FLUX.1-schnell): use 'cfg' (with guidance_scale 1 for none).")
+        self._guidance_mode = mode
+
+    def _load_components(self) -> None:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
+        self.tokenizer_2 = self._load(AutoTokenizer, "tokenizer_2")
+        self.text_encoder = self._load(CLIPTextModel, "text_encoder")
+        self.text_encoder_2 = self._load(T5EncoderModel, "text_encoder_2")
+        self.vae = self._load(AutoencoderKL, "vae")
+        self.denoiser = self._load(FluxTransformer2DModel, "transformer")
+        scheduler = self._load(FlowMatchEulerDiscreteScheduler, "scheduler")
+        self.guidance_embeds = bool(self.denoiser.config.guidance_embeds)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.default_size = (128 * self.vae_scale_factor,) * 2  # diffusers' default_sample_size (1024 px)
+        self.clip_max_length = self.tokenizer.model_max_length
+        self.max_sequence_length = self.config.max_sequence_length or self.default_max_sequence_length
+        _, h, w = self.latent_shape()
+        self.img_ids = latent_image_ids(h, w).to(self.device)
+        self.txt_ids = torch.zeros(self.max_sequence_length, 3, device=self.device)
+        # FluxPipeline computes mu for every scheduler; the scheduler uses it only with use_dynamic_shifting
+        self.schedule = FlowSchedule(shift=flow_shift(scheduler.config, (h // 2) * (w // 2), default_max_shift=1.15))
+
+    # -- conditioning ---------------------------------------------------------------------------
+    def _encode_prompts(self, prompts: list[str]) -> Condition:
+        clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.clip_max_length, truncation=True,
+                                  return_tensors="pt").input_ids
+        t5_ids = self.tokenizer_2(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                                  return_tensors="pt").input_ids
+        with self._frozen_on_device(self.text_encoder, self.text_encoder_2):
+            pooled = self.text_encoder(clip_ids.to(self.text_encoder.device), output_hidden_states=False).pooler_output.float()
+            hidden = self.text_encoder_2(t5_ids.to(self.text_encoder_2.device), output_hidden_states=False)[0].float()
+        return {"prompt_embeds": hidden, "pooled_prompt_embeds": pooled.to(hidden.device)}
+
+    # -- denoising ------------------------------------------------------------------------------
+    def _forward(self, model, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
+        b, _, h, w = x.shape
+        # the only sigma -> timestep conversion of this family: the transformer takes sigma (it scales by 1000 inside)
+        t = batch_timestep(sigma, b, x.device)
+        guidance = torch.full((b,), float(guidance_scale), device=x.device) if self.guidance_embeds else None
+        out = model(hidden_states=pack_latents(x).to(self.model_dtype), timestep=t, guidance=guidance,
+                    pooled_projections=cond["pooled_prompt_embeds"].to(self.model_dtype),
+                    encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
+                    txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
+        return unpack_latents(out, h, w)
+
+    def latent_shape(self) -> tuple[int, ...]:
+        h, w = self.sample_size()
+        multiple = self.vae_scale_factor * 2
+        if h % multiple or w % multiple:
+            raise FlowRLError(f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for FLUX (2x2 latent patches).")
+        return (self.denoiser.config.in_channels // 4, h // self.vae_scale_factor, w // self.vae_scale_factor)
+
+    @torch.no_grad()
+    def decode(self, x: Tensor) -> Tensor:
+        return decode_latents(self, x)
+
+    def save_lora(self, directory) -> Path:
+        return save_transformer_lora(self, directory)

@@ -1,0 +1,181 @@
+"""Stable Diffusion 3 / 3.5: SD3Transformer2DModel (MMDiT) + two CLIPs + T5 + AutoencoderKL (16 channels).
+
+Rectified flow (``prediction_type="flow"``): the transformer predicts the velocity ``noise - x0``, the
+convention of diffusers' FlowMatchEulerDiscreteScheduler. The text encoding follows
+``StableDiffusion3Pipeline.encode_prompt`` exactly (two CLIP penultimate hidden states concatenated on
+the feature axis, padded to the T5 width and concatenated with the T5 tokens on the sequence axis;
+pooled = both CLIP projections concatenated; a checkpoint saved without T5 gets zeros in its place).
+``pipeline.name=sd3 pipeline.pretrained=stabilityai/stable-diffusion-3.5-medium``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..errors import FlowRLError
+from ..samplers.schedules import FlowSchedule
+from ..types import Condition
+from .diffusers_base import DiffusersAdapter
+
+
+def flow_shift(scheduler_config, image_seq_len: int, default_max_shift: float = 1.16) -> float:
+    """The resolution shift a FlowMatchEulerDiscreteScheduler applies, as FlowSchedule's ``shift``.
+
+    Static: ``config.shift``. Dynamic (``use_dynamic_shifting``, FLUX): ``exp(mu)`` with mu linear in the
+    image token count between (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), which
+    is exactly diffusers' exponential ``time_shift``. Options that change the sigma grid in other ways
+    (terminal stretch, Karras / exponential / beta sigmas, inverted sigmas, linear time shift) are refused.
+    """
+    get = scheduler_config.get
+    for option in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas"):
+        if get(option, None):
+            raise FlowRLError(f"the scheduler option {option}={get(option)!r} is not supported (flowrl samples on its own shifted sigma grid).")
+    if not get("use_dynamic_shifting", False):
+        return float(get("shift", 1.0))
+    if get("time_shift_type", "exponential") != "exponential":
+        raise FlowRLError(f"the scheduler's time_shift_type {get('time_shift_type')!r} is not supported (only 'exponential').")
+    base_len, max_len = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
+    base_shift, max_shift = get("base_shift", 0.5), get("max_shift", default_max_shift)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    mu = image_seq_len * m + (base_shift - m * base_len)
+    return math.exp(mu)
+
+
+def batch_timestep(sigma: Tensor, batch: int, device: torch.device) -> Tensor:
+    """sigma (scalar or (B,)) as a (B,) float32 tensor."""
+    return torch.broadcast_to(sigma.reshape(-1).float(), (batch,)).to(device)
+
+
+def model_index(adapter: DiffusersAdapter) -> dict:
+    """The checkpoint's model_index.json (which components it holds)."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        return dict(DiffusionPipeline.load_config(adapter.source, revision=adapter.config.revision))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FlowRLError(f"could not read model_index.json from '{adapter.source}': {first[:200]}") from None
+
+
+class SD3Adapter(DiffusersAdapter):
+    denoiser_subfolder = "transformer"
+    lora_pipeline_class = "StableDiffusion3Pipeline"
+    # Flow-GRPO's SD3.5 targets: the joint attention of every MMDiT block (image and text streams)
+    lora_target_suffixes = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    default_max_sequence_length = 256  # T5 tokens, diffusers' default for SD3
+
+    def _load_components(self) -> None:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+        from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+
+        components = model_index(self)
+        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
+        self.tokenizer_2 = self._load(AutoTokenizer, "tokenizer_2")
+        self.text_encoder = self._load(CLIPTextModelWithProjection, "text_encoder")
+        self.text_encoder_2 = self._load(CLIPTextModelWithProjection, "text_encoder_2")
+        # SD3 checkpoints may be saved without T5 (text_encoder_3: [null, null]): diffusers then uses zeros
+        has_t5 = (components.get("text_encoder_3") or [None])[0] is not None
+        self.tokenizer_3 = self._load(AutoTokenizer, "tokenizer_3") if has_t5 else None
+        self.text_encoder_3 = self._load(T5EncoderModel, "text_encoder_3") if has_t5 else None
+        self.vae = self._load(AutoencoderKL, "vae")
+        self.denoiser = self._load(SD3Transformer2DModel, "transformer")
+        scheduler = self._load(FlowMatchEulerDiscreteScheduler, "scheduler")
+        self.num_train_timesteps = scheduler.config.num_train_timesteps
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.patch_size = self.denoiser.config.patch_size
+        self.default_size = (self.denoiser.config.sample_size * self.vae_scale_factor,) * 2
+        self.clip_max_length = self.tokenizer.model_max_length  # diffusers' tokenizer_max_length, used for both CLIPs
+        self.max_sequence_length = self.config.max_sequence_length or self.default_max_sequence_length
+        h, w = self.latent_shape()[1:]
+        self.schedule = FlowSchedule(shift=flow_shift(scheduler.config, (h // self.patch_size) * (w // self.patch_size)))
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """Flow-GRPO's targets as full module names, less the text-stream query of the last block.
+
+        The last MMDiT block is ``context_pre_only``: its text tokens are dropped after attention, so
+        its ``attn.add_q_proj`` cannot change the output (a LoRA there would never train).
+        """
+        dead = {f"transformer_blocks.{i}.attn.add_q_proj" for i, block in enumerate(self.denoiser.transformer_blocks)
+                if block.context_pre_only}
+        return tuple(name for name, _ in self.denoiser.named_modules()
+                     if name.endswith(tuple("." + t for t in self.lora_target_suffixes)) and name not in dead)
+
+    # -- conditioning ---------------------------------------------------------------------------
+    def _clip(self, tokenizer, encoder, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        ids = tokenizer(prompts, padding="max_length", max_length=self.clip_max_length, truncation=True, return_tensors="pt").input_ids
+        out = encoder(ids.to(encoder.device), output_hidden_states=True)
+        return out.hidden_states[-2].float(), out.text_embeds.float()  # penultimate layer, pooled projection
+
+    def _t5(self, prompts: list[str]) -> Tensor:
+        if self.text_encoder_3 is None:
+            return torch.zeros(len(prompts), self.max_sequence_length, self.denoiser.config.joint_attention_dim)
+        ids = self.tokenizer_3(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                               add_special_tokens=True, return_tensors="pt").input_ids
+        return self.text_encoder_3(ids.to(self.text_encoder_3.device))[0].float()
+
+    def _encode_prompts(self, prompts: list[str]) -> Condition:
+        encoders = [m for m in (self.text_encoder, self.text_encoder_2, self.text_encoder_3) if m is not None]
+        with self._frozen_on_device(*encoders):
+            hidden_1, pooled_1 = self._clip(self.tokenizer, self.text_encoder, prompts)
+            hidden_2, pooled_2 = self._clip(self.tokenizer_2, self.text_encoder_2, prompts)
+            t5 = self._t5(prompts).to(hidden_1.device)
+        clip = torch.cat([hidden_1, hidden_2], dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))  # as diffusers (it truncates if T5 is narrower)
+        return {"prompt_embeds": torch.cat([clip, t5], dim=-2), "pooled_prompt_embeds": torch.cat([pooled_1, pooled_2], dim=-1)}
+
+    # -- denoising ------------------------------------------------------------------------------
+    def timestep(self, sigma: Tensor) -> Tensor:
+        """The only sigma -> transformer timestep conversion of this family: ``sigma * num_train_timesteps``."""
+        return sigma * self.num_train_timesteps
+
+    def _forward(self, model, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
+        t = self.timestep(batch_timestep(sigma, x.shape[0], x.device))
+        return model(hidden_states=x.to(self.model_dtype), timestep=t,
+                     encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
+                     pooled_projections=cond["pooled_prompt_embeds"].to(self.model_dtype), return_dict=False)[0]
+
+    def latent_shape(self) -> tuple[int, ...]:
+        h, w = self.sample_size()
+        multiple = self.vae_scale_factor * self.patch_size
+        if h % multiple or w % multiple:
+            raise FlowRLError(f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for this model.")
+        return (self.denoiser.config.in_channels, h // self.vae_scale_factor, w // self.vae_scale_factor)
+
+    @torch.no_grad()
+    def decode(self, x: Tensor) -> Tensor:
+        return decode_latents(self, x)
+
+    def save_lora(self, directory) -> Path:
+        return save_transformer_lora(self, directory)
+
+
+def save_transformer_lora(adapter: DiffusersAdapter, directory) -> Path:
+    """``pytorch_lora_weights.safetensors`` with the PEFT key names, as diffusers' SD3/FLUX LoRA training
+    scripts write it (``get_peft_model_state_dict``, no ``convert_state_dict_to_diffusers``: that
+    conversion renames ``to_q.lora_A`` to the old UNet-processor ``to_q.lora.down``, which the
+    transformer LoRA loaders do not read back)."""
+    if not adapter.has_lora:
+        raise FlowRLError("save_lora needs a LoRA run (pipeline.lora is not set).")
+    import diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    model = getattr(adapter.denoiser, "module", adapter.denoiser)
+    pipeline_cls = getattr(diffusers, adapter.lora_pipeline_class)
+    pipeline_cls.save_lora_weights(str(directory), transformer_lora_layers=get_peft_model_state_dict(model),
+                                   transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(), safe_serialization=True)
+    return Path(directory) / "pytorch_lora_weights.safetensors"
+
+
+def decode_latents(adapter: DiffusersAdapter, latents: Tensor) -> Tensor:
+    """(B, C, h, w) latents -> float32 images in [0, 1], undoing the VAE's scaling and shift factors."""
+    vae = adapter.vae
+    with adapter._frozen_on_device(vae):
+        z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        images = vae.decode(z).sample.float()
+    return ((images + 1) / 2).clamp(0, 1).to(adapter.device)
