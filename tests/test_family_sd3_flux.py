@@ -179,6 +179,18 @@ def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, override
     adapter.denoiser = merged
     torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale), ours, atol=1e-4, rtol=0)
 
+    # `flowrl export`: a standalone diffusers directory with the LoRA merged in, and the LoRA file alone
+    from flowrl.cli import main
+
+    assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 0
+    adapter.denoiser = pipeline_cls.from_pretrained(tmp_path / "merged").transformer
+    torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale), ours, atol=1e-4, rtol=0)
+    assert main(["export", str(checkpoint), str(tmp_path / "lora"), "--lora-only"]) == 0
+    pipe = pipeline_cls.from_pretrained(directory)
+    pipe.load_lora_weights(tmp_path / "lora")
+    adapter.denoiser = pipe.transformer
+    torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale), ours, atol=1e-5, rtol=0)
+
 
 # -- FLUX --------------------------------------------------------------------------------------------
 
