@@ -39,11 +39,11 @@ def tiny_wan_transformer(in_channels: int = 4, image_dim: int | None = None):
                                  rope_max_seq_len=32, image_dim=image_dim)
 
 
-def build_tiny_wan(directory):
+def build_tiny_wan(directory, expand_timesteps: bool = False):
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    WanPipeline(tokenizer=tiny_tokenizer(), text_encoder=tiny_t5(umt5=True), vae=tiny_wan_vae(),
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=tiny_wan_transformer()).save_pretrained(directory)
+    WanPipeline(tokenizer=tiny_tokenizer(), text_encoder=tiny_t5(umt5=True), vae=tiny_wan_vae(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                transformer=tiny_wan_transformer(), expand_timesteps=expand_timesteps).save_pretrained(directory)
     return directory
 
 
@@ -86,6 +86,11 @@ def wan_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def wan_expand_dir(tmp_path_factory):  # Wan2.2 TI2V-5B style: one timestep per token
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan_expand"), expand_timesteps=True)
+
+
+@pytest.fixture(scope="module")
 def wan_i2v_dir(tmp_path_factory):
     return build_tiny_wan_i2v(tmp_path_factory.mktemp("tiny_wan_i2v"))
 
@@ -93,6 +98,11 @@ def wan_i2v_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cogvideox_dir(tmp_path_factory):
     return build_tiny_cogvideox(tmp_path_factory.mktemp("tiny_cogvideox"))
+
+
+@pytest.fixture(scope="module")
+def cogvideox_sincos_dir(tmp_path_factory):  # CogVideoX-2b style: sinusoidal positions, no rotary embeddings
+    return build_tiny_cogvideox(tmp_path_factory.mktemp("tiny_cogvideox_sincos"), rotary=False)
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +164,19 @@ def test_wan_loads_encodes_like_wan_pipeline_and_decodes_video(wan_dir):
     assert not any(p.requires_grad for m in pipe.frozen_modules() for p in m.parameters())
 
 
-def test_wan_ode_equals_diffusers_wan_pipeline(wan_dir):
+@pytest.mark.parametrize("expand_timesteps", [False, True])
+def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     """flowrl's Euler ODE (flow_sde at noise level 0) with CFG = WanPipeline + FlowMatchEulerDiscreteScheduler
-    over the same sigmas (the checkpoint's shift 3 applied by both), from the same initial latents."""
+    over the same sigmas (the checkpoint's shift 3 applied by both), from the same initial latents; and the
+    decoded videos = the pipeline's output_type="pt" frames. Also with Wan2.2's per-token timesteps."""
     from diffusers import WanPipeline
 
     from flowrl.samplers import FlowSDESampler
     from flowrl.samplers.rollout import rollout
 
+    wan_dir = request.getfixturevalue("wan_expand_dir" if expand_timesteps else "wan_dir")
     pipe, steps, scale = load("wan", wan_dir), 4, 4.0
+    assert pipe.expand_timesteps == expand_timesteps
     noise = torch.randn(2, *pipe.latent_shape(), generator=torch.Generator().manual_seed(0))
     sigmas = pipe.schedule.sigmas(steps)
     traj = rollout(pipe, FlowSDESampler(noise_level=0.0), PROMPTS, [{}, {}], torch.arange(2), sigmas, torch.Generator().manual_seed(1),
@@ -175,8 +189,13 @@ def test_wan_ode_equals_diffusers_wan_pipeline(wan_dir):
                        latents=noise.clone(), max_sequence_length=16, output_type="latent").frames
     torch.testing.assert_close(reference.scheduler.sigmas.float(), sigmas, atol=1e-6, rtol=0)
     diff = float((traj.latents[:, -1] - theirs).abs().max())
+    print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's ODE differs from WanPipeline by {diff}"
     assert float((theirs - noise).abs().max()) > 0.1  # the model did something
+    # decoding (latents_mean / latents_std, the video VAE, [0, 1]) = the pipeline's output_type="pt" frames (B, T, 3, H, W)
+    frames = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=steps, guidance_scale=scale,
+                       latents=noise.clone(), max_sequence_length=16, output_type="pt").frames
+    torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=1e-5, rtol=0)
 
 
 def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path):
@@ -202,6 +221,26 @@ def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path
     merged = trainer.pipeline.merged_denoiser()
     assert not any("lora" in n for n, _ in merged.named_parameters())
     torch.testing.assert_close(ode_sample(with_denoiser(trainer, merged), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["wan", "cogvideox"])
+def test_bf16_lora_with_gradient_checkpointing_backpropagates(family, request):
+    """The real-checkpoint settings (bf16 base, fp32 LoRA, gradient checkpointing, CFG) give finite
+    gradients on every LoRA tensor."""
+    from flowrl.config import LoraConfig
+
+    directory = request.getfixturevalue("wan_dir" if family == "wan" else "cogvideox_dir")
+    frames = 5 if family == "wan" else 9
+    pipe = load(family, directory, dtype="bfloat16", lora=LoraConfig(r=4, alpha=8), gradient_checkpointing=True, num_frames=frames)
+    assert pipe.model_dtype == torch.bfloat16 and pipe.denoiser.is_gradient_checkpointing
+    pipe.denoiser.train()
+    x = torch.randn(2, *pipe.latent_shape())
+    out = pipe.predict(x, torch.tensor(0.6), pipe.encode(PROMPTS), guidance_scale=3.0)
+    assert out.dtype == torch.float32 and out.shape == x.shape and torch.isfinite(out).all()
+    out.square().mean().backward()
+    params = pipe.trainable_parameters()
+    assert params and all(p.dtype == torch.float32 and p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+    assert any(float(p.grad.abs().max()) > 0 for p in params)
 
 
 # -- Wan2.1 image-to-video ------------------------------------------------------------------------
@@ -233,6 +272,7 @@ def test_wan_i2v_ode_equals_diffusers_pipeline(wan_i2v_dir, prompt_files):
     theirs = reference(image=Image.open(image).convert("RGB"), prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=32, width=32, num_frames=5,
                        num_inference_steps=steps, guidance_scale=scale, latents=noise.clone(), max_sequence_length=16, output_type="latent").frames
     diff = float((traj.latents[:, -1] - theirs).abs().max())
+    print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's I2V ODE differs from WanImageToVideoPipeline by {diff}"
     # a tensor image in [0, 1] is accepted too, and conditions differently from another image
     tensor_cond = pipe.encode(PROMPTS[:1], [{"image": torch.rand(3, 24, 40)}])
@@ -271,27 +311,34 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
 
 # -- CogVideoX --------------------------------------------------------------------------------------
 
-def test_cogvideox_ddim_equals_diffusers_pipeline(cogvideox_dir):
-    """flowrl's DDIM (eta 0) over the zero-terminal-SNR v-prediction table, with rotary embeddings and the
-    (B, T, C, H, W) permutation, = CogVideoXPipeline with CogVideoXDDIMScheduler (4 trailing steps of 1000)."""
+@pytest.mark.parametrize("rotary", [True, False])
+def test_cogvideox_ddim_equals_diffusers_pipeline(request, rotary):
+    """flowrl's DDIM (eta 0) over the zero-terminal-SNR v-prediction table, with rotary (5B) or sinusoidal (2B)
+    positions and the (B, T, C, H, W) permutation, = CogVideoXPipeline with CogVideoXDDIMScheduler
+    (4 trailing steps of 1000)."""
     from diffusers import CogVideoXPipeline
 
     from flowrl.samplers import DDIMSampler
     from flowrl.samplers.rollout import rollout
 
-    pipe, steps, scale = load("cogvideox", cogvideox_dir, num_frames=9), 4, 4.0
+    directory = request.getfixturevalue("cogvideox_dir" if rotary else "cogvideox_sincos_dir")
+    pipe, steps, scale = load("cogvideox", directory, num_frames=9), 4, 4.0
     assert pipe.prediction_type == "v_prediction" and pipe.schedule.alphas_cumprod[-1] == 0  # zero terminal SNR honoured
-    reference = CogVideoXPipeline.from_pretrained(cogvideox_dir)
+    reference = CogVideoXPipeline.from_pretrained(directory)
     torch.testing.assert_close(pipe.schedule.alphas_cumprod, reference.scheduler.alphas_cumprod.double())
-    assert pipe.latent_shape() == (4, 3, 4, 4) and pipe.rotary_embeddings() is not None  # 9 frames: (9 - 1) // 4 + 1
+    assert pipe.latent_shape() == (4, 3, 4, 4) and (pipe.rotary_embeddings() is not None) == rotary  # 9 frames: (9 - 1) // 4 + 1
     noise = torch.randn(2, *pipe.latent_shape(), generator=torch.Generator().manual_seed(0))
     traj = rollout(pipe, DDIMSampler(pipe.schedule, "v_prediction", eta=0.0), PROMPTS, [{}, {}], torch.arange(2), pipe.schedule.sigmas(steps),
                    torch.Generator().manual_seed(1), scale, initial_noise=noise)
     theirs = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=steps, guidance_scale=scale,
                        latents=noise.permute(0, 2, 1, 3, 4).clone(), max_sequence_length=16, output_type="latent").frames
     diff = float((traj.latents[:, -1] - theirs.permute(0, 2, 1, 3, 4)).abs().max())
+    print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's DDIM differs from CogVideoXPipeline by {diff}"
     assert traj.samples.shape == (2, 3, 9, 32, 32) and 0 <= traj.samples.min() and traj.samples.max() <= 1
+    frames = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=steps, guidance_scale=scale,
+                       latents=noise.permute(0, 2, 1, 3, 4).clone(), max_sequence_length=16, output_type="pt").frames
+    torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=1e-5, rtol=0)
 
 
 def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_files, tmp_path):
