@@ -356,7 +356,7 @@ def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_fil
 
 # -- errors and configs -------------------------------------------------------------------------------
 
-def test_bad_video_sizes_fail_with_one_sentence(wan_dir, wan_i2v_dir):
+def test_bad_video_sizes_and_sources_fail_with_one_sentence(wan_dir, wan_i2v_dir, tmp_path):
     from flowrl.errors import FlowRLError
 
     with pytest.raises(FlowRLError, match="num_frames must be 4 \\* n \\+ 1"):
@@ -367,6 +367,10 @@ def test_bad_video_sizes_fail_with_one_sentence(wan_dir, wan_i2v_dir):
         load("wan", wan_i2v_dir)
     with pytest.raises(FlowRLError, match="use pipeline.name=wan"):
         load("wan_i2v", wan_dir)
+    (tmp_path / "empty").mkdir()
+    for name in ("wan", "wan_i2v", "cogvideox"):
+        with pytest.raises(FlowRLError, match="could not"):
+            load(name, tmp_path / "empty")
 
 
 def test_wan_config_loads_and_validates():
