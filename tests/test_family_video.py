@@ -305,6 +305,8 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
     user = WanImageToVideoPipeline.from_pretrained(wan_i2v_dir)
     user.load_lora_weights(checkpoint)
     torch.testing.assert_close(sample(with_denoiser(trainer, user.transformer)), ours, atol=1e-5, rtol=0)
+    base = sample(with_denoiser(trainer, WanImageToVideoPipeline.from_pretrained(wan_i2v_dir).transformer))
+    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
     with pytest.raises(FlowRLError, match="conditioning image"):
         trainer.pipeline.encode(PROMPTS, [{}, {}])
 
@@ -352,6 +354,8 @@ def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_fil
     user = CogVideoXPipeline.from_pretrained(cogvideox_dir)
     user.load_lora_weights(tmp_path / "run" / "checkpoints" / "step_000002")
     torch.testing.assert_close(ode_sample(with_denoiser(trainer, user.transformer), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-5, rtol=0)
+    base = ode_sample(with_denoiser(trainer, CogVideoXPipeline.from_pretrained(cogvideox_dir).transformer), PROMPTS, seed=3, guidance_scale=3.0)
+    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
 
 
 # -- errors and configs -------------------------------------------------------------------------------
