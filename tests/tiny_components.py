@@ -84,9 +84,12 @@ def family_config(name: str, pretrained: Path, output_dir: Path, sampler: str = 
 
 def two_grpo_iterations_change_every_parameter(overrides: list[str]):
     """Run two real GRPO iterations; assert every trainable tensor moved. Returns the trainer."""
+    from accelerate.state import AcceleratorState
+
     from flowrl.cli import build_trainer
     from flowrl.config import load_config
 
+    AcceleratorState._reset_state(True)  # tests build trainers with different mixed_precision in one process
     trainer = build_trainer(load_config(None, overrides))
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if p.requires_grad}
     assert before, "nothing is trainable"

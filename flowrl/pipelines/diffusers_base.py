@@ -52,6 +52,10 @@ class DiffusersAdapter:
 
     denoiser_subfolder = "transformer"  # "unet" for the UNet families
     lora_pipeline_class = ""  # the diffusers pipeline whose save_lora_weights writes this family's format
+    # UNet LoRAs are saved through convert_state_dict_to_diffusers (as diffusers' SD/SDXL LoRA scripts do);
+    # transformer LoRAs keep peft's key names: the conversion renames to_q.lora_A to the old UNet-processor
+    # to_q.lora.down, which the transformer loaders silently skip (caught by the SD3 round-trip test)
+    convert_lora_keys = False
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     default_size = (512, 512)  # (height, width) when the config gives none
     prediction_type = "flow"
@@ -260,7 +264,9 @@ class DiffusersAdapter:
         from peft.utils import get_peft_model_state_dict
 
         model = _unwrap(self.denoiser)
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
+        layers = get_peft_model_state_dict(model)
+        if self.convert_lora_keys:
+            layers = convert_state_dict_to_diffusers(layers)
         prefix = self.denoiser_subfolder
         pipeline_cls = getattr(diffusers, self.lora_pipeline_class)
         pipeline_cls.save_lora_weights(str(directory), **{f"{prefix}_lora_layers": layers,

@@ -17,7 +17,6 @@ Rectified flow (``prediction_type="flow"``, velocity ``noise - x0`` as FlowMatch
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -26,7 +25,7 @@ from ..errors import FlowRLError
 from ..samplers.schedules import FlowSchedule
 from ..types import Condition
 from .diffusers_base import DiffusersAdapter
-from .sd3 import batch_timestep, decode_latents, flow_shift, save_transformer_lora
+from .sd3 import batch_timestep, decode_latents, flow_shift
 
 
 def pack_latents(x: Tensor) -> Tensor:
@@ -134,6 +133,3 @@ class FluxAdapter(DiffusersAdapter):
     @torch.no_grad()
     def decode(self, x: Tensor) -> Tensor:
         return decode_latents(self, x)
-
-    def save_lora(self, directory) -> Path:
-        return save_transformer_lora(self, directory)

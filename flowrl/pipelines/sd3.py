@@ -11,7 +11,6 @@ pooled = both CLIP projections concatenated; a checkpoint saved without T5 gets 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -151,25 +150,6 @@ class SD3Adapter(DiffusersAdapter):
     def decode(self, x: Tensor) -> Tensor:
         return decode_latents(self, x)
 
-    def save_lora(self, directory) -> Path:
-        return save_transformer_lora(self, directory)
-
-
-def save_transformer_lora(adapter: DiffusersAdapter, directory) -> Path:
-    """``pytorch_lora_weights.safetensors`` with the PEFT key names, as diffusers' SD3/FLUX LoRA training
-    scripts write it (``get_peft_model_state_dict``, no ``convert_state_dict_to_diffusers``: that
-    conversion renames ``to_q.lora_A`` to the old UNet-processor ``to_q.lora.down``, which the
-    transformer LoRA loaders do not read back)."""
-    if not adapter.has_lora:
-        raise FlowRLError("save_lora needs a LoRA run (pipeline.lora is not set).")
-    import diffusers
-    from peft.utils import get_peft_model_state_dict
-
-    model = getattr(adapter.denoiser, "module", adapter.denoiser)
-    pipeline_cls = getattr(diffusers, adapter.lora_pipeline_class)
-    pipeline_cls.save_lora_weights(str(directory), transformer_lora_layers=get_peft_model_state_dict(model),
-                                   transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(), safe_serialization=True)
-    return Path(directory) / "pytorch_lora_weights.safetensors"
 
 
 def decode_latents(adapter: DiffusersAdapter, latents: Tensor) -> Tensor:

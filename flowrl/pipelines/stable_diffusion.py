@@ -18,6 +18,7 @@ from .diffusers_base import DiffusersAdapter
 class StableDiffusionAdapter(DiffusersAdapter):
     denoiser_subfolder = "unet"
     lora_pipeline_class = "StableDiffusionPipeline"
+    convert_lora_keys = True
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora default
 
     def _load_components(self) -> None:
