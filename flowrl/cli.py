@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the checkpoint's)")
     s.add_argument("--guidance-scale", type=float, default=None)
+    s.add_argument("--image", default=None, help="first frame for image-to-video models (wan_i2v)")
     s.add_argument("--out", type=Path, default=Path("samples.png"))
     e = sub.add_parser("eval", help="held-out evaluation reward of a checkpoint or a config's starting model; "
                        "or grade the generations recorded in a .jsonl file")
@@ -153,7 +154,10 @@ def _sample(args) -> int:
     pipeline.denoiser.eval()
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     gen = torch.Generator().manual_seed(args.seed)
-    traj = rollout(pipeline, build_sampler(ODEConfig(), pipeline), prompts, [{} for _ in prompts], torch.arange(len(prompts)),
+    if args.image is not None and not Path(args.image).is_file():
+        raise FlowRLError(f"--image '{args.image}' does not exist.")
+    metadata = [{"image": args.image} if args.image else {} for _ in prompts]
+    traj = rollout(pipeline, build_sampler(ODEConfig(), pipeline), prompts, metadata, torch.arange(len(prompts)),
                    pipeline.schedule.sigmas(args.steps or steps).to(device), gen,
                    guidance if args.guidance_scale is None else args.guidance_scale, same_noise_in_group=False)
     save_grid(traj.samples, args.out, ncol=args.num_samples)

@@ -50,6 +50,7 @@ class PipelineConfig(Section):
     width: int | None = Field(None, ge=8)
     num_frames: int | None = Field(None, ge=1)  # video families
     max_sequence_length: int | None = Field(None, ge=1)  # text-encoder tokens (T5 families)
+    flow_shift: float | None = Field(None, gt=0)  # rectified-flow families: override the checkpoint's sigma shift
 
 
 class DLLMPipelineConfig(Section):

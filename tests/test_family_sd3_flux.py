@@ -299,3 +299,15 @@ def test_real_configs_validate(path):
         assert config.pipeline.name == "flux" and config.rollout.guidance_mode == "embedded" and config.sampler.diffusion == "dance_grpo"
     else:
         assert config.pipeline.name == "sd3" and config.reward.components == {"pickscore": 1.0}
+
+
+def test_flow_shift_overrides_the_checkpoint(sd3_dir, tmp_path):
+    from flowrl.errors import FlowRLError
+    from tests.test_family_stable_diffusion import build_tiny_sd
+
+    assert load("sd3", sd3_dir).schedule.shift != 5.0
+    shifted = load("sd3", sd3_dir, flow_shift=5.0)
+    assert shifted.schedule.shift == 5.0
+    torch.testing.assert_close(shifted.schedule.sigmas(2), torch.tensor([1.0, 5 * 0.5 / (1 + 4 * 0.5), 0.0]))
+    with pytest.raises(FlowRLError, match="applies to rectified-flow models"):
+        load("stable_diffusion", build_tiny_sd(tmp_path / "sd"), flow_shift=5.0)

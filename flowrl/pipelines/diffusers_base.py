@@ -73,6 +73,12 @@ class DiffusersAdapter:
         self._use_reference = False
         self.denoiser: torch.nn.Module
         self._load_components()
+        if config.flow_shift is not None:  # override the checkpoint's (e.g. Wan 720p: 5.0, DanceGRPO's static 3.0)
+            if self.prediction_type != "flow":
+                raise FlowRLError(f"pipeline.flow_shift applies to rectified-flow models; '{config.name}' is a {self.prediction_type} model.")
+            from ..samplers.schedules import FlowSchedule
+
+            self.schedule = FlowSchedule(shift=config.flow_shift)
         for module in self.frozen_modules():
             module.requires_grad_(False).eval()
             module.to("cpu" if config.offload_frozen else self.device)
@@ -176,7 +182,9 @@ class DiffusersAdapter:
                 self._prompt_cache[p] = {k: v[i : i + 1].to(self.device) for k, v in fresh.items()}
         return cat_conditions([self._prompt_cache[p] for p in prompts])
 
-    def unconditional(self, batch: int) -> Condition:
+    def unconditional(self, batch: int, cond: Condition | None = None) -> Condition:
+        """The condition of CFG's unconditional branch: the empty prompt. ``cond`` (the conditional
+        branch's condition) lets a family keep its non-text parts, e.g. image-to-video's first frame."""
         return {k: v.expand(batch, *v.shape[1:]) for k, v in self.encode([""]).items()}
 
     # -- denoising ------------------------------------------------------------------------------
@@ -193,7 +201,7 @@ class DiffusersAdapter:
 
         if self.guidance_mode == "embedded" or guidance_scale == 1.0:
             return forward(x, cond).float()
-        return guided_prediction(forward, x, cond, self.unconditional(x.shape[0]), guidance_scale, self.guidance_mode)
+        return guided_prediction(forward, x, cond, self.unconditional(x.shape[0], cond), guidance_scale, self.guidance_mode)
 
     def latent_shape(self) -> tuple[int, ...]:
         raise NotImplementedError

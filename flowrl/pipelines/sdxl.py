@@ -89,7 +89,7 @@ class SDXLAdapter(StableDiffusionAdapter):
             pooled = out.text_embeds  # text_encoder_2's projection of the EOS token
         return {"prompt_embeds": torch.cat(hidden, dim=-1).float(), "pooled_prompt_embeds": pooled.float()}
 
-    def unconditional(self, batch: int) -> Condition:
+    def unconditional(self, batch: int, cond: Condition | None = None) -> Condition:
         """Zeros (``force_zeros_for_empty_prompt``, diffusers' default with no negative prompt) or the encoding of ""."""
         empty = self.encode([""])
         if self.force_zeros_for_empty_prompt:

@@ -190,7 +190,6 @@ class WanImageToVideoAdapter(WanAdapter):
             self.image_processor = self._load(CLIPImageProcessor, "image_processor")
         elif self.denoiser.config.image_dim is not None:
             raise FlowRLError(f"the transformer of '{self.source}' takes CLIP image embeddings but the checkpoint has no image_encoder.")
-        self._image_cond: Condition | None = None
 
     def _check_channels(self) -> None:
         expected = 2 * self.latent_channels + self.vae_scale_factor_temporal  # latents + mask + first-frame latents
@@ -261,20 +260,13 @@ class WanImageToVideoAdapter(WanAdapter):
             parts.append(done[key])
         return {**text, **cat_conditions(parts)}
 
-    def unconditional(self, batch: int) -> Condition:
+    def unconditional(self, batch: int, cond: Condition | None = None) -> Condition:
         """The empty prompt with the same image condition as the conditional branch being guided."""
+        if cond is None:
+            raise FlowRLError("wan_i2v's unconditional branch needs the conditional branch's image condition.")
         empty = DiffusersAdapter.encode(self, [""])  # text only (the cached empty prompt)
         text = {k: v.expand(batch, *v.shape[1:]) for k, v in empty.items()}
-        if self._image_cond is None:
-            raise FlowRLError("wan_i2v's unconditional branch needs the image condition; it is only available inside predict().")
-        return {**text, **self._image_cond}
-
-    def predict(self, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float = 1.0) -> Tensor:
-        self._image_cond = {k: v for k, v in cond.items() if k != "prompt_embeds"}
-        try:
-            return super().predict(x, sigma, cond, guidance_scale)
-        finally:
-            self._image_cond = None
+        return {**text, **{k: v for k, v in cond.items() if k not in text}}
 
     # -- denoising ------------------------------------------------------------------------------
     def _model_input(self, x: Tensor, cond: Condition) -> Tensor:
