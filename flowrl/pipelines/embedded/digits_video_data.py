@@ -3,9 +3,8 @@ handwritten digits (``digits_data.load_digit_images``).
 
 A clip is ``NUM_FRAMES`` frames of a ``CANVAS`` x ``CANVAS`` black canvas on which one 8x8 digit
 translates by ``SPEED`` pixels per frame in the direction the prompt names (left, right, up, down).
-Where it starts is drawn at random but always keeps the whole digit inside the canvas: along the
-motion axis within ``START_JITTER`` pixels of the position that lets it travel the full path, across it
-anywhere in the middle band. The pixels are exact copies of the digit image (no interpolation), so
+The path is centred on the canvas (optionally moved by up to ``JITTER`` pixels), so the whole digit
+stays inside it; what varies between clips is the handwriting (1797 digit images) and the direction. The pixels are exact copies of the digit image (no interpolation), so
 the centre of mass of every clip moves by exactly ``SPEED * (NUM_FRAMES - 1)`` pixels.
 
 Prompts come in two disjoint template sets, as for the image model: ``TRAIN_TEMPLATES`` (RL training
@@ -27,8 +26,7 @@ from .digits_data import IMAGE_SIZE, NUMBER_WORDS, load_digit_images
 CANVAS = 16  # frame height = width in pixels
 NUM_FRAMES = 4
 SPEED = 2  # pixels per frame
-START_JITTER = 2  # along the motion axis
-CROSS_RANGE = (2, 6)  # offset across the motion axis, inclusive
+JITTER = 0  # the path is centred; the start may move up to JITTER pixels along and across the motion axis
 # direction -> (dy, dx) per frame, image coordinates (y grows downwards)
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 DIRECTION_NAMES = list(DIRECTIONS)
@@ -43,9 +41,10 @@ def prompt_for(digit: int, direction: str, template: str) -> str:
 
 
 def prompt_set(split: str) -> list[tuple[str, dict[str, Any]]]:
-    """All (prompt, metadata) pairs of a split ("train" or "eval"), in a fixed order."""
+    """All (prompt, metadata) pairs of a split ("train" or "eval"), in a fixed order: template, digit,
+    direction (so the first 4k prompts are digits 0..k-1 in every direction)."""
     templates = {"train": TRAIN_TEMPLATES, "eval": EVAL_TEMPLATES}[split]
-    return [(prompt_for(d, m, t), {"digit": d, "direction": m}) for t in templates for m in DIRECTION_NAMES for d in range(10)]
+    return [(prompt_for(d, m, t), {"digit": d, "direction": m}) for t in templates for d in range(10) for m in DIRECTION_NAMES]
 
 
 def vocabulary() -> list[str]:
@@ -77,19 +76,19 @@ def build_tokenizer():
 
 
 # -- clips ----------------------------------------------------------------------------------------
-def start_position(direction: str, along: int, across: int) -> tuple[int, int]:
-    """Top-left (y, x) of the digit in frame 0. ``along`` in [0, START_JITTER] shifts the start along the
-    motion axis (towards the direction of motion), ``across`` in CROSS_RANGE is the other coordinate."""
+def start_position(direction: str, along: int = 0, across: int = 0) -> tuple[int, int]:
+    """Top-left (y, x) of the digit in frame 0: the path is centred on the canvas, then moved by
+    ``along`` pixels along the motion axis and ``across`` pixels across it (each in [-JITTER, JITTER])."""
     dy, dx = DIRECTIONS[direction]
-    travel = SPEED * (NUM_FRAMES - 1)
-    free = CANVAS - IMAGE_SIZE - travel  # slack along the motion axis (= START_JITTER)
-    assert 0 <= along <= free
-    # A digit moving in +axis starts near 0, one moving in -axis starts near the far edge.
-    first = along if (dy + dx) > 0 else CANVAS - IMAGE_SIZE - along
-    return (first, across) if dy else (across, first)
+    assert max(abs(along), abs(across)) <= JITTER
+    slack = CANVAS - IMAGE_SIZE - SPEED * (NUM_FRAMES - 1)  # free pixels along the motion axis
+    # A digit moving towards +y / +x starts near 0, one moving towards -y / -x near the far edge.
+    first = slack // 2 + along if (dy + dx) > 0 else CANVAS - IMAGE_SIZE - slack // 2 + along
+    centre = (CANVAS - IMAGE_SIZE) // 2 + across
+    return (first, centre) if dy else (centre, first)
 
 
-def render_clip(image: Tensor, direction: str, along: int = 0, across: int = 4) -> Tensor:
+def render_clip(image: Tensor, direction: str, along: int = 0, across: int = 0) -> Tensor:
     """One clip (1, T, CANVAS, CANVAS) in [-1, 1] (background -1) of ``image`` (1, 8, 8) in [-1, 1]."""
     dy, dx = DIRECTIONS[direction]
     y0, x0 = start_position(direction, along, across)
@@ -105,8 +104,8 @@ def sample_clips(images: Tensor, labels: Tensor, batch: int, generator: torch.Ge
     draw comes from ``generator``, so a seed fixes the clips."""
     idx = torch.randint(0, images.shape[0], (batch,), generator=generator).tolist()
     dirs = torch.randint(0, len(DIRECTION_NAMES), (batch,), generator=generator).tolist()
-    along = torch.randint(0, START_JITTER + 1, (batch,), generator=generator).tolist()
-    across = torch.randint(CROSS_RANGE[0], CROSS_RANGE[1] + 1, (batch,), generator=generator).tolist()
+    along = torch.randint(-JITTER, JITTER + 1, (batch,), generator=generator).tolist()
+    across = torch.randint(-JITTER, JITTER + 1, (batch,), generator=generator).tolist()
     clips = torch.stack([render_clip(images[i], DIRECTION_NAMES[m], a, c) for i, m, a, c in zip(idx, dirs, along, across)])
     return clips, [int(labels[i]) for i in idx], [DIRECTION_NAMES[m] for m in dirs]
 

@@ -1,16 +1,18 @@
 """Train the embedded text-to-video model ("moving digits") and write it where flowrl ships it.
 
     python -m flowrl.pipelines.embedded.train_digits_video --out flowrl/assets/digits_video
+    python -m flowrl.pipelines.embedded.train_digits_video --measure digits_video [--checkpoint runs/x/checkpoints/step_000020]
 
-The denoiser is a ``diffusers.WanTransformer3DModel`` (the Wan 2.1 text-to-video transformer: 3-D
-patches, 3-D RoPE, self-attention over all frames, cross-attention on the prompt) at tiny size, in
-pixel space (no VAE): clips (B, 1, T=4, 16, 16) in [-1, 1]. The text encoder is a tiny
-``transformers.CLIPTextModel`` trained jointly, as for the image model. Rectified flow: velocity
-target ``noise - x0`` at ``x = (1 - sigma) x0 + sigma noise``, sigma ~ U(0, 1); the prompt is dropped
-10% of the time so classifier-free guidance works. Data: ``digits_video_data.sample_clips`` (both
-template sets, every digit image). The output directory has the diffusers layout (transformer/,
-text_encoder/, tokenizer/, scheduler/ with a FlowMatchEulerDiscreteScheduler) plus training_info.json,
-and is written atomically. Deterministic for a given seed and thread count.
+The denoiser is a ``diffusers.CogVideoXTransformer3DModel`` (the CogVideoX-2b text-to-video
+transformer: 2x2 patches of every frame, 3-D sin-cos positions, full attention over the prompt and all
+frames together, adaLN on the timestep) at tiny size, in pixel space (no VAE): clips (B, 1, T=4, 16, 16)
+in [-1, 1]. The text encoder is a tiny ``transformers.CLIPTextModel`` trained jointly, as for the image
+model. Rectified flow: velocity target ``noise - x0`` at ``x = (1 - sigma) x0 + sigma noise``,
+sigma ~ U(0, 1) shifted towards noise (SD3 shift 3, also used for sampling); the prompt is dropped 10% of the time so classifier-free guidance works. Data:
+``digits_video_data.sample_clips`` (both template sets, every digit image). The output directory has
+the diffusers layout (transformer/, text_encoder/, tokenizer/, scheduler/ with a
+FlowMatchEulerDiscreteScheduler) plus training_info.json, and is written atomically. Deterministic for
+a given seed and thread count. (Why CogVideoX and not Wan 2.1 or a 3-D UNet: docs/digits_video.md.)
 """
 
 from __future__ import annotations
@@ -26,30 +28,37 @@ from tqdm import tqdm
 
 from ...checkpoint import atomic_directory
 from .digits_data import load_digit_images
-from .digits_video_data import EVAL_TEMPLATES, MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, build_tokenizer, prompt_for, sample_clips, vocabulary
+from ...samplers.schedules import shift_sigmas
+from ..digits_video import denoise
+from .digits_video_data import CANVAS, EVAL_TEMPLATES, MAX_PROMPT_TOKENS, NUM_FRAMES, TRAIN_TEMPLATES, build_tokenizer, prompt_for, sample_clips, vocabulary
 
 CFG_DROPOUT = 0.1
+# SD3/Wan time shift, for training (sigma drawn more often near noise, where the prompt decides the
+# digit and the direction) and sampling (saved in scheduler/, read by flowrl's FlowSchedule).
+SHIFT = 3.0
 TEXT_DIM = 32
 
 
 def build_transformer(width: int = 64, layers: int = 4):
-    from diffusers import WanTransformer3DModel
+    from diffusers import CogVideoXTransformer3DModel
 
-    head_dim = 32  # Wan's RoPE splits it 12 (time) + 10 (height) + 10 (width)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
+    head_dim = 32
+    return CogVideoXTransformer3DModel(
         num_attention_heads=width // head_dim,
         attention_head_dim=head_dim,
         in_channels=1,
         out_channels=1,
-        text_dim=TEXT_DIM,
-        freq_dim=64,
-        ffn_dim=2 * width,
+        time_embed_dim=width,
+        text_embed_dim=TEXT_DIM,
         num_layers=layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=64,
+        sample_width=CANVAS,
+        sample_height=CANVAS,
+        sample_frames=NUM_FRAMES,
+        patch_size=2,
+        temporal_compression_ratio=1,  # pixel space: one position per frame
+        max_text_seq_length=MAX_PROMPT_TOKENS,
+        spatial_interpolation_scale=1.0,
+        temporal_interpolation_scale=1.0,
     )
 
 
@@ -66,7 +75,7 @@ def build_text_encoder():
 def make_scheduler():
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
 
 
 def training_batch(images, labels, tokenizer, batch_size, gen):
@@ -80,17 +89,28 @@ def training_batch(images, labels, tokenizer, batch_size, gen):
 
 
 def flow_loss(transformer, text_encoder, x0, ids, gen):
+    """Rectified-flow velocity loss; sigma ~ U(0, 1) moved towards noise by the scheduler's shift."""
     b = x0.shape[0]
     noise = torch.randn(x0.shape, generator=gen)
-    sigma = torch.rand(b, generator=gen)
+    sigma = shift_sigmas(torch.rand(b, generator=gen), SHIFT)
     s = sigma.view(b, 1, 1, 1, 1)
     x = (1 - s) * x0 + s * noise
     ctx = text_encoder(ids).last_hidden_state
-    pred = transformer(x, sigma * 1000, ctx).sample
+    pred = denoise(transformer, x, sigma * 1000, ctx)
     return torch.nn.functional.mse_loss(pred, noise - x0)
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: int, layers: int) -> dict:
+def save_model(directory: Path, transformer, text_encoder, tokenizer, scheduler, info: dict) -> None:
+    with atomic_directory(directory) as tmp:  # a crash never leaves a half-written model
+        transformer.save_pretrained(tmp / "transformer")
+        text_encoder.save_pretrained(tmp / "text_encoder")
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        scheduler.save_pretrained(tmp / "scheduler")
+        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: int, layers: int,
+          snapshot_every: int = 0) -> dict:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     images, labels = load_digit_images()
@@ -103,7 +123,10 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
         opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
     start, ema = time.time(), None
     bar = tqdm(range(steps), desc="train digits_video", mininterval=5)
-    for _ in bar:
+    for step in bar:
+        if snapshot_every and step and step % snapshot_every == 0:  # to watch training; not the shipped model
+            save_model(out.parent / f"{out.name}.snapshots" / f"step_{step:06d}", transformer, text_encoder, tokenizer, scheduler,
+                       {"step": step, "loss_ema": ema})
         x0, ids = training_batch(images, labels, tokenizer, batch_size, gen)
         loss = flow_loss(transformer, text_encoder, x0, ids, gen)
         opt.zero_grad(set_to_none=True)
@@ -113,36 +136,72 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.4f}", refresh=False)
-    info = {"denoiser": "WanTransformer3DModel", "width": width, "layers": layers, "steps": steps, "batch_size": batch_size,
+    info = {"denoiser": "CogVideoXTransformer3DModel", "shift": SHIFT, "width": width, "layers": layers, "steps": steps, "batch_size": batch_size,
             "lr": lr, "seed": seed, "threads": torch.get_num_threads(), "final_loss_ema": ema,
             "train_seconds": round(time.time() - start, 1),
             "parameters": sum(p.numel() for p in transformer.parameters()) + sum(p.numel() for p in text_encoder.parameters()),
             "command": f"python -m flowrl.pipelines.embedded.train_digits_video --steps {steps} --batch-size {batch_size} "
                        f"--lr {lr} --seed {seed} --width {width} --layers {layers} --threads {torch.get_num_threads()}"}
-    with atomic_directory(out) as tmp:  # a crash never leaves a half-written model
-        transformer.save_pretrained(tmp / "transformer")
-        text_encoder.save_pretrained(tmp / "text_encoder")
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        scheduler.save_pretrained(tmp / "scheduler")
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    save_model(out, transformer, text_encoder, tokenizer, scheduler, info)
     print(json.dumps(info))
     return info
+
+
+@torch.no_grad()
+def measure(model: str, checkpoint: Path | None = None, seeds: int = 4, steps: int = 10, guidance_scale: float = 1.0, seed: int = 1234) -> dict:
+    """Sample quality of a model directory (optionally with a run checkpoint's weights) on the held-out
+    prompts: ``seeds`` ODE samples per prompt. Returns the fraction of clips moving in the prompted
+    direction (centre of mass, first to last frame), the digit classifier's accuracy on the digit cut
+    out of the first and of the last frame, and the mean ``motion_quality`` reward."""
+    from ...config import ODEConfig
+    from ...reward_models import build_reward
+    from ...samplers import build_sampler
+    from ...samplers.rollout import rollout
+    from ..digits_video import DigitsVideoPipeline
+    from .digits_video_data import digit_crops, direction_accuracy, prompt_set
+
+    pipeline = DigitsVideoPipeline(model)
+    if checkpoint is not None:
+        from ...checkpoint import read_weights
+
+        pipeline.denoiser.load_state_dict({k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")})
+    pipeline.denoiser.eval()
+    items = [item for item in prompt_set("eval") for _ in range(seeds)]
+    prompts, metadata = [p for p, _ in items], [m for _, m in items]
+    gen = torch.Generator().manual_seed(seed)
+    traj = rollout(pipeline, build_sampler(ODEConfig(), pipeline), prompts, metadata, torch.arange(len(items)),
+                   pipeline.schedule.sigmas(steps), gen, guidance_scale, same_noise_in_group=False)
+    videos = traj.samples
+    classifier, motion = build_reward("digit_classifier"), build_reward("motion_quality")
+    digit_first = classifier(digit_crops(videos, 0), prompts, metadata).extras["accuracy"]
+    digit_last = classifier(digit_crops(videos, -1), prompts, metadata).extras["accuracy"]
+    return {"samples": len(items), "direction_accuracy": round(direction_accuracy(videos, [m["direction"] for m in metadata]), 4),
+            "digit_accuracy_first_frame": round(float(digit_first.mean()), 4), "digit_accuracy_last_frame": round(float(digit_last.mean()), 4),
+            "motion_quality": round(float(motion(videos, prompts, metadata).scores.mean()), 4)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--snapshot-every", type=int, default=0, help="also write the model every N steps to OUT.snapshots/")
+    p.add_argument("--measure", metavar="MODEL_DIR", default=None,
+                   help="instead of training, print the sample quality of MODEL_DIR on the held-out prompts")
+    p.add_argument("--checkpoint", type=Path, default=None, help="with --measure: a run checkpoint whose weights to use")
+    p.add_argument("--guidance-scale", type=float, default=1.0, help="with --measure")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if a.measure:
+        print(json.dumps(measure(a.measure, a.checkpoint, guidance_scale=a.guidance_scale)))
+        return
     out = a.out or Path(__file__).resolve().parents[2] / "assets" / "digits_video"
-    train(out, a.steps, a.batch_size, a.lr, a.seed, a.width, a.layers)
+    train(out, a.steps, a.batch_size, a.lr, a.seed, a.width, a.layers, a.snapshot_every)
 
 
 if __name__ == "__main__":
