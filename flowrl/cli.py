@@ -145,7 +145,8 @@ def _sample(args) -> int:
         config, _ = _config_for_source(args.source, [])
         pipe_cfg, steps, guidance = config.pipeline, config.rollout.num_inference_steps, config.rollout.guidance_scale
     else:
-        pipe_cfg, steps, guidance, config = PipelineConfig(pretrained=args.source), 10, 1.0, None
+        family = "digits_video" if args.source == "digits_video" else "digits"  # the embedded models by name
+        pipe_cfg, steps, guidance, config = PipelineConfig(name=family, pretrained=args.source), 10, 1.0, None
     device = "cuda" if torch.cuda.is_available() and pipe_cfg.device != "cpu" else "cpu"
     pipeline = build_pipeline(pipe_cfg, device)
     if config is not None:
