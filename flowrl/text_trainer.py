@@ -29,6 +29,20 @@ EMBEDDED_LMS = {"arith_mdlm": Path(__file__).resolve().parent / "assets" / "arit
 NUM_EVAL_SAMPLES_SHOWN = 12
 
 
+def draw_mask_seeds(groups: int, group_size: int, num_seeds: int, shared: bool, gen: torch.Generator) -> torch.Tensor:
+    """(groups * group_size, num_seeds) estimator mask seeds for a rollout whose rows come group by group.
+
+    ``shared``: every completion of a prompt gets the same seeds, so the estimator masks the same positions
+    in all of them (common random numbers). The group-relative advantages sum to zero within a group, so
+    whatever the completions have in common (format tokens, the prompt) then cancels from the gradient
+    instead of adding mask noise; d1 goes further and shares one seed across the whole batch. Each row's
+    estimate is distributed exactly as with its own seed.
+    """
+    rows = groups if shared else groups * group_size
+    seeds = torch.randint(0, 2**62, (rows, num_seeds), generator=gen)
+    return seeds.repeat_interleave(group_size, 0) if shared else seeds
+
+
 class TextTrainer(Trainer):
     module_attr = "model"
 
@@ -74,7 +88,8 @@ class TextTrainer(Trainer):
         traj = self._generate(prompts, self.config.sampler.temperature, gen)
         traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(tc.num_generations)]
         traj.group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + self.rank * groups
-        traj.mask_seeds = torch.randint(0, 2**62, (len(prompts), self.config.objective.num_mask_seeds), generator=gen)
+        traj.mask_seeds = draw_mask_seeds(groups, tc.num_generations, self.config.objective.num_mask_seeds,
+                                          self.config.objective.group_shared_masks, gen)
         # The rollout policy's log-likelihood estimates (and the reference's) are part of the record, computed
         # with the weights that generated it, before any update: the first ratio is exactly 1.
         self.objective.old_and_ref(self.pipeline, traj)

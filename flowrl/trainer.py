@@ -48,8 +48,7 @@ class Trainer:
         self._check_capabilities()
         if getattr(self.objective, "needs_reference", False):
             self.pipeline.enable_reference()
-        params = self.trainable_parameters()
-        optimizer = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
+        optimizer = torch.optim.AdamW(self._parameter_groups(), lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
                                       weight_decay=config.train.weight_decay)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
         setattr(self.pipeline, self.module_attr, prepared)
@@ -77,6 +76,16 @@ class Trainer:
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return self.pipeline.trainable_parameters() + list(getattr(self.objective, "extra_parameters", lambda: [])())
+
+    def _parameter_groups(self) -> list[dict]:
+        """The model's parameters at train.learning_rate; an objective's own module (DCoLT's unmasking-policy
+        head) at learning_rate * its ``extra_lr_scale``: a freshly initialised head of a few hundred
+        parameters needs a far larger step than the pretrained model it steers."""
+        groups = [{"params": self.pipeline.trainable_parameters()}]
+        extra = list(getattr(self.objective, "extra_parameters", lambda: [])())
+        if extra:
+            groups.append({"params": extra, "lr": self.config.train.learning_rate * getattr(self.objective, "extra_lr_scale", 1.0)})
+        return groups
 
     # -- start-up checks ------------------------------------------------------------------------
     def _check_divisibility(self) -> None:

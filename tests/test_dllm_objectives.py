@@ -54,6 +54,34 @@ def test_first_update_ratio_is_one(config):
                 assert float(out.metrics["policy/clipfrac"]) == 0.0
 
 
+@pytest.mark.parametrize("config", [DiffuGRPOConfig(), UniGRPOConfig(), BGPOConfig()], ids=lambda c: c.name)
+def test_group_shared_masks_cancel_what_a_group_has_in_common(config):
+    """Four identical completions of one prompt with advantages summing to zero: with the group's masks shared
+    (draw_mask_seeds(shared=True)) the policy gradient is exactly zero; with a seed per row it is mask noise."""
+    from flowrl.text_trainer import draw_mask_seeds
+
+    lm = _lm()
+    objective = build_dllm_objective(config, MaskedSamplerConfig(), lm.mask_token_id)
+    params = [p for p in lm.model.parameters() if p.requires_grad]
+    norms = {}
+    for shared in (True, False):
+        traj = _rollout(lm, n=4, seeds=1)[torch.zeros(4, dtype=torch.long)]  # one prompt, one completion, 4 times
+        traj.group_ids, traj.rewards = torch.zeros(4, dtype=torch.long), torch.tensor([1.0, 0.0, 1.0, 0.0])
+        traj.mask_seeds = draw_mask_seeds(1, 4, 1, shared, torch.Generator().manual_seed(0))
+        assert (traj.mask_seeds == traj.mask_seeds[0]).all() == shared
+        objective.old_and_ref(lm, traj)
+        traj = objective.prepare(traj)
+        assert traj.advantages.sum().abs() < 1e-6 and traj.advantages.abs().sum() > 1
+        for p in params:
+            p.grad = None
+        for out in objective.losses(lm, None, traj, torch.Generator()):
+            out.loss.backward()
+        norms[shared] = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)).item()
+    for p in params:
+        p.grad = None
+    assert norms[False] > 1e-3 and norms[True] < 1e-4 * norms[False]  # zero up to float32 rounding
+
+
 def test_bgpo_equals_elbo_grpo_on_policy_in_value_and_gradient():
     """On-policy (ratio 1) BGPO's bound and its gradient equal ELBO-GRPO's: the tangent (A >= 0) and the
     Jensen bound (A < 0) both touch exp at d = 0 with slope 1."""
@@ -98,3 +126,14 @@ def test_text_trainer_two_iterations(tmp_path, name):
         assert {"reward/mean", "reward/math_answer", "loss/policy", "policy/ratio_mean", "train/grad_norm"} <= set(r)
     assert "eval/reward/mean" in rows[0] and (tmp_path / "samples_after.jsonl").is_file()
     assert (tmp_path / "checkpoints" / "step_000002" / "denoiser.safetensors").is_file()
+
+
+def test_dcolt_head_learning_rate_scale(tmp_path):
+    """objective.scorer_lr_scale sets the unmasking-policy head's learning rate relative to the LM's."""
+    from flowrl.text_trainer import TextTrainer
+
+    trainer = TextTrainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path}", "train.learning_rate=1e-5",
+                                                                          "objective.scorer_lr_scale=50", "log.progress=false"]))
+    lm_group, head_group = trainer.optimizer.param_groups
+    assert lm_group["lr"] == pytest.approx(1e-5) and head_group["lr"] == pytest.approx(5e-4)
+    assert {id(p) for p in head_group["params"]} == {id(p) for p in trainer.objective.head.parameters()}

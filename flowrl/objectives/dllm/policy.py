@@ -165,6 +165,7 @@ class DCoLTObjective(_DLLMBase):
 
     block_length: int | None = None
     mask_token_id: int | None = None
+    extra_lr_scale: float = 1.0  # the head's learning rate relative to the LM's (config: scorer_lr_scale)
     head: UnmaskingPolicyHead = field(default_factory=UnmaskingPolicyHead)
 
     @property
@@ -210,4 +211,5 @@ def build_dllm_objective(config, sampler_config, mask_token_id: int | None = Non
         return TokenPolicyObjective(**common, std_eps=1e-8, estimator=AnswerMaskEstimator(config.mask_low, config.mask_high))
     if config.name == "bgpo":
         return BGPOObjective(**common, num_mc_samples=config.num_mc_samples, naive=config.naive)
-    return DCoLTObjective(**common, std_eps=config.std_eps, block_length=sampler_config.block_length, mask_token_id=mask_token_id)
+    return DCoLTObjective(**common, std_eps=config.std_eps, block_length=sampler_config.block_length, mask_token_id=mask_token_id,
+                          extra_lr_scale=config.scorer_lr_scale)
