@@ -49,16 +49,30 @@ def is_held_out(prompt: str) -> bool:
     return hashlib.sha256(prompt.encode()).digest()[0] < 51
 
 
-def problems(split: str, n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """``n`` (prompt, {"answer", "solution"}) pairs of the "train" or "eval" split, deterministic in seed."""
+def off_by_one(completion: str, answer: int) -> str:
+    """The flawed solution: the working is right, the answer written in the tags is one off."""
+    wrong = answer + 1 if answer < MAX_NUMBER else answer - 1
+    return completion.replace(f"<answer> {answer} </answer>", f"<answer> {wrong} </answer>")
+
+
+def problems(split: str, n: int, seed: int, flaw_rate: float = 0.0) -> list[tuple[str, dict[str, Any]]]:
+    """``n`` (prompt, {"answer", "solution"}) pairs of the "train" or "eval" split, deterministic in seed.
+
+    ``flaw_rate``: the fraction of problems whose "solution" writes a final answer one off from its own
+    (correct) working (``off_by_one``; "answer" stays the true one). The shipped model's SFT data has
+    such careless answers, so the model has a systematic mistake that an answer-correctness reward can
+    remove. The problems drawn do not depend on ``flaw_rate``.
+    """
     if split not in ("train", "eval"):
         raise KeyError(split)
-    rng, out, seen = random.Random(seed), [], set()
+    rng, flaw_rng, out, seen = random.Random(seed), random.Random(seed + 1), [], set()
     while len(out) < n:
         prompt, completion, answer = make_problem(rng)
         if is_held_out(prompt) != (split == "eval") or prompt in seen:
             continue
         seen.add(prompt)
+        if flaw_rng.random() < flaw_rate:
+            completion = off_by_one(completion, answer)
         out.append((prompt, {"answer": str(answer), "solution": completion}))
     return out
 

@@ -1,12 +1,18 @@
 """Train the embedded masked-diffusion math LM and write it where flowrl ships it.
 
-    python -m flowrl.pipelines.embedded.train_arith [--steps 400] [--out flowrl/assets/arith_mdlm]
+    python -m flowrl.pipelines.embedded.train_arith [--steps 1000] [--flaw-rate 0.3] [--out flowrl/assets/arith_mdlm]
 
 The model is a tiny ``transformers.BertForMaskedLM`` (bidirectional attention) trained as a masked
 diffusion LM in LLaDA's SFT form: the prompt is never masked; each completion token is masked with
 probability t ~ U(0, 1) (at least one), and the loss is the cross-entropy of the masked tokens (their
-plain mean; LLaDA's 1/t weighting gives the same minimiser with more variance at this scale). Training
-is kept short on purpose so the model is useful but imperfect and RL has room.
+plain mean; LLaDA's 1/t weighting gives the same minimiser with more variance at this scale).
+
+The SFT data is deliberately imperfect: in 30% of the solutions the working is right but the answer
+written in the tags is one off (``arith_data.off_by_one``). The model learns that habit (about a quarter
+of its greedy answers are one off), and an answer-correctness reward can remove it: a systematic
+mistake is what RL fixes quickly. Making the arithmetic itself better is what it does not do at this
+scale on a CPU (measured: docs/objectives/dllm.md).
+
 Writes the model, its tokenizer and ``training_info.json`` into one directory; deterministic for a seed and thread count.
 """
 
@@ -46,11 +52,11 @@ def encode(tokenizer, pairs):
     return ids, mask
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int) -> None:
+def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int, flaw_rate: float) -> None:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     tokenizer = build_tokenizer()
-    ids, attn = encode(tokenizer, problems("train", num_problems, seed))
+    ids, attn = encode(tokenizer, problems("train", num_problems, seed, flaw_rate))
     model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
@@ -72,9 +78,9 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_prob
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
-    info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "train_problems": num_problems,
+    info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "train_problems": num_problems, "flaw_rate": flaw_rate,
             "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1),
-            "command": f"python -m flowrl.pipelines.embedded.train_arith --steps {steps} --seed {seed}"}
+            "command": f"python -m flowrl.pipelines.embedded.train_arith --steps {steps} --seed {seed} --flaw-rate {flaw_rate}"}
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)  # one directory holding model and tokenizer, like a hub checkpoint
         tokenizer.save_pretrained(tmp)
@@ -85,15 +91,16 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_prob
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "assets" / "arith_mdlm")
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--problems", type=int, default=4000)
+    p.add_argument("--flaw-rate", type=float, default=0.3, help="fraction of SFT solutions whose final answer is one off")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    train(a.out, a.steps, a.batch_size, a.lr, a.seed, a.problems)
+    train(a.out, a.steps, a.batch_size, a.lr, a.seed, a.problems, a.flaw_rate)
 
 
 if __name__ == "__main__":
