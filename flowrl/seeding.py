@@ -11,7 +11,7 @@ import random
 import numpy as np
 import torch
 
-PURPOSES = {"prompts": 0, "rollout": 1, "update": 2, "eval": 3}
+PURPOSES = {"prompts": 0, "rollout": 1, "update": 2, "eval": 3, "init": 4}
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -24,3 +24,9 @@ def torch_generator(seed: int, iteration: int, rank: int, purpose: str, device: 
 
 def python_rng(seed: int, iteration: int, rank: int, purpose: str) -> random.Random:
     return random.Random(derive_seed(seed, iteration, rank, PURPOSES[purpose]))
+
+
+def seed_initialisation(seed: int) -> None:
+    """Seed the global torch RNG that fresh modules draw their initial weights from (LoRA adapters, DCoLT's
+    unmasking-policy head), identically on every process, so a run's seed fixes its initial weights."""
+    torch.manual_seed(derive_seed(seed, 0, 0, PURPOSES["init"]))

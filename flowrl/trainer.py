@@ -44,6 +44,7 @@ class Trainer:
         self._check_divisibility()
         self.run_dir = Path(config.output_dir)
         self.reward = build_reward_from_config(config.reward)
+        seeding.seed_initialisation(config.seed)
         self._build_components()
         self._check_capabilities()
         if getattr(self.objective, "needs_reference", False):

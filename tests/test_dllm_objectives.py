@@ -137,3 +137,16 @@ def test_dcolt_head_learning_rate_scale(tmp_path):
     lm_group, head_group = trainer.optimizer.param_groups
     assert lm_group["lr"] == pytest.approx(1e-5) and head_group["lr"] == pytest.approx(5e-4)
     assert {id(p) for p in head_group["params"]} == {id(p) for p in trainer.objective.head.parameters()}
+
+
+def test_seed_fixes_the_initial_weights_of_fresh_modules(tmp_path):
+    """DCoLT's unmasking-policy head is created by the trainer: the same config seed gives the same head."""
+    from flowrl.text_trainer import TextTrainer
+
+    heads = []
+    for seed in (0, 0, 1):
+        torch.randn(7)  # whatever the global RNG did before must not matter
+        trainer = TextTrainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path / str(len(heads))}", f"seed={seed}",
+                                                                              "log.progress=false"]))
+        heads.append(torch.cat([p.detach().flatten() for p in trainer.objective.head.parameters()]))
+    assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
