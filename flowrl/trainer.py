@@ -75,15 +75,19 @@ class Trainer:
     def module(self) -> torch.nn.Module:
         return getattr(self.pipeline, self.module_attr)
 
+    def _objective_parameters(self) -> list[torch.nn.Parameter]:
+        """An objective's own trainable module (DCoLT's unmasking-policy head); none for most."""
+        return list(getattr(self.objective, "extra_parameters", lambda: [])())
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return self.pipeline.trainable_parameters() + list(getattr(self.objective, "extra_parameters", lambda: [])())
+        return self.pipeline.trainable_parameters() + self._objective_parameters()
 
     def _parameter_groups(self) -> list[dict]:
-        """The model's parameters at train.learning_rate; an objective's own module (DCoLT's unmasking-policy
-        head) at learning_rate * its ``extra_lr_scale``: a freshly initialised head of a few hundred
-        parameters needs a far larger step than the pretrained model it steers."""
+        """The model's parameters at train.learning_rate; an objective's own module at learning_rate * its
+        ``extra_lr_scale`` (a freshly initialised head can be given a different step from the pretrained
+        model it steers)."""
         groups = [{"params": self.pipeline.trainable_parameters()}]
-        extra = list(getattr(self.objective, "extra_parameters", lambda: [])())
+        extra = self._objective_parameters()
         if extra:
             groups.append({"params": extra, "lr": self.config.train.learning_rate * getattr(self.objective, "extra_lr_scale", 1.0)})
         return groups

@@ -15,6 +15,7 @@ from flowrl.objectives.grpo import build_grpo
 from flowrl.pipelines import build_pipeline
 from flowrl.samplers import build_sampler
 from flowrl.samplers.rollout import rollout
+from tiny_components import rescoring_in_minibatches_ratio_is_one
 
 CASES = [
     ("digits_flow", FlowSDEConfig(diffusion="flow_grpo", noise_level=0.7)),
@@ -46,17 +47,7 @@ def test_rescore_ratio_is_one(model, sampler_config):
     sampler = build_sampler(sampler_config, pipeline)
     traj = _rollout(pipeline, sampler)
     assert traj.stochastic.any()
-    for split in ([3, 5], [1, 7]):
-        start = 0
-        for size in split:
-            part = traj[torch.arange(start, start + size)]
-            start += size
-            for k in torch.nonzero(part.stochastic).flatten().tolist():
-                with torch.no_grad():
-                    out = pipeline.predict(part.latents[:, k], part.sigmas[k], part.cond, part.guidance_scale)
-                    new = sampler.step(out, part.latents[:, k], part.sigmas[k], part.sigmas[k + 1], x_next=part.latents[:, k + 1])
-                ratio = torch.exp(new.log_prob - part.log_probs[:, k])
-                assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5), (k, ratio)
+    rescoring_in_minibatches_ratio_is_one(pipeline, sampler, traj)
 
 
 @pytest.mark.parametrize("model,sampler_config", CASES[:1] + CASES[4:5], ids=["flow_sde", "ddim"])

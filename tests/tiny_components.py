@@ -82,15 +82,16 @@ def family_config(name: str, pretrained: Path, output_dir: Path, sampler: str = 
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def two_grpo_iterations_change_every_parameter(overrides: list[str]):
-    """Run two real GRPO iterations; assert every trainable tensor moved. Returns the trainer."""
+def two_grpo_iterations_change_every_parameter(overrides: list[str], config: Path | None = None):
+    """Run two real GRPO iterations (``config`` file, then ``overrides``); assert every trainable tensor
+    moved. Returns the trainer."""
     from accelerate.state import AcceleratorState
 
     from flowrl.cli import build_trainer
     from flowrl.config import load_config
 
     AcceleratorState._reset_state(True)  # tests build trainers with different mixed_precision in one process
-    trainer = build_trainer(load_config(None, overrides))
+    trainer = build_trainer(load_config(config, overrides))
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if p.requires_grad}
     assert before, "nothing is trainable"
     trainer.fit()
@@ -111,6 +112,22 @@ def rescoring_ratio_is_one(trainer, atol: float = 1e-5) -> float:
             worst = max(worst, float((step.log_prob - traj.log_probs[:, k]).abs().max()))
     assert worst <= atol, f"re-scoring at unchanged weights gave |log ratio| up to {worst}"
     return worst
+
+
+def rescoring_in_minibatches_ratio_is_one(pipeline, sampler, traj, splits=((3, 5), (1, 7)), atol: float = 1e-5) -> None:
+    """Re-score a stored rollout at unchanged weights in minibatches of other sizes than the rollout's
+    (batch-size-dependent kernels are a known cause of r != 1): every stochastic step's ratio is 1."""
+    for split in splits:
+        start = 0
+        for size in split:
+            part = traj[torch.arange(start, start + size)]
+            start += size
+            for k in torch.nonzero(part.stochastic).flatten().tolist():
+                with torch.no_grad():
+                    out = pipeline.predict(part.latents[:, k], part.sigmas[k], part.cond, part.guidance_scale)
+                    new = sampler.step(out, part.latents[:, k], part.sigmas[k], part.sigmas[k + 1], x_next=part.latents[:, k + 1])
+                ratio = torch.exp(new.log_prob - part.log_probs[:, k])
+                assert torch.allclose(ratio, torch.ones_like(ratio), atol=atol), (k, ratio)
 
 
 def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guidance_scale: float = 1.0) -> torch.Tensor:
