@@ -198,6 +198,8 @@ class DCoLTConfig(DLLMObjectiveBase):
     std: Literal["unbiased", "biased", "global", "none"] = "biased"
     std_eps: float = Field(1e-4, gt=0)
     scorer_lr_scale: float = Field(1.0, gt=0)
+    # The head starts as confidence_prior * log(confidence): LLaDA's low-confidence order as it grows, 0 = random head.
+    confidence_prior: float = Field(0.0, ge=0)
 
 
 class BGPOConfig(DLLMObjectiveBase):

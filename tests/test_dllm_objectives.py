@@ -150,3 +150,22 @@ def test_seed_fixes_the_initial_weights_of_fresh_modules(tmp_path):
                                                                               "log.progress=false"]))
         heads.append(torch.cat([p.detach().flatten() for p in trainer.objective.head.parameters()]))
     assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
+
+
+def test_confidence_prior_head_starts_at_low_confidence_decoding():
+    """objective.confidence_prior=c: the head's initial score is c * (top log-prob) exactly, so its greedy order
+    (temperature 0: the top-k scores) is LLaDA's low-confidence order and the completions are identical."""
+    lm = _lm()
+    objective = build_dllm_objective(DCoLTConfig(confidence_prior=5.0), MaskedSamplerConfig(remasking="policy"), lm.mask_token_id)
+    tok = lm.tokenizer
+    tok.padding_side = "left"
+    enc = tok([p for p, _ in problems("eval", 64, seed=5)], padding="max_length", max_length=PROMPT_LEN, return_tensors="pt")
+    state = torch.full((64, 16), lm.mask_token_id)
+    logits = lm.logits(torch.cat([enc.input_ids, state], 1), attention_mask=torch.cat([enc.attention_mask.bool(), state > -1], 1))[:, -16:]
+    top = torch.log_softmax(logits.float(), -1).max(-1).values
+    assert torch.equal(objective.position_scorer(logits, state), 5.0 * top)
+    runs = {r: generate(lm, enc.input_ids, enc.attention_mask.bool(), 16, 8, 16, temperature=0.0, remasking=r,
+                        position_scorer=objective.position_scorer if r == "policy" else None)
+            for r in ("policy", "low_confidence")}
+    assert torch.equal(runs["policy"].completion_ids, runs["low_confidence"].completion_ids)
+    assert torch.equal(runs["policy"].unmask_step, runs["low_confidence"].unmask_step)

@@ -227,7 +227,7 @@ def test_policy_remasking_is_plackett_luce():
     lm = TinyLM(ConstantModel(torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0))))
     p_ids = torch.zeros(n, 2, dtype=torch.long)
     # One step over a 3-position block: the whole PL permutation is drawn at once.
-    traj = generate(lm, p_ids, torch.ones_like(p_ids, dtype=torch.bool), 3, 1, 3, remasking="policy",
+    traj = generate(lm, p_ids, torch.ones_like(p_ids, dtype=torch.bool), 3, 1, 3, temperature=1.0, remasking="policy",
                     position_scorer=lambda logits, state: scores.expand(state.shape[0], -1),
                     generator=torch.Generator().manual_seed(0))
     order = traj.unmask_rank.argsort(dim=1)  # (n, 3) positions in sampling order
@@ -240,6 +240,18 @@ def test_policy_remasking_is_plackett_luce():
             if i != j:
                 freq = ((order[:, 0] == i) & (order[:, 1] == j)).double().mean()
                 assert abs(float(freq) - float(p[i] * p[j] / (1 - p[i]))) < tol
+
+
+def test_policy_remasking_at_temperature_zero_is_the_plackett_luce_mode():
+    """Greedy decoding is greedy in positions too: the highest scores first, one step at a time, no noise."""
+    scores = torch.tensor([0.3, 2.0, -1.0, 1.0])
+    lm = TinyLM(ConstantModel(torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0))))
+    p_ids = torch.zeros(5, 2, dtype=torch.long)
+    traj = generate(lm, p_ids, torch.ones_like(p_ids, dtype=torch.bool), 4, 2, 4, temperature=0.0, remasking="policy",
+                    position_scorer=lambda logits, state: scores.expand(state.shape[0], -1),
+                    generator=torch.Generator().manual_seed(0))
+    assert traj.unmask_rank.tolist() == [[2, 0, 3, 1]] * 5
+    assert traj.unmask_step.tolist() == [[1, 0, 1, 0]] * 5
 
 
 # (7) --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The completion starts fully masked and is filled in semi-autoregressive blocks. Inside a block, each
 step predicts every masked position at once and commits a few of them: the most confident ones
 (``low_confidence``), random ones (``random``), every one above a confidence threshold (dynamic
-decoding, Fast-dLLM), or a Plackett-Luce sample from a learned position scorer (``policy``, DCoLT).
+decoding, Fast-dLLM), or a Plackett-Luce sample from a learned position scorer (``policy``, DCoLT; at
+temperature 0 its top-k, greedy in positions as in tokens).
 Committed tokens are never re-masked, so the record (final tokens + the step and order in which each
 position was committed) replays every intermediate state exactly (``TokenTrajectory.state_at``).
 """
@@ -109,10 +110,13 @@ def _scores(
     remasking: str,
     position_scorer: PositionScorer | None,
     generator: torch.Generator | None,
+    temperature: float,
 ) -> Tensor:
     """Return float64 scores (B, G) ranking masked positions for unmasking (eligibility applied later).
 
     log_p: (B, G) float64 log-prob of each position's sampled token; its exp is LLaDA's confidence.
+    ``policy`` at temperature 0 is greedy in the positions too (the top-k scores, the Plackett-Luce mode),
+    as it is in the tokens: evaluation then measures the policy, not one draw of its order.
     """
     if remasking == "low_confidence":
         return log_p.exp()
@@ -121,7 +125,7 @@ def _scores(
     # Gumbel-top-k: sorting scores + i.i.d. Gumbel noise yields a Plackett-Luce sample without
     # replacement from softmax(scores); the sorted order is the sequential sampling order.
     s = position_scorer(logits, state).to(torch.float64)
-    return s + _gumbel(s.shape, generator, s.device)
+    return s if temperature == 0 else s + _gumbel(s.shape, generator, s.device)
 
 
 def _num_to_unmask(
@@ -261,7 +265,7 @@ def generate(
             # The mask token is never a valid output: committing it would leave a hole the record calls filled.
             x0 = gumbel_sample(logits, temperature, generator, exclude=lm.mask_token_id)
             log_p = _token_log_probs(logits, x0)
-            scores = _scores(logits, log_p, rec.completion, remasking, position_scorer, generator)
+            scores = _scores(logits, log_p, rec.completion, remasking, position_scorer, generator, temperature)
             scores = scores.masked_fill(~eligible, float("-inf"))
             k = _num_to_unmask(scores, eligible, schedule[s], threshold, s == steps_per_block - 1)
             rec.commit(x0, log_p, scores, k, block * steps_per_block + s)

@@ -144,11 +144,22 @@ class BGPOObjective(_DLLMBase):
 class UnmaskingPolicyHead(nn.Module):
     """DCoLT's unmasking policy, kept small: scores each completion position from the LM's own view of it
     (top log-prob, entropy, whether it is masked) and its relative position. LLaDOU reads the LM's last
-    hidden layer instead; these features make the head model-agnostic (any MaskedLM exposes logits)."""
+    hidden layer instead; these features make the head model-agnostic (any MaskedLM exposes logits).
 
-    def __init__(self, hidden: int = 32):
+    ``confidence_prior`` c > 0 starts the policy at LLaDA's low-confidence order: the score is
+    c * (top log-prob) + net(features) with net's output layer zero-initialised, so the initial
+    Plackett-Luce policy unmasks position i with probability proportional to confidence_i ** c (c -> inf:
+    exactly low-confidence remasking). RL then adjusts the order from the decoding the LM was trained and
+    evaluated with, instead of from an arbitrary one (c = 0: a random head).
+    """
+
+    def __init__(self, hidden: int = 32, confidence_prior: float = 0.0):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.confidence_prior = confidence_prior
+        if confidence_prior:
+            nn.init.zeros_(self.net[-1].weight)
+            nn.init.zeros_(self.net[-1].bias)
 
     def forward(self, state: Tensor, logits: Tensor, step: int | None = None, mask_token_id: int | None = None) -> Tensor:
         logp = torch.log_softmax(logits.float(), -1)
@@ -156,7 +167,7 @@ class UnmaskingPolicyHead(nn.Module):
         entropy = -(logp.exp() * logp).sum(-1)
         masked = (state == mask_token_id).float() if mask_token_id is not None else torch.ones_like(top)
         pos = torch.linspace(0, 1, state.shape[1], device=state.device).expand_as(top)
-        return self.net(torch.stack([top, entropy, masked, pos], -1)).squeeze(-1)
+        return self.confidence_prior * top + self.net(torch.stack([top, entropy, masked, pos], -1)).squeeze(-1)
 
 
 @dataclass
@@ -212,4 +223,4 @@ def build_dllm_objective(config, sampler_config, mask_token_id: int | None = Non
     if config.name == "bgpo":
         return BGPOObjective(**common, num_mc_samples=config.num_mc_samples, naive=config.naive)
     return DCoLTObjective(**common, std_eps=config.std_eps, block_length=sampler_config.block_length, mask_token_id=mask_token_id,
-                          extra_lr_scale=config.scorer_lr_scale)
+                          extra_lr_scale=config.scorer_lr_scale, head=UnmaskingPolicyHead(confidence_prior=config.confidence_prior))
