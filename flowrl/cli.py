@@ -176,8 +176,7 @@ def _load_checkpoint_weights(pipeline, checkpoint: Path) -> None:
 
     weights = {k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")}
     try:
-        own = getattr(pipeline, "load_trainable_state_dict", None)
-        own(weights) if own else pipeline.denoiser.load_state_dict(weights)
+        pipeline.load_trainable_state_dict(weights)
     except (RuntimeError, KeyError, ValueError) as e:
         raise FlowRLError(f"checkpoint '{checkpoint}' does not match its model ({str(e).splitlines()[0][:160]}).") from None
 
@@ -199,20 +198,16 @@ def _export(args) -> int:
     config, _ = _config_for_source(str(source), [])
     pipeline = build_pipeline(config.pipeline, "cpu")
     _load_checkpoint_weights(pipeline, source)
-    subfolder = getattr(pipeline, "denoiser_subfolder", "unet")
+    subfolder = pipeline.denoiser_subfolder
     with atomic_directory(args.out) as tmp:
         if args.lora_only:
-            if not getattr(pipeline, "has_lora", False):
+            if not pipeline.has_lora:
                 raise FlowRLError("--lora-only needs a LoRA run (this checkpoint fine-tuned the whole denoiser).")
             pipeline.save_lora(tmp)
         else:
-            merged = pipeline.merged_denoiser() if hasattr(pipeline, "merged_denoiser") else pipeline.denoiser
-            base = Path(getattr(pipeline, "source", "") or "")
-            if not base.is_dir():  # embedded models resolve to their shipped directory
-                from .pipelines.digits import resolve_pretrained
-
-                base = resolve_pretrained(config.pipeline.pretrained) if config.pipeline.name == "digits" else None
-            if base is not None and base.is_dir():
+            merged = pipeline.merged_denoiser()
+            base = Path(pipeline.source)  # a local directory (embedded models: their shipped one) or a hub id
+            if base.is_dir():
                 shutil.copytree(base, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(subfolder, "training_info.json"))
                 merged.save_pretrained(tmp / subfolder)
             else:  # a hub id: diffusers assembles the pipeline around the merged denoiser

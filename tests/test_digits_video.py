@@ -13,14 +13,14 @@ from flowrl.config import FlowSDEConfig, LoraConfig, ODEConfig, PipelineConfig
 from flowrl.errors import FlowRLError
 from flowrl.objectives.grpo import build_grpo
 from flowrl.pipelines import build_pipeline
-from flowrl.pipelines.digits_video import EMBEDDED, DigitsVideoPipeline
+from flowrl.pipelines.embedded_adapter import ASSETS
 from flowrl.pipelines.embedded import digits_video_data as data
 from flowrl.prompts import prompt_pool
 from flowrl.samplers import build_sampler
 from flowrl.samplers.rollout import rollout
 from tiny_components import rescoring_in_minibatches_ratio_is_one, two_grpo_iterations_change_every_parameter
 
-ASSET = EMBEDDED["digits_video"]
+ASSET = ASSETS / "digits_video"
 # Measured on the shipped weights (docs/digits_video.md): 80 held-out prompts x 4 seeds, ODE 10 steps, no
 # CFG: every clip moved in the prompted direction (1.000; chance 0.25). The test samples 40 of them and
 # allows a few misses.
@@ -101,11 +101,11 @@ def test_ode_samples_move_in_the_prompted_direction(pipeline):
 
 
 def test_bad_paths_fail_in_one_sentence(tmp_path):
-    with pytest.raises(FlowRLError, match="neither the embedded video model"):
-        DigitsVideoPipeline(str(tmp_path / "missing"))
+    with pytest.raises(FlowRLError, match="neither an embedded model"):
+        build_pipeline(PipelineConfig(name="digits_video", pretrained=str(tmp_path / "missing")), "cpu")
     (tmp_path / "transformer").mkdir()
     with pytest.raises(FlowRLError, match="lacks the component folder"):
-        DigitsVideoPipeline(str(tmp_path))
+        build_pipeline(PipelineConfig(name="digits_video", pretrained=str(tmp_path)), "cpu")
 
 
 # -- GRPO -------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_two_grpo_iterations_change_every_parameter(tmp_path, one_thread):
 
 
 def test_lora_trains_only_the_adapters_and_the_reference_is_the_base(pipeline):
-    lora = DigitsVideoPipeline("digits_video", lora=LoraConfig(r=4, alpha=8))
+    lora = build_pipeline(PipelineConfig(name="digits_video", pretrained="digits_video", lora=LoraConfig(r=4, alpha=8)), "cpu")
     names = [n for n, p in lora.denoiser.named_parameters() if p.requires_grad]
     assert names and all("lora" in n for n in names)
     x = lora.initial_noise(2, torch.Generator().manual_seed(0))

@@ -41,7 +41,7 @@ def test_cfg_modes_give_the_documented_values_and_gradients(pipe):
     weights = torch.randn(2, 1, 8, 8, generator=gen)
     sigma = torch.tensor(0.6)
     cond = pipe.encode(["the digit 3", "a 7"])
-    uncond = {"prompt_embeds": pipe.unconditional(2)}
+    uncond = pipe.unconditional(2)
 
     # the two branches alone (scale 1 = one conditional forward)
     c_val, dc = _grad(pipe, "cfg", 1.0, weights, x, sigma, cond)

@@ -64,7 +64,7 @@ class DiffusersAdapter:
         from . import DTYPES
 
         self.config = config
-        self.source = resolve_source(config.pretrained)
+        self.source = self._resolve_source(config.pretrained)
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         self.guidance_mode = "cfg"  # set by the trainer from rollout.guidance_mode
@@ -89,6 +89,10 @@ class DiffusersAdapter:
         return cls(config, device)
 
     # -- loading --------------------------------------------------------------------------------
+    def _resolve_source(self, pretrained: str) -> str:
+        """What ``from_pretrained`` is given: a local directory or a hub id (embedded models override this)."""
+        return resolve_source(pretrained)
+
     def _load(self, cls: Any, subfolder: str | None, **kwargs) -> Any:
         """``cls.from_pretrained(source, subfolder=...)`` with flowrl's options and one-sentence errors."""
         options: dict[str, Any] = {"revision": self.config.revision}

@@ -159,14 +159,14 @@ def measure(model: str, checkpoint: Path | None = None, seeds: int = 4, steps: i
     prompts: ``seeds`` ODE samples per prompt. Returns the fraction of clips moving in the prompted
     direction (centre of mass, first to last frame), the digit classifier's accuracy on the digit cut
     out of the first and of the last frame, and the mean ``motion_quality`` reward."""
-    from ...config import ODEConfig
+    from ...config import ODEConfig, PipelineConfig
     from ...reward_models import build_reward
     from ...samplers import build_sampler
     from ...samplers.rollout import rollout
     from ..digits_video import DigitsVideoPipeline
     from .digits_video_data import digit_crops, direction_accuracy, prompt_set
 
-    pipeline = DigitsVideoPipeline(model)
+    pipeline = DigitsVideoPipeline(PipelineConfig(name="digits_video", pretrained=model), "cpu")
     if checkpoint is not None:
         from ...checkpoint import read_weights
 

@@ -1,0 +1,66 @@
+"""What the adapters of flowrl's embedded models (digits, digits_video) add to :class:`DiffusersAdapter`.
+
+The embedded models are real diffusers/transformers components (a UNet or a CogVideoX transformer, a
+CLIP text encoder, a tokenizer, a scheduler config) in pixel space, so everything else (LoRA, the KL
+reference, prompt caching, guidance, checkpoints, the diffusers LoRA export) is the base class's. Only
+three things differ from a hub checkpoint:
+
+* ``pipeline.pretrained`` may name a shipped model (``flowrl/assets/<name>``) instead of a directory;
+* prompts are short and padded to a fixed ``max_prompt_tokens`` (the length the model was trained with);
+* samples are pixels in [-1, 1] and decode to [0, 1] without a VAE.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from ..errors import FlowRLError
+from ..types import Condition
+from .diffusers_base import DiffusersAdapter
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+class EmbeddedAdapter(DiffusersAdapter):
+    """Base of the adapters over flowrl's shipped tiny models (see the module docstring)."""
+
+    embedded: tuple[str, ...] = ()  # shipped model names, folders of flowrl/assets
+    required: tuple[str, ...] = ()  # component folders a model directory must have
+    max_prompt_tokens = 8
+
+    def _resolve_source(self, pretrained: str) -> str:
+        """Map a shipped model name or a local directory to an absolute directory; fail with one sentence."""
+        path = ASSETS / pretrained if pretrained in self.embedded else Path(pretrained).expanduser()
+        if not path.is_dir():
+            raise FlowRLError(f"pipeline.pretrained '{pretrained}' is neither an embedded model ({', '.join(self.embedded)}) "
+                              "nor an existing directory.")
+        missing = [c for c in self.required if not (path / c).is_dir()]
+        if missing:
+            raise FlowRLError(f"model directory '{path}' lacks the component folder(s) {', '.join(missing)}.")
+        return str(path.resolve())
+
+    def _load_text_encoder(self) -> None:
+        from transformers import AutoTokenizer, CLIPTextModel
+
+        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
+        self.text_encoder = self._load(CLIPTextModel, "text_encoder")
+
+    def _scheduler_config(self) -> dict[str, Any]:
+        try:
+            return json.loads((Path(self.source) / "scheduler" / "scheduler_config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise FlowRLError(f"could not read the scheduler config of '{self.source}': {str(e).splitlines()[0][:160]}") from None
+
+    def _encode_prompts(self, prompts: list[str]) -> Condition:
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.max_prompt_tokens, truncation=True, return_tensors="pt").input_ids
+        with self._frozen_on_device(self.text_encoder):
+            hidden = self.text_encoder(ids.to(self.text_encoder.device)).last_hidden_state
+        return {"prompt_embeds": hidden.float()}  # (B, L, D)
+
+    def decode(self, x: Tensor) -> Tensor:
+        """Pixels in [-1, 1] -> [0, 1], float32."""
+        return ((x.float().clamp(-1, 1) + 1) / 2).detach()
