@@ -165,6 +165,17 @@ class DDPOConfig(PolicyObjectiveBase):
     adv_clip_max: float = Field(5.0, gt=0)
 
 
+class D3POConfig(Section):
+    """D3PO: pairs of samples of one prompt, preference from the rewards, DPO loss on every trained step."""
+
+    name: Literal["d3po"] = "d3po"
+    beta: float = Field(0.1, gt=0)
+    clip_range: float = Field(0.1, gt=0, lt=1)  # the ratio to the reference is clamped to [1 - c, 1 + c]
+    preference: Literal["reward", "pareto"] = "reward"  # pareto: over the reward components
+    timestep_fraction: float = Field(1.0, gt=0, le=1)
+    timestep_order: Literal["random", "first"] = "random"
+
+
 class DLLMObjectiveBase(Section):
     clip_range: float = Field(0.2, gt=0)
     beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
@@ -211,7 +222,7 @@ class BGPOConfig(DLLMObjectiveBase):
     naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
 
 
-ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
+ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
                             Field(discriminator="name")]
 
 
@@ -326,7 +337,7 @@ class Config(Section):
 
 
 def _describe(error: dict) -> str:
-    tags = {"flow_sde", "flow_cps", "ddim", "ode", "masked", "grpo", "ddpo", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
+    tags = {"flow_sde", "flow_cps", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
     loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in tags))
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":

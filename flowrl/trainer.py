@@ -100,6 +100,10 @@ class Trainer:
     def _check_capabilities(self) -> None:
         if self.objective.needs_log_probs and not self.sampler.stochastic:
             raise FlowRLError(f"objective '{self.objective.name}' needs log-probs but sampler '{self.sampler.name}' is deterministic; use a stochastic sampler.")
+        unit, tc = getattr(self.objective, "minibatch_unit", 1), self.config.train
+        if tc.num_generations % unit or tc.batch_size % unit:
+            raise FlowRLError(f"objective '{self.objective.name}' trains pairs of samples: train.num_generations ({tc.num_generations}) "
+                              f"and train.batch_size ({tc.batch_size}) must be multiples of {unit}.")
 
     # -- the coarse verbs ---------------------------------------------------------------------------
     def sigmas(self, num_steps: int) -> torch.Tensor:
@@ -150,8 +154,9 @@ class Trainer:
         gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "update")
         totals: dict[str, list] = {}
         self.module.train()
+        unit = getattr(self.objective, "minibatch_unit", 1)  # D3PO: pairs stay together
         for epoch in range(tc.inner_epochs):
-            order = torch.randperm(len(traj), generator=gen)
+            order = (torch.randperm(len(traj) // unit, generator=gen)[:, None] * unit + torch.arange(unit)).flatten()
             for start in range(0, len(traj), tc.batch_size):
                 batch = traj[order[start : start + tc.batch_size]]
                 batch.inner_epoch = epoch

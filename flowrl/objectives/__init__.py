@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from ..errors import FlowRLError
 from ..types import Objective
+from .d3po import build_d3po
 from .ddpo import build_ddpo
 from .grpo import build_grpo
 
@@ -11,8 +13,12 @@ __all__ = ["build_objective"]
 
 def build_objective(config, reward_weights: dict[str, float] | None = None) -> Objective:
     """Build the objective a config section names. ``reward_weights`` (component -> weight) is used by
-    GRPO's per-reward advantage option."""
+    GRPO's per-reward advantage option and D3PO's Pareto preferences."""
     kwargs = config.model_dump(exclude={"name"})
     if config.name == "grpo":
         return build_grpo(reward_weights=reward_weights, **kwargs)
+    if config.name == "d3po":
+        if config.preference == "pareto" and len(reward_weights or {}) < 2:
+            raise FlowRLError("objective.preference=pareto compares reward components: reward.components needs at least two.")
+        return build_d3po(**kwargs)
     return build_ddpo(**kwargs)

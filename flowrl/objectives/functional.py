@@ -1,7 +1,8 @@
-"""Pure loss and advantage math (MATH.md section 3). Every objective calls these; none re-derives them."""
+"""Pure loss, advantage and preference math (MATH.md sections 3-4). Every objective calls these; none re-derives them."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -99,3 +100,33 @@ def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduction: Reductio
     elem = (mean.float() - ref_mean.float()) ** 2 / (2 * std.float() ** 2)
     dims = tuple(range(1, elem.ndim))
     return elem.mean(dims) if reduction == "mean" else elem.sum(dims)
+
+
+def pair_preferences(rewards: Tensor, components: dict[str, Tensor] | None, first: Tensor, second: Tensor,
+                     mode: Literal["reward", "pareto"] = "reward") -> Tensor:
+    """Preference h in {+1, -1, 0} of sample ``first[i]`` over ``second[i]`` (D3PO's labels from rewards).
+
+    "reward": the sign of the combined-reward difference. "pareto" (D3PO's multi-reward comparison): +1 if
+    ``first`` is at least as good in every component and better in one, -1 for the reverse, 0 otherwise.
+    A pair with a non-finite reward, or a tie, gets 0. Returns (P,) float32.
+    """
+    rewards = rewards.float()
+    finite = torch.isfinite(rewards[first]) & torch.isfinite(rewards[second])
+    if mode == "reward":
+        h = torch.sign(rewards[first] - rewards[second])
+    else:
+        diffs = torch.stack([c.float()[first] - c.float()[second] for c in (components or {}).values()])
+        h = (diffs >= 0).all(0).float() * (diffs > 0).any(0).float() - (diffs <= 0).all(0).float() * (diffs < 0).any(0).float()
+    return torch.where(finite, h, torch.zeros_like(h))
+
+
+def d3po_pair_loss(log_ratio_winner: Tensor, log_ratio_loser: Tensor, beta: float, clip_range: float) -> Tensor:
+    """D3PO's per-pair loss ``-log sigmoid(beta * (log r_w - log r_l))`` (MATH.md section 4).
+
+    ``log_ratio`` = log p_theta(x_{t-1} | x_t) - log p_ref(x_{t-1} | x_t) of one stored transition; the ratio
+    is clamped to [1 - clip_range, 1 + clip_range] (D3PO's eps = 0.1), so a transition already moved that far
+    from the reference gives no gradient. Returns (P,).
+    """
+    lo, hi = math.log(1.0 - clip_range), math.log(1.0 + clip_range)
+    z = beta * (log_ratio_winner.clamp(lo, hi) - log_ratio_loser.clamp(lo, hi))
+    return -torch.nn.functional.logsigmoid(z)

@@ -1,0 +1,91 @@
+"""D3PO (Yang et al., arXiv:2311.13231): direct preference optimisation on the denoising steps, online.
+
+Consecutive samples of one prompt form a pair (they start from the same noise x_T when
+``rollout.same_noise_in_group`` is on, as in D3PO); the preference h comes from their rewards (or a
+Pareto comparison of the reward components). Every trained step t of a decisive pair contributes
+
+    -log sigmoid(beta * (log r_w - log r_l)),   r = clamp(p_theta(x_{t-1} | x_t) / p_ref(x_{t-1} | x_t), 1 - eps, 1 + eps)
+
+with the reference the frozen initial model (LoRA: the adapters switched off) and log-probs reduced like
+the sampler's (per-dimension mean, as ddpo-pytorch and D3PO do). Before any update the ratio is 1 and
+the loss is exactly log 2.
+
+Differences from the reference implementation:
+- Labels come from any reward or reward mix (D3PO's code reads human labels or a fixed reward script).
+- Ties and pairs with a dropped (non-finite) reward have h = 0: their loss is the constant log 2 with no
+  gradient, so they are masked out of the mean instead of diluting it, and kept in the batch so that
+  every process has the same shapes.
+- Pairs stay together when the trainer shuffles minibatches (``minibatch_unit = 2``).
+- One LossOutput per trained step, like GRPO: memory does not grow with the number of trained steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+
+from ..types import LossOutput, Pipeline, Sampler, Trajectory
+from .functional import d3po_pair_loss, masked_mean, pair_preferences
+from .policy_gradient import choose_train_steps
+
+
+@dataclass
+class D3POObjective:
+    name: str = "d3po"
+    beta: float = 0.1
+    clip_range: float = 0.1  # D3PO's eps: the ratio to the reference is clamped to [0.9, 1.1]
+    preference: Literal["reward", "pareto"] = "reward"
+    timestep_fraction: float = 1.0
+    timestep_order: Literal["random", "first"] = "random"
+    needs_log_probs: bool = field(default=True, init=False)
+    needs_reference: bool = field(default=True, init=False)
+    minibatch_unit: int = field(default=2, init=False)  # the trainer shuffles whole pairs
+
+    def prepare(self, batch: Trajectory) -> Trajectory:
+        """Pair consecutive samples of each group, winner first; ``advantages`` = 1 for the two samples of
+        a decisive pair, 0 for a tie (the mask of the loss)."""
+        first, second = [], []
+        for g in torch.unique(batch.group_ids):
+            idx = torch.nonzero(batch.group_ids == g).flatten().tolist()
+            first += idx[0::2][: len(idx) // 2]
+            second += idx[1::2]
+        first_t, second_t = torch.tensor(first), torch.tensor(second)
+        h = pair_preferences(batch.rewards, batch.reward_components, first_t, second_t, self.preference)
+        winner, loser = torch.where(h >= 0, first_t, second_t), torch.where(h >= 0, second_t, first_t)
+        order = torch.stack([winner, loser], 1).flatten()
+        batch = batch[order]
+        batch.advantages = (h != 0).float().repeat_interleave(2)
+        return batch
+
+    def losses(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, generator: torch.Generator) -> Iterator[LossOutput]:
+        steps = choose_train_steps(batch.stochastic, self.timestep_fraction, self.timestep_order, generator)
+        decisive = batch.advantages[0::2].to(batch.latents.device)
+        for k in steps:
+            x, x_next, sigma, sigma_next = batch.latents[:, k], batch.latents[:, k + 1], batch.sigmas[k], batch.sigmas[k + 1]
+            log_prob = sampler.step(pipeline.predict(x, sigma, batch.cond, batch.guidance_scale), x, sigma, sigma_next, x_next=x_next).log_prob
+            with torch.no_grad(), pipeline.reference():
+                ref_output = pipeline.predict(x, sigma, batch.cond, batch.guidance_scale)
+                ref_log_prob = sampler.step(ref_output, x, sigma, sigma_next, x_next=x_next).log_prob
+            log_ratio = log_prob - ref_log_prob
+            pair_loss = d3po_pair_loss(log_ratio[0::2], log_ratio[1::2], self.beta, self.clip_range)
+            loss = masked_mean(pair_loss, decisive)
+            with torch.no_grad():
+                ratio = torch.exp(log_ratio)
+                metrics = {"loss/policy": loss.detach(), "policy/ratio_mean": ratio.mean(),
+                           "policy/clipfrac": ((ratio - 1).abs() > self.clip_range).float().mean(),
+                           # the implicit reward orders the pair as the labels do
+                           "d3po/pair_accuracy": masked_mean((log_ratio[0::2] > log_ratio[1::2]).float(), decisive),
+                           "d3po/decisive_fraction": decisive.mean()}
+            yield LossOutput(loss=loss / len(steps), metrics=metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def build_d3po(**kwargs: Any) -> D3POObjective:
+    return D3POObjective(**kwargs)
