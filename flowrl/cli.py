@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.add_argument("--field", default="llada_generation_256", help="(.jsonl) the field holding the generations")
     e.add_argument("--gold-field", default="ground_truth", help="(.jsonl) the field holding the gold answer")
+    e.add_argument("--best-of", type=int, default=None, metavar="N",
+                   help="Best-of-N: keep the best of N candidates per held-out item (by the run's reward); prints the "
+                   "reward at N = 1, 2, 4, ... and writes the chosen samples' grid to --out")
+    e.add_argument("--out", type=Path, default=Path("best_of_n.png"), help="(--best-of) grid of the chosen samples")
     x = sub.add_parser("export", help="write a run checkpoint as a standalone diffusers model directory (merged weights) "
                        "or as a diffusers LoRA file")
     x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000040")
@@ -122,11 +126,31 @@ def _eval(args) -> int:
         print(json.dumps({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
         return 0
     config, checkpoint = _config_for_source(args.source, args.overrides)
+    if args.best_of is not None and (args.best_of < 1 or config.pipeline.name == "dllm"):
+        raise FlowRLError("--best-of needs N >= 1 and an image or video model.")
     trainer = build_trainer(config)
     if checkpoint is not None:
         trainer._load_weights(read_weights(checkpoint))
+    if args.best_of is not None:
+        return _best_of_n(trainer, args.best_of, args.out)
     metrics, _ = trainer.evaluate()
     print(json.dumps({k: round(v, 6) for k, v in metrics.items()}))
+    return 0
+
+
+def _best_of_n(trainer, n: int, out: Path) -> int:
+    import torch
+
+    from .visualize import save_grid
+
+    result = trainer.evaluate_best_of_n(n)
+    curve = result.scaling_curve()
+    print(f"best-of-N on {len(result.best)} held-out items ({trainer.config.eval.samples_per_prompt} per prompt):")
+    for k, v in curve.items():
+        print(f"  N = {k:4d}   eval reward {v:.4f}")
+    save_grid(result.samples, out, ncol=trainer.config.eval.samples_per_prompt)
+    components = {f"eval/reward/{k}@{n}": round(float(v[torch.isfinite(v)].mean()), 6) for k, v in result.components.items()}
+    print(json.dumps({**{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()}, **components, "grid": str(out)}))
     return 0
 
 

@@ -23,6 +23,7 @@ from . import seeding
 from .checkpoint import load_optimizer, read_checkpoint, resolve_checkpoint, save_checkpoint
 from .config import Config, ODEConfig, to_yaml
 from .errors import FlowRLError
+from .inference.best_of_n import BestOfN, best_of_n
 from .objectives import build_objective
 from .pipelines import build_pipeline
 from .pipelines.guidance import training_guidance_scale
@@ -178,19 +179,24 @@ class Trainer:
         self.optimizer.step()
         return metrics
 
+    def _eval_setup(self) -> tuple[list, torch.Tensor, float, torch.Generator]:
+        """The held-out items (prompt, metadata) x samples_per_prompt, the time grid, the guidance scale and
+        the generator (seeded identically on every process and at every evaluation)."""
+        ec, rc = self.config.eval, self.config.rollout
+        items = [item for item in self.eval_pool for _ in range(ec.samples_per_prompt)]
+        guidance = ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale
+        return items, self.sigmas(ec.num_inference_steps or rc.num_inference_steps), guidance, torch.Generator().manual_seed(ec.seed)
+
     @torch.no_grad()
     def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
         """Held-out prompts, fixed seeds, deterministic sampler. Returns (metrics, grid samples)."""
-        ec, rc = self.config.eval, self.config.rollout
-        items = [item for item in self.eval_pool for _ in range(ec.samples_per_prompt)]
-        gen = torch.Generator().manual_seed(ec.seed)  # identical on every process and every evaluation
+        ec = self.config.eval
+        items, sigmas, guidance, gen = self._eval_setup()
         noise = self.pipeline.initial_noise(len(items), gen)
         mine = list(range(self.rank, len(items), self.world))
-        steps = ec.num_inference_steps or rc.num_inference_steps
-        guidance = ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale
         self.module.eval()
         traj = rollout(self.pipeline, self.eval_sampler, [items[i][0] for i in mine], [items[i][1] for i in mine],
-                       torch.tensor(mine), self.sigmas(steps), gen, guidance, initial_noise=noise[mine])
+                       torch.tensor(mine), sigmas, gen, guidance, initial_noise=noise[mine])
         out = self.reward(traj.samples, traj.prompts, traj.metadata)
         local = [(i, float(out.scores[j]), {k: float(v[j]) for k, v in out.extras.items()}, traj.samples[j].cpu()) for j, i in enumerate(mine)]
         rows = sorted(gather_object(local), key=lambda r: r[0])
@@ -199,6 +205,14 @@ class Trainer:
             metrics[f"eval/reward/{key}"] = _nanmean([r[2][key] for r in rows])
         grid = torch.stack([r[3] for r in rows])[: self.config.log.grid_prompts * ec.samples_per_prompt]
         return metrics, grid
+
+    def evaluate_best_of_n(self, n: int) -> BestOfN:
+        """The held-out evaluation with Best-of-N selection by the run's reward (one process): each item's
+        best of ``n`` candidates, candidate 0 being the sample :meth:`evaluate` draws."""
+        items, sigmas, guidance, gen = self._eval_setup()
+        self.module.eval()
+        return best_of_n(self.pipeline, self.eval_sampler, self.reward, [p for p, _ in items], [m for _, m in items], n, sigmas, gen,
+                         guidance, self.config.rollout.batch_size)
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self) -> Path | None:

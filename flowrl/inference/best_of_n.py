@@ -1,0 +1,81 @@
+"""Best-of-N (MATH.md section 7): N candidates per prompt, scored by a verifier, keep the argmax.
+
+Any reward or reward mix is the verifier. The N candidates of a prompt differ only in their initial
+noise: N successive draws of P noises from the generator, so candidate 0 gets exactly the noise a plain
+evaluation with the same generator draws, and best-of-1 *is* the plain evaluation (tested).
+The scaling curve uses nested subsets (the first k candidates), so it rises monotonically by
+construction and its points are comparable: the best of 4 is chosen among the same 4 samples that the
+best of 2 saw 2 of.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..samplers.rollout import rollout
+from ..types import Pipeline, Sampler
+
+
+@dataclass
+class BestOfN:
+    samples: Tensor  # (P, *S): the chosen candidate of each prompt, decoded
+    scores: Tensor  # (P, N): every candidate's reward; NaN where the reward failed
+    best: Tensor  # (P,): the chosen candidate's index (0 where no candidate has a finite reward)
+    components: dict[str, Tensor]  # reward component -> (P,) its value for the chosen candidate
+
+    def scaling_curve(self) -> dict[int, float]:
+        """Mean over prompts of the best reward among the first k candidates, for k = 1, 2, 4, ..., N."""
+        n = self.scores.shape[1]
+        ks = sorted({2**i for i in range(int(math.log2(n)) + 1)} | {n})
+        finite = torch.where(torch.isfinite(self.scores), self.scores, float("-inf"))
+        curve = {}
+        for k in ks:
+            best = finite[:, :k].max(1).values
+            curve[k] = float(best[torch.isfinite(best)].mean()) if torch.isfinite(best).any() else float("nan")
+        return curve
+
+
+def _better(score: float, current: float) -> bool:
+    """A finite score beats a non-finite one and any smaller score; a tie keeps the earlier candidate."""
+    return math.isfinite(score) and (not math.isfinite(current) or score > current)
+
+
+@torch.no_grad()
+def best_of_n(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], n: int,
+              sigmas: Tensor, generator: torch.Generator, guidance_scale: float = 1.0, batch_size: int = 64) -> BestOfN:
+    """Sample ``n`` candidates for each prompt with ``sampler``, score them with ``reward``, keep the best.
+
+    Candidates are generated and scored ``batch_size`` at a time and only the best so far is kept, so
+    memory does not grow with ``n``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    p = len(prompts)
+    noise = torch.cat([pipeline.initial_noise(p, generator) for _ in range(n)])  # row j * P + i: candidate j of prompt i
+    scores = torch.full((p, n), float("nan"))
+    chosen: list[Tensor | None] = [None] * p
+    components: dict[str, Tensor] = {}
+    best = torch.zeros(p, dtype=torch.long)
+    for start in range(0, n * p, batch_size):
+        rows = list(range(start, min(start + batch_size, n * p)))
+        which = [r % p for r in rows]  # the prompt of each row
+        traj = rollout(pipeline, sampler, [prompts[i] for i in which], [metadata[i] for i in which], torch.tensor(rows), sigmas,
+                       generator, guidance_scale, initial_noise=noise[rows], same_noise_in_group=False)
+        out = reward(traj.samples, traj.prompts, traj.metadata)
+        for b, (r, i) in enumerate(zip(rows, which)):
+            j, s = r // p, float(out.scores[b])
+            scores[i, j] = s
+            if chosen[i] is None or _better(s, float(scores[i, best[i]])):
+                chosen[i], best[i] = traj.samples[b].cpu(), j
+                for key, v in out.extras.items():
+                    components.setdefault(key, torch.full((p,), float("nan")))[i] = float(v[b])
+    bad = int((~torch.isfinite(scores)).sum())
+    if bad:
+        warnings.warn(f"{bad} of {n * p} candidates got a NaN or infinite reward; they are never chosen.", stacklevel=2)
+    return BestOfN(samples=torch.stack(chosen), scores=scores, best=best, components=components)

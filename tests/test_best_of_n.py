@@ -1,0 +1,87 @@
+"""Best-of-N on the embedded model: best-of-1 is the plain evaluation, the chosen candidate is each item's
+argmax, the scaling curve is nested (monotone), non-finite rewards are never chosen, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import CONFIGS, fast_overrides
+from flowrl.config import load_config
+from flowrl.types import RewardOutput
+
+GRPO = CONFIGS / "digits" / "grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from flowrl.cli import build_trainer
+
+    return build_trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("bon"), **{"eval.samples_per_prompt": 2})))
+
+
+def test_best_of_one_is_the_plain_evaluation(trainer):
+    metrics, grid = trainer.evaluate()
+    result = trainer.evaluate_best_of_n(1)
+    assert result.scaling_curve()[1] == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
+    torch.testing.assert_close(result.samples[: len(grid)], grid, atol=1e-6, rtol=0)
+    assert result.best.eq(0).all()
+
+
+def test_chosen_candidate_is_the_argmax_and_the_curve_is_nested(trainer):
+    result = trainer.evaluate_best_of_n(5)
+    scores = result.scores
+    assert scores.shape == (len(result.best), 5) and torch.isfinite(scores).all()
+    torch.testing.assert_close(scores.gather(1, result.best[:, None]).squeeze(1), scores.max(1).values)
+    curve = result.scaling_curve()
+    assert list(curve) == [1, 2, 4, 5]
+    assert all(curve[a] <= curve[b] for a, b in zip(list(curve), list(curve)[1:]))
+    assert curve[5] == pytest.approx(float(scores.max(1).values.mean()))
+    assert curve[5] > curve[1]  # the candidates differ, so selection helps
+    # The chosen samples really are the best: re-scoring them gives each row's maximum.
+    items = [item for item in trainer.eval_pool for _ in range(trainer.config.eval.samples_per_prompt)]
+    rescored = trainer.reward(result.samples, [p for p, _ in items], [m for _, m in items]).scores
+    torch.testing.assert_close(rescored.float(), scores.max(1).values, atol=1e-5, rtol=0)
+
+
+class _FailsOnEvenCandidates:
+    """The ink reward (mean intensity), but NaN for every other sample of a batch (a flaky verifier)."""
+
+    def __call__(self, samples, prompts, metadata):
+        ink = samples.float().flatten(1).mean(1)
+        ink[0::2] = float("nan")
+        return RewardOutput(scores=ink, extras={})
+
+
+def test_nonfinite_rewards_are_never_chosen(trainer):
+    from flowrl.inference.best_of_n import best_of_n
+
+    items, sigmas, guidance, gen = trainer._eval_setup()
+    prompts, metadata = [p for p, _ in items][:3], [m for _, m in items][:3]
+    with pytest.warns(UserWarning, match="NaN or infinite"):
+        result = best_of_n(trainer.pipeline, trainer.eval_sampler, _FailsOnEvenCandidates(), prompts, metadata, 4, sigmas, gen, guidance,
+                           batch_size=4)
+    assert torch.isfinite(result.scores.gather(1, result.best[:, None])).all()
+    finite = torch.where(torch.isfinite(result.scores), result.scores, float("-inf"))
+    torch.testing.assert_close(result.scores.gather(1, result.best[:, None]).squeeze(1), finite.max(1).values)
+
+
+def test_cli_best_of(tmp_path):
+    from flowrl.cli import main
+
+    out = tmp_path / "best.png"
+    overrides = ["eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}"]
+    assert main(["eval", str(GRPO), *overrides, "--best-of", "2", "--out", str(out)]) == 0
+    assert out.is_file()
+    assert main(["eval", str(GRPO), *overrides, "--best-of", "0"]) == 2
+    assert main(["eval", str(CONFIGS / "dllm" / "diffu_grpo.yaml"), "--best-of", "2"]) == 2
+
+
+def test_cli_best_of_prints_the_curve(tmp_path, capsys):
+    from flowrl.cli import main
+
+    main(["eval", str(GRPO), "eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}", "--best-of", "3", "--out", str(tmp_path / "b.png")])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"eval/reward/mean@1", "eval/reward/mean@2", "eval/reward/mean@3", "eval/reward/ink@3"} <= set(last)
