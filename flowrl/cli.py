@@ -43,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--best-of", type=int, default=None, metavar="N",
                    help="Best-of-N: keep the best of N candidates per held-out item (by the run's reward); prints the "
                    "reward at N = 1, 2, 4, ... and writes the chosen samples' grid to --out")
-    e.add_argument("--out", type=Path, default=Path("best_of_n.png"), help="(--best-of) grid of the chosen samples")
+    e.add_argument("--svdd", type=int, default=None, metavar="M",
+                   help="SVDD-PM: sample the held-out items keeping, at every step, the best of M candidates from the "
+                   "rollout sampler by the reward of their predicted x0; writes the grid to --out")
+    e.add_argument("--out", type=Path, default=Path("best_of_n.png"), help="(--best-of, --svdd) grid of the chosen samples")
     x = sub.add_parser("export", help="write a run checkpoint as a standalone diffusers model directory (merged weights) "
                        "or as a diffusers LoRA file")
     x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000040")
@@ -126,13 +129,16 @@ def _eval(args) -> int:
         print(json.dumps({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
         return 0
     config, checkpoint = _config_for_source(args.source, args.overrides)
-    if args.best_of is not None and (args.best_of < 1 or config.pipeline.name == "dllm"):
-        raise FlowRLError("--best-of needs N >= 1 and an image or video model.")
+    for flag, value in (("--best-of", args.best_of), ("--svdd", args.svdd)):
+        if value is not None and (value < 1 or config.pipeline.name == "dllm"):
+            raise FlowRLError(f"{flag} needs a count >= 1 and an image or video model.")
     trainer = build_trainer(config)
     if checkpoint is not None:
         trainer._load_weights(read_weights(checkpoint))
     if args.best_of is not None:
         return _best_of_n(trainer, args.best_of, args.out)
+    if args.svdd is not None:
+        return _svdd(trainer, args.svdd, args.out)
     metrics, _ = trainer.evaluate()
     print(json.dumps({k: round(v, 6) for k, v in metrics.items()}))
     return 0
@@ -151,6 +157,21 @@ def _best_of_n(trainer, n: int, out: Path) -> int:
     save_grid(result.samples, out, ncol=trainer.config.eval.samples_per_prompt)
     components = {f"eval/reward/{k}@{n}": round(float(v[torch.isfinite(v)].mean()), 6) for k, v in result.components.items()}
     print(json.dumps({**{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()}, **components, "grid": str(out)}))
+    return 0
+
+
+def _svdd(trainer, m: int, out: Path) -> int:
+    import torch
+
+    from .visualize import save_grid
+
+    result = trainer.evaluate_svdd(m)
+    save_grid(result.samples, out, ncol=trainer.config.eval.samples_per_prompt)
+    items = trainer._eval_setup()[0]
+    extras = trainer.reward(result.samples, [p for p, _ in items], [d for _, d in items]).extras  # the components of the final samples
+    finite = result.scores[torch.isfinite(result.scores)]
+    components = {f"eval/reward/{k}@svdd{m}": round(float(v.float().nanmean()), 6) for k, v in extras.items()}
+    print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "sampler": trainer.sampler.name, "grid": str(out)}))
     return 0
 
 

@@ -24,6 +24,7 @@ from .checkpoint import load_optimizer, read_checkpoint, resolve_checkpoint, sav
 from .config import Config, ODEConfig, to_yaml
 from .errors import FlowRLError
 from .inference.best_of_n import BestOfN, best_of_n
+from .inference.svdd import SVDDResult, svdd_sample
 from .objectives import build_objective
 from .pipelines import build_pipeline
 from .pipelines.guidance import training_guidance_scale
@@ -213,6 +214,18 @@ class Trainer:
         self.module.eval()
         return best_of_n(self.pipeline, self.eval_sampler, self.reward, [p for p, _ in items], [m for _, m in items], n, sigmas, gen,
                          guidance, self.config.rollout.batch_size)
+
+    def evaluate_svdd(self, m: int) -> SVDDResult:
+        """The held-out items sampled with SVDD-PM (``m`` candidates per step from the rollout sampler,
+        scored by the run's reward), starting from the evaluation's initial noise; one process."""
+        items, sigmas, guidance, gen = self._eval_setup()
+        noise = self.pipeline.initial_noise(len(items), gen)
+        chunk = max(1, self.config.rollout.batch_size // m)  # prompts per batch of chunk x m candidates
+        self.module.eval()
+        parts = [svdd_sample(self.pipeline, self.sampler, self.reward, [p for p, _ in items[i : i + chunk]], [d for _, d in items[i : i + chunk]],
+                             m, sigmas, gen, guidance, initial_noise=noise[i : i + chunk]) for i in range(0, len(items), chunk)]
+        return SVDDResult(samples=torch.cat([r.samples for r in parts]), scores=torch.cat([r.scores for r in parts]),
+                          step_scores=torch.cat([r.step_scores for r in parts], 1))
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self) -> Path | None:

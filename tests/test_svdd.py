@@ -1,0 +1,67 @@
+"""SVDD-PM on the embedded model: M = 1 is exactly a plain stochastic rollout, the kept candidate is the best
+look-ahead at every step, the final score is the reward of the returned samples, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import CONFIGS, fast_overrides
+from flowrl.config import load_config
+from flowrl.errors import FlowRLError
+from flowrl.inference.svdd import svdd_sample
+from flowrl.samplers.rollout import rollout
+
+GRPO = CONFIGS / "digits" / "grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from flowrl.cli import build_trainer
+
+    return build_trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("svdd"), **{"eval.samples_per_prompt": 1})))
+
+
+def _items(trainer, n=6):
+    items, sigmas, guidance, _ = trainer._eval_setup()
+    return [p for p, _ in items][:n], [m for _, m in items][:n], sigmas, guidance
+
+
+def test_one_candidate_is_a_plain_stochastic_rollout(trainer):
+    prompts, metadata, sigmas, guidance = _items(trainer)
+    noise = trainer.pipeline.initial_noise(len(prompts), torch.Generator().manual_seed(5))
+    ours = svdd_sample(trainer.pipeline, trainer.sampler, trainer.reward, prompts, metadata, 1, sigmas, torch.Generator().manual_seed(7),
+                       guidance, initial_noise=noise)
+    plain = rollout(trainer.pipeline, trainer.sampler, prompts, metadata, torch.arange(len(prompts)), sigmas, torch.Generator().manual_seed(7),
+                    guidance, initial_noise=noise)
+    torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
+
+
+def test_best_lookahead_is_kept_and_the_final_score_is_the_samples_reward(trainer):
+    prompts, metadata, sigmas, guidance = _items(trainer)
+    result = svdd_sample(trainer.pipeline, trainer.sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(0),
+                         guidance)
+    assert result.step_scores.shape == (sigmas.shape[0] - 1, len(prompts), 4)
+    # At the last step the candidates are final samples, so the kept one carries its row's best score,
+    # and re-scoring the returned samples gives exactly that score.
+    torch.testing.assert_close(result.scores, result.step_scores[-1].max(1).values)
+    torch.testing.assert_close(trainer.reward(result.samples, prompts, metadata).scores.float(), result.scores, atol=1e-6, rtol=0)
+    assert (result.step_scores.max(2).values > result.step_scores.min(2).values).any()  # the candidates differ
+
+
+def test_deterministic_sampler_is_refused(trainer):
+    prompts, metadata, sigmas, guidance = _items(trainer, 2)
+    with pytest.raises(FlowRLError, match="deterministic"):
+        svdd_sample(trainer.pipeline, trainer.eval_sampler, trainer.reward, prompts, metadata, 2, sigmas, torch.Generator(), guidance)
+
+
+def test_cli_svdd(tmp_path, capsys):
+    from flowrl.cli import main
+
+    out = tmp_path / "svdd.png"
+    assert main(["eval", str(GRPO), "eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}", "--svdd", "2", "--out", str(out)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out.is_file() and "eval/reward/mean@svdd2" in last and last["sampler"] == "flow_sde"
+    assert main(["eval", str(GRPO), "--svdd", "0"]) == 2
