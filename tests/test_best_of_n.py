@@ -46,13 +46,16 @@ def test_chosen_candidate_is_the_argmax_and_the_curve_is_nested(trainer):
     torch.testing.assert_close(rescored.float(), scores.max(1).values, atol=1e-5, rtol=0)
 
 
-class _FailsOnEvenCandidates:
-    """The ink reward (mean intensity), but NaN for every other sample of a batch (a flaky verifier)."""
+class _FailsEverySecondCall:
+    """The ink reward (mean intensity), but all NaN on every second call (a flaky verifier)."""
+
+    def __init__(self):
+        self.calls = 0
 
     def __call__(self, samples, prompts, metadata):
+        self.calls += 1
         ink = samples.float().flatten(1).mean(1)
-        ink[0::2] = float("nan")
-        return RewardOutput(scores=ink, extras={})
+        return RewardOutput(scores=ink if self.calls % 2 else torch.full_like(ink, float("nan")), extras={})
 
 
 def test_nonfinite_rewards_are_never_chosen(trainer):
@@ -60,12 +63,12 @@ def test_nonfinite_rewards_are_never_chosen(trainer):
 
     items, sigmas, guidance, gen = trainer._eval_setup()
     prompts, metadata = [p for p, _ in items][:3], [m for _, m in items][:3]
-    with pytest.warns(UserWarning, match="NaN or infinite"):
-        result = best_of_n(trainer.pipeline, trainer.eval_sampler, _FailsOnEvenCandidates(), prompts, metadata, 4, sigmas, gen, guidance,
+    with pytest.warns(UserWarning, match="NaN or infinite"):  # one call per round of 3 prompts: rounds 1 and 3 fail
+        result = best_of_n(trainer.pipeline, trainer.eval_sampler, _FailsEverySecondCall(), prompts, metadata, 4, sigmas, gen, guidance,
                            batch_size=4)
-    assert torch.isfinite(result.scores.gather(1, result.best[:, None])).all()
-    finite = torch.where(torch.isfinite(result.scores), result.scores, float("-inf"))
-    torch.testing.assert_close(result.scores.gather(1, result.best[:, None]).squeeze(1), finite.max(1).values)
+    assert torch.isnan(result.scores[:, 1::2]).all() and torch.isfinite(result.scores[:, 0::2]).all()
+    assert set(result.best.tolist()) <= {0, 2}
+    torch.testing.assert_close(result.scores.gather(1, result.best[:, None]).squeeze(1), result.scores[:, 0::2].max(1).values)
 
 
 def test_cli_best_of(tmp_path):

@@ -51,30 +51,30 @@ def best_of_n(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[st
               sigmas: Tensor, generator: torch.Generator, guidance_scale: float = 1.0, batch_size: int = 64) -> BestOfN:
     """Sample ``n`` candidates for each prompt with ``sampler``, score them with ``reward``, keep the best.
 
-    Candidates are generated and scored ``batch_size`` at a time and only the best so far is kept, so
-    memory does not grow with ``n``.
+    Candidates are generated and scored ``batch_size`` at a time, one round of P noises at a time, and
+    only the best so far is kept, so memory does not grow with ``n``.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     p = len(prompts)
-    noise = torch.cat([pipeline.initial_noise(p, generator) for _ in range(n)])  # row j * P + i: candidate j of prompt i
     scores = torch.full((p, n), float("nan"))
     chosen: list[Tensor | None] = [None] * p
     components: dict[str, Tensor] = {}
     best = torch.zeros(p, dtype=torch.long)
-    for start in range(0, n * p, batch_size):
-        rows = list(range(start, min(start + batch_size, n * p)))
-        which = [r % p for r in rows]  # the prompt of each row
-        traj = rollout(pipeline, sampler, [prompts[i] for i in which], [metadata[i] for i in which], torch.tensor(rows), sigmas,
-                       generator, guidance_scale, initial_noise=noise[rows], same_noise_in_group=False)
-        out = reward(traj.samples, traj.prompts, traj.metadata)
-        for b, (r, i) in enumerate(zip(rows, which)):
-            j, s = r // p, float(out.scores[b])
-            scores[i, j] = s
-            if chosen[i] is None or _better(s, float(scores[i, best[i]])):
-                chosen[i], best[i] = traj.samples[b].cpu(), j
-                for key, v in out.extras.items():
-                    components.setdefault(key, torch.full((p,), float("nan")))[i] = float(v[b])
+    for j in range(n):  # candidate j of every prompt: the j-th draw of P noises
+        noise = pipeline.initial_noise(p, generator)
+        for start in range(0, p, batch_size):
+            idx = list(range(start, min(start + batch_size, p)))
+            traj = rollout(pipeline, sampler, [prompts[i] for i in idx], [metadata[i] for i in idx], torch.tensor(idx), sigmas,
+                           generator, guidance_scale, initial_noise=noise[idx], same_noise_in_group=False)
+            out = reward(traj.samples, traj.prompts, traj.metadata)
+            for b, i in enumerate(idx):
+                s = float(out.scores[b])
+                scores[i, j] = s
+                if chosen[i] is None or _better(s, float(scores[i, best[i]])):
+                    chosen[i], best[i] = traj.samples[b].cpu(), j
+                    for key, v in out.extras.items():
+                        components.setdefault(key, torch.full((p,), float("nan")))[i] = float(v[b])
     bad = int((~torch.isfinite(scores)).sum())
     if bad:
         warnings.warn(f"{bad} of {n * p} candidates got a NaN or infinite reward; they are never chosen.", stacklevel=2)
