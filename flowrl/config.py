@@ -176,6 +176,13 @@ class D3POConfig(Section):
     timestep_order: Literal["random", "first"] = "random"
 
 
+class DiffusionDPOConfig(Section):
+    """Diffusion-DPO: DPO on the denoising loss, from offline preference pairs (prompts.pairs)."""
+
+    name: Literal["diffusion_dpo"] = "diffusion_dpo"
+    beta: float = Field(5000.0, gt=0)  # the reference's value for SD1.5 / SDXL latents
+
+
 class DLLMObjectiveBase(Section):
     clip_range: float = Field(0.2, gt=0)
     beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
@@ -222,7 +229,7 @@ class BGPOConfig(DLLMObjectiveBase):
     naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
 
 
-ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
+ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffusionDPOConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
                             Field(discriminator="name")]
 
 
@@ -276,6 +283,7 @@ class PromptsConfig(Section):
     # metadata for the rewards (.jsonl); a bundled name (flowrl/data/prompts/<name>) or a path
     train_file: str | None = None
     eval_file: str | None = None
+    pairs: str | None = None  # Diffusion-DPO's offline preference pairs: a directory (python -m flowrl.preference_pairs)
 
     @model_validator(mode="after")
     def _files(self):
@@ -337,7 +345,7 @@ class Config(Section):
 
 
 def _describe(error: dict) -> str:
-    tags = {"flow_sde", "flow_cps", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
+    tags = {"flow_sde", "flow_cps", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
     loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in tags))
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import torch
 
-PURPOSES = {"prompts": 0, "rollout": 1, "update": 2, "eval": 3, "init": 4}
+PURPOSES = {"prompts": 0, "rollout": 1, "update": 2, "eval": 3, "init": 4, "pairs": 5, "pair_prompts": 6}
 
 
 def derive_seed(seed: int, *keys: int) -> int:

@@ -28,6 +28,7 @@ from .inference.svdd import SVDDResult, svdd_sample
 from .objectives import build_objective
 from .pipelines import build_pipeline
 from .pipelines.guidance import training_guidance_scale
+from .preference_pairs import PreferencePairs, read_pairs
 from .prompts import prompt_pool, sample_prompts
 from .reward_models import build_reward_from_config
 from .run_logger import RunLogger
@@ -58,6 +59,7 @@ class Trainer:
         pc = config.prompts
         self.train_pool = prompt_pool(pc.dataset, pc.train_split, file=pc.train_file)
         self.eval_pool = prompt_pool(pc.dataset, pc.eval_split, pc.eval_size, file=pc.eval_file)
+        self.pairs = self._read_pairs() if getattr(self.objective, "offline", False) else None
         self.iteration = 0
         self.logger = RunLogger(self.run_dir, enabled=self.is_main)
         self._stop_requested = False
@@ -103,7 +105,8 @@ class Trainer:
         if self.objective.needs_log_probs and not self.sampler.stochastic:
             raise FlowRLError(f"objective '{self.objective.name}' needs log-probs but sampler '{self.sampler.name}' is deterministic; use a stochastic sampler.")
         unit, tc = getattr(self.objective, "minibatch_unit", 1), self.config.train
-        if tc.num_generations % unit or tc.batch_size % unit:
+        generations = 2 if getattr(self.objective, "offline", False) else tc.num_generations  # offline: rows are (winner, loser)
+        if generations % unit or tc.batch_size % unit:
             raise FlowRLError(f"objective '{self.objective.name}' trains pairs of samples: train.num_generations ({tc.num_generations}) "
                               f"and train.batch_size ({tc.batch_size}) must be multiples of {unit}.")
 
@@ -112,7 +115,10 @@ class Trainer:
         return self.pipeline.schedule.sigmas(num_steps).to(self.accelerator.device)
 
     def rollout(self, iteration: int) -> Trajectory:
-        """Sample this process's prompt groups for ``iteration`` and record their trajectories."""
+        """Sample this process's prompt groups for ``iteration`` and record their trajectories (an offline
+        objective reads its preference pairs instead)."""
+        if self.pairs is not None:
+            return self._pair_batch(iteration)
         cfg, tc = self.config.rollout, self.config.train
         groups = tc.prompts_per_iteration // self.world
         chosen = sample_prompts(self.train_pool, groups, seeding.python_rng(self.config.seed, iteration, self.rank, "prompts"))
@@ -129,6 +135,32 @@ class Trainer:
             chunks.append(rollout(self.pipeline, self.sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, gen,
                                   cfg.guidance_scale, window, initial_noise=noise[sl]))
         return Trajectory.cat(chunks)
+
+    def _read_pairs(self) -> PreferencePairs:
+        """The offline objective's pairs, checked against the model's sample shape."""
+        if self.config.prompts.pairs is None:
+            raise FlowRLError(f"objective '{self.objective.name}' trains on offline preference pairs: set prompts.pairs to a pairs "
+                              "directory (python -m flowrl.preference_pairs).")
+        pairs = read_pairs(self.config.prompts.pairs)
+        shape = tuple(self.pipeline.initial_noise(1, torch.Generator()).shape[1:])
+        if tuple(pairs.winners.shape[1:]) != shape:
+            raise FlowRLError(f"the pairs in '{self.config.prompts.pairs}' have shape {tuple(pairs.winners.shape[1:])}, the model's samples {shape}.")
+        return pairs
+
+    @torch.no_grad()
+    def _pair_batch(self, iteration: int) -> Trajectory:
+        """This process's pairs for ``iteration`` (drawn with replacement, keyed by the seed) as a trajectory
+        of clean samples, rows (2i, 2i + 1) = (winner, loser) of pair i."""
+        per_process = self.config.train.prompts_per_iteration // self.world
+        rng = seeding.python_rng(self.config.seed, iteration, self.rank, "pairs")
+        idx = [rng.randrange(len(self.pairs)) for _ in range(per_process)]
+        x0 = torch.stack([t for i in idx for t in (self.pairs.winners[i], self.pairs.losers[i])]).to(self.accelerator.device)
+        prompts = [self.pairs.prompts[i] for i in idx for _ in range(2)]
+        metadata = [dict(self.pairs.metadata[i]) for i in idx for _ in range(2)]
+        return Trajectory(latents=x0[:, None], sigmas=torch.zeros(1), log_probs=x0.new_zeros(len(prompts), 0),
+                          stochastic=torch.zeros(0, dtype=torch.bool), cond=self.pipeline.encode(prompts), prompts=prompts, metadata=metadata,
+                          group_ids=torch.arange(per_process).repeat_interleave(2) + self.rank * per_process,
+                          samples=self.pipeline.decode(x0), guidance_scale=1.0)
 
     @torch.no_grad()
     def score(self, traj: Trajectory) -> Trajectory:
@@ -381,7 +413,7 @@ class Trainer:
             "iterations_planned": self.config.train.iterations,
             "eval_reward_initial": evals[0]["eval/reward/mean"] if evals else None,
             "eval_reward_final": evals[-1]["eval/reward/mean"] if evals else None,
-            "samples_per_iteration": self.config.train.prompts_per_iteration * self.config.train.num_generations,
+            "samples_per_iteration": self.config.train.prompts_per_iteration * (2 if self.pairs is not None else self.config.train.num_generations),
             "wall_seconds_this_process": round(seconds, 1),
             "stopped_early": self.iteration < self.config.train.iterations,
         }

@@ -6,6 +6,7 @@ from ..errors import FlowRLError
 from ..types import Objective
 from .d3po import build_d3po
 from .ddpo import build_ddpo
+from .diffusion_dpo import DiffusionDPOObjective
 from .grpo import build_grpo
 
 __all__ = ["build_objective"]
@@ -21,4 +22,6 @@ def build_objective(config, reward_weights: dict[str, float] | None = None) -> O
         if config.preference == "pareto" and len(reward_weights or {}) < 2:
             raise FlowRLError("objective.preference=pareto compares reward components: reward.components needs at least two.")
         return build_d3po(**kwargs)
+    if config.name == "diffusion_dpo":
+        return DiffusionDPOObjective(**kwargs)
     return build_ddpo(**kwargs)

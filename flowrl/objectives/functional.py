@@ -130,3 +130,15 @@ def d3po_pair_loss(log_ratio_winner: Tensor, log_ratio_loser: Tensor, beta: floa
     lo, hi = math.log(1.0 - clip_range), math.log(1.0 + clip_range)
     z = beta * (log_ratio_winner.clamp(lo, hi) - log_ratio_loser.clamp(lo, hi))
     return -torch.nn.functional.logsigmoid(z)
+
+
+def diffusion_dpo_loss(err_winner: Tensor, err_loser: Tensor, ref_err_winner: Tensor, ref_err_loser: Tensor, beta: float) -> Tensor:
+    """Diffusion-DPO's per-pair loss (MATH.md section 4).
+
+    ``err`` = per-sample mean squared error of the denoiser's prediction against its regression target at
+    the pair's shared noise and time. With d = err_w - err_l for the model and for the reference,
+    loss = -log sigmoid(-0.5 * beta * (d_model - d_ref)): below log 2 exactly when the model fits the
+    winner better (relative to the loser) than the reference does. Returns (P,).
+    """
+    d_model, d_ref = err_winner - err_loser, ref_err_winner - ref_err_loser
+    return -torch.nn.functional.logsigmoid(-0.5 * beta * (d_model - d_ref))
