@@ -140,8 +140,22 @@ def _eval(args) -> int:
     if args.svdd is not None:
         return _svdd(trainer, args.svdd, args.out)
     metrics, _ = trainer.evaluate()
-    print(json.dumps({k: round(v, 6) for k, v in metrics.items()}))
+    print(json.dumps({**{k: round(v, 6) for k, v in metrics.items()}, "settings": _eval_settings(config)}))
     return 0
+
+
+def _eval_settings(config) -> dict:
+    """The settings an evaluation number depends on, printed with it (block length alone moves a dLLM's
+    accuracy by points; steps, guidance and seed move an image reward)."""
+    if config.pipeline.name == "dllm":
+        sc = config.sampler
+        return {"model": config.pipeline.pretrained, "dataset": config.prompts.dataset, "eval_size": config.prompts.eval_size,
+                "gen_length": sc.gen_length, "steps": sc.steps, "block_length": sc.block_length, "temperature": sc.eval_temperature,
+                "remasking": sc.remasking, "threshold": sc.threshold}
+    ec, rc = config.eval, config.rollout
+    return {"model": config.pipeline.pretrained, "dataset": config.prompts.dataset, "samples_per_prompt": ec.samples_per_prompt,
+            "seed": ec.seed, "steps": ec.num_inference_steps or rc.num_inference_steps,
+            "guidance_scale": ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale, "sampler": "ode"}
 
 
 def _best_of_n(trainer, n: int, out: Path) -> int:
@@ -156,7 +170,8 @@ def _best_of_n(trainer, n: int, out: Path) -> int:
         print(f"  N = {k:4d}   eval reward {v:.4f}")
     save_grid(result.samples, out, ncol=trainer.config.eval.samples_per_prompt)
     components = {f"eval/reward/{k}@{n}": round(float(v[torch.isfinite(v)].mean()), 6) for k, v in result.components.items()}
-    print(json.dumps({**{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()}, **components, "grid": str(out)}))
+    print(json.dumps({**{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()}, **components, "grid": str(out),
+                      "settings": _eval_settings(trainer.config)}))
     return 0
 
 
@@ -171,7 +186,9 @@ def _svdd(trainer, m: int, out: Path) -> int:
     extras = trainer.reward(result.samples, [p for p, _ in items], [d for _, d in items]).extras  # the components of the final samples
     finite = result.scores[torch.isfinite(result.scores)]
     components = {f"eval/reward/{k}@svdd{m}": round(float(v.float().nanmean()), 6) for k, v in extras.items()}
-    print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "sampler": trainer.sampler.name, "grid": str(out)}))
+    settings = {**_eval_settings(trainer.config), "sampler": trainer.sampler.name}  # SVDD draws from the rollout sampler
+    print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "sampler": trainer.sampler.name, "grid": str(out),
+                      "settings": settings}))
     return 0
 
 

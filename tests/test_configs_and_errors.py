@@ -93,7 +93,11 @@ def test_corrupt_checkpoint_is_reported_not_loaded(tmp_path, capsys):
     assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1})]) == 0
     capsys.readouterr()
     ckpt = run / "checkpoints" / "step_000001"
-    assert main(["eval", str(ckpt)]) == 0 and "eval/reward/mean" in capsys.readouterr().out
+    assert main(["eval", str(ckpt)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the number comes with the settings it depends on (the run's eval settings, not defaults)
+    assert "eval/reward/mean" in printed and printed["settings"] == {"model": "digits_flow", "dataset": "digits", "samples_per_prompt": 1,
+                                                                       "seed": 1234, "steps": 4, "guidance_scale": 1.0, "sampler": "ode"}
     assert main(["sample", str(ckpt), "--prompt", "digit 4", "-n", "2", "--out", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").is_file()
     bad = tmp_path / "bad_ckpt"
