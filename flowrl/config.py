@@ -89,6 +89,13 @@ class FlowCPSConfig(Section):
     reduction: Literal["mean", "sum"] = "mean"
 
 
+class FlowMemorylessConfig(Section):
+    """The memoryless reverse process of a rectified flow (Adjoint Matching's schedule), exact posterior steps."""
+
+    name: Literal["flow_memoryless"] = "flow_memoryless"
+    reduction: Literal["mean", "sum"] = "mean"
+
+
 class DDIMConfig(Section):
     name: Literal["ddim"] = "ddim"
     eta: float = Field(1.0, ge=0)
@@ -122,7 +129,7 @@ class MaskedSamplerConfig(Section):
         return self
 
 
-SamplerConfig = Annotated[Union[FlowSDEConfig, FlowCPSConfig, DDIMConfig, ODEConfig, MaskedSamplerConfig], Field(discriminator="name")]
+SamplerConfig = Annotated[Union[FlowSDEConfig, FlowCPSConfig, FlowMemorylessConfig, DDIMConfig, ODEConfig, MaskedSamplerConfig], Field(discriminator="name")]
 
 
 class RolloutConfig(Section):
@@ -345,7 +352,7 @@ class Config(Section):
 
 
 def _describe(error: dict) -> str:
-    tags = {"flow_sde", "flow_cps", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
+    tags = {"flow_sde", "flow_cps", "flow_memoryless", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
     loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in tags))
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":

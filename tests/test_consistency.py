@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.config import DDIMConfig, FlowCPSConfig, FlowSDEConfig, PipelineConfig
+from flowrl.config import DDIMConfig, FlowCPSConfig, FlowMemorylessConfig, FlowSDEConfig, PipelineConfig
 from flowrl.objectives.grpo import build_grpo
 from flowrl.pipelines import build_pipeline
 from flowrl.samplers import build_sampler
@@ -21,6 +21,7 @@ CASES = [
     ("digits_flow", FlowSDEConfig(diffusion="flow_grpo", noise_level=0.7)),
     ("digits_flow", FlowSDEConfig(diffusion="dance_grpo", noise_level=0.3)),
     ("digits_flow", FlowCPSConfig(noise_level=0.7)),
+    ("digits_flow", FlowMemorylessConfig()),
     ("digits_flow", FlowSDEConfig(noise_level=0.7, reduction="sum")),
     ("digits_ddpm", DDIMConfig(eta=1.0)),
     ("digits_ddpm", DDIMConfig(eta=0.5, clip_sample=1.0)),

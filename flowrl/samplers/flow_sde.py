@@ -1,4 +1,4 @@
-"""Rectified-flow reverse SDE samplers (Flow-GRPO, DanceGRPO, CPS).
+"""Rectified-flow reverse SDE samplers (Flow-GRPO, DanceGRPO, CPS, memoryless).
 
 Notation (MATH.md section 1): the model predicts velocity ``v``; ``x0_hat = x - sigma v`` and
 ``x1_hat = x + (1 - sigma) v``; ``dt = sigma_next - sigma < 0``. The marginal-preserving reverse SDE
@@ -78,24 +78,64 @@ class FlowSDESampler:
         return flow_euler_step(model_output, x, sigma, sigma_next)
 
 
-@dataclass
-class FlowCPSSampler:
-    """Coefficient-preserving sampling: the noise added is exactly the noise the mean removes."""
+class _FlowBridgeSampler:
+    """Steps of the form x_next = (1 - s') x0_hat + sqrt(s'^2 - std^2) x1_hat + std z (x0_hat = x - s v,
+    x1_hat = x + (1 - s) v): the noise coefficient of x_next is exactly s'. CPS and the memoryless
+    posterior differ only in ``_std``."""
 
-    noise_level: float = 0.7
     reduction: Reduction = "mean"
-    name = "flow_cps"
     prediction_types = ("flow",)
     stochastic = True
+
+    def _std(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+        raise NotImplementedError
 
     def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
         v, x = model_output.float(), x.float()
         sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32, device=x.device) for s in (sigma, sigma_next))
         x0_hat = x - sigma * v
         x1_hat = x + (1 - sigma) * v
-        std = sigma_next * math.sin(self.noise_level * math.pi / 2)
+        std = torch.as_tensor(self._std(sigma, sigma_next), dtype=torch.float32, device=x.device)
         mean = x0_hat * (1 - sigma_next) + x1_hat * torch.sqrt((sigma_next**2 - std**2).clamp(min=0))
         return _finish(mean, std, x_next, generator, self.reduction)
 
     def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
         return flow_euler_step(model_output, x, sigma, sigma_next)
+
+
+@dataclass
+class FlowCPSSampler(_FlowBridgeSampler):
+    """Coefficient-preserving sampling: the noise added is exactly the noise the mean removes."""
+
+    noise_level: float = 0.7
+    reduction: Reduction = "mean"
+    name = "flow_cps"
+
+    def _std(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+        return sigma_next * math.sin(self.noise_level * math.pi / 2)
+
+
+@dataclass
+class FlowMemorylessSampler(_FlowBridgeSampler):
+    """The memoryless reverse process of a rectified flow (Adjoint Matching's noise schedule), stepped exactly.
+
+    Each step samples the Gaussian posterior q(x_{s'} | x_s, x0 = x0_hat) of the forward Markov chain whose
+    marginals are the flow's x_sigma = (1 - sigma) x0 + sigma noise (DDPM's ancestral step, written for
+    a flow). With r = (1 - s) s' / ((1 - s') s) in [0, 1]:
+
+        std = s' sqrt(1 - r^2),   mean = (1 - s') x0_hat + s' r x1_hat
+
+    Its continuous limit is the reverse SDE with g^2 = 2 sigma / (1 - sigma) (Flow-GRPO's g with a = sqrt 2),
+    the schedule under which the start noise and the sample are independent (tested: std^2 / (g^2 |dt|) -> 1).
+    Euler-Maruyama with that g is singular at sigma = 1 (its first step has std sqrt 2 and a mean that
+    still depends on x); here the first step from sigma = 1 keeps nothing of x but x0_hat(x), which at
+    sigma = 1 is the data mean: the start noise is forgotten exactly. The step into sigma = 0 is
+    deterministic (x0_hat) and has no log-prob.
+    """
+
+    reduction: Reduction = "mean"
+    name = "flow_memoryless"
+
+    def _std(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+        r = ((1 - sigma) * sigma_next) / ((1 - sigma_next) * sigma)  # then sqrt(s'^2 - std^2) = s' r
+        return sigma_next * torch.sqrt((1 - r**2).clamp(min=0))
