@@ -14,6 +14,7 @@ EPILOG = """examples:
   flowrl train configs/digits/grpo.yaml train.iterations=10 output_dir=runs/quick
   flowrl sample runs/digits_grpo/checkpoints/step_000040 --prompt "a handwritten seven" -n 8
   flowrl eval runs/digits_grpo/checkpoints/step_000040
+  flowrl eval configs/digits/grpo.yaml --best-of 16      (or --svdd 16: inference-time scaling)
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
 """
 
