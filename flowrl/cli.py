@@ -188,8 +188,7 @@ def _svdd(trainer, m: int, out: Path) -> int:
     finite = result.scores[torch.isfinite(result.scores)]
     components = {f"eval/reward/{k}@svdd{m}": round(float(v.float().nanmean()), 6) for k, v in extras.items()}
     settings = {**_eval_settings(trainer.config), "sampler": trainer.sampler.name}  # SVDD draws from the rollout sampler
-    print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "sampler": trainer.sampler.name, "grid": str(out),
-                      "settings": settings}))
+    print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "grid": str(out), "settings": settings}))
     return 0
 
 

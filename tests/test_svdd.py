@@ -63,5 +63,5 @@ def test_cli_svdd(tmp_path, capsys):
     out = tmp_path / "svdd.png"
     assert main(["eval", str(GRPO), "eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}", "--svdd", "2", "--out", str(out)]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out.is_file() and "eval/reward/mean@svdd2" in last and last["sampler"] == "flow_sde"
+    assert out.is_file() and "eval/reward/mean@svdd2" in last and last["settings"]["sampler"] == "flow_sde"
     assert main(["eval", str(GRPO), "--svdd", "0"]) == 2
