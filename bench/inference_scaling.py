@@ -1,9 +1,11 @@
-"""Inference-time scaling on the embedded model, measured in one run: Best-of-N against SVDD-PM at the same
-number of candidates, with the denoiser work each spends counted (sample-forwards) rather than assumed.
+"""Inference-time scaling on the embedded model, measured in one run: Best-of-N, zero-order noise search and
+SVDD-PM at the same number of candidates, with the denoiser work each spends counted (sample-forwards)
+rather than assumed.
 
-For each budget M the held-out evaluation (configs/digits/grpo.yaml's) is sampled three ways: plain
-(one ODE sample per item), best-of-M (ODE, M candidates per item) and SVDD-PM with M candidates per step
-(the preset's SDE). It prints reward, gain over the plain evaluation, denoiser sample-forwards relative
+For each budget M the held-out evaluation (configs/digits/grpo.yaml's) is sampled four ways: plain (one
+ODE sample per item), best-of-M (ODE, M candidates per item), zero-order search (ODE, M samples per
+item: the start noise plus (M - 1) / 3 rounds of 3 neighbours at step 0.5) and SVDD-PM with M candidates
+per step (the preset's SDE). It prints reward, gain over the plain evaluation, denoiser sample-forwards relative
 to the plain evaluation, and wall time. The last line is ``svdd_gain_over_best_of_n=<ratio>`` at the
 largest budget: how many times more reward SVDD gains than best-of-N for the same candidate count.
 
@@ -61,6 +63,7 @@ def main() -> None:
         gains = {}
         for m in args.budgets:
             for name, fn in (("best-of-N", lambda: trainer.evaluate_best_of_n(m).scaling_curve()[m]),
+                             ("zero-order", lambda: float(trainer.evaluate_noise_search(max(1, (m - 1) // 3), 3, 0.5).scores.mean())),
                              ("svdd-pm", lambda: float(trainer.evaluate_svdd(m).scores.mean()))):
                 reward, rows, seconds = measure(fn)
                 gains[name, m] = reward - plain

@@ -24,6 +24,7 @@ from .checkpoint import load_optimizer, read_checkpoint, resolve_checkpoint, sav
 from .config import Config, ODEConfig, to_yaml
 from .errors import FlowRLError
 from .inference.best_of_n import BestOfN, best_of_n
+from .inference.noise_search import NoiseSearchResult, zero_order_search
 from .inference.svdd import SVDDResult, svdd_sample
 from .objectives import build_objective
 from .pipelines import build_pipeline
@@ -246,6 +247,15 @@ class Trainer:
         self.module.eval()
         return best_of_n(self.pipeline, self.eval_sampler, self.reward, [p for p, _ in items], [m for _, m in items], n, sigmas, gen,
                          guidance, self.config.rollout.batch_size)
+
+    def evaluate_noise_search(self, rounds: int, neighbors: int, step: float) -> NoiseSearchResult:
+        """The held-out evaluation with zero-order search over each item's start noise (ODE sampler, the run's
+        reward), starting from the noise :meth:`evaluate` draws; one process."""
+        items, sigmas, guidance, gen = self._eval_setup()
+        noise = self.pipeline.initial_noise(len(items), gen)
+        self.module.eval()
+        return zero_order_search(self.pipeline, self.eval_sampler, self.reward, [p for p, _ in items], [m for _, m in items], rounds, neighbors,
+                                 step, sigmas, gen, guidance, self.config.rollout.batch_size, initial_noise=noise)
 
     def evaluate_svdd(self, m: int) -> SVDDResult:
         """The held-out items sampled with SVDD-PM (``m`` candidates per step from the rollout sampler,

@@ -1,0 +1,55 @@
+"""Zero-order noise search on the embedded model: one round with step 1 is Best-of-N on the same draws, the
+pivot's reward never decreases, round 0 is the plain evaluation, and the neighbour proposal keeps N(0, I)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import CONFIGS, fast_overrides
+from flowrl.config import load_config
+from flowrl.inference.best_of_n import best_of_n
+from flowrl.inference.noise_search import _neighbors, zero_order_search
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from flowrl.cli import build_trainer
+
+    return build_trainer(load_config(CONFIGS / "digits" / "grpo.yaml", fast_overrides(tmp_path_factory.mktemp("zo"), **{"eval.samples_per_prompt": 1})))
+
+
+def _items(trainer, n=8):
+    items, sigmas, guidance, _ = trainer._eval_setup()
+    return [p for p, _ in items][:n], [m for _, m in items][:n], sigmas, guidance
+
+
+def test_one_round_of_fresh_neighbours_is_best_of_n(trainer):
+    prompts, metadata, sigmas, guidance = _items(trainer)
+    zo = zero_order_search(trainer.pipeline, trainer.eval_sampler, trainer.reward, prompts, metadata, 1, 3, 1.0, sigmas,
+                           torch.Generator().manual_seed(4), guidance)
+    bon = best_of_n(trainer.pipeline, trainer.eval_sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(4), guidance)
+    torch.testing.assert_close(zo.scores, bon.scores.max(1).values)
+    torch.testing.assert_close(zo.samples, bon.samples)
+    assert zo.evaluations == 4
+
+
+def test_pivot_reward_never_decreases_and_round_zero_is_the_evaluation(trainer):
+    metrics, _ = trainer.evaluate()
+    result = trainer.evaluate_noise_search(rounds=3, neighbors=2, step=0.5)
+    assert result.history[0].mean().item() == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
+    assert (result.history[1:] >= result.history[:-1]).all()
+    assert result.history[-1].mean() > result.history[0].mean()
+    items = trainer._eval_setup()[0]
+    rescored = trainer.reward(result.samples, [p for p, _ in items], [m for _, m in items]).scores.float()
+    torch.testing.assert_close(rescored, result.scores, atol=1e-5, rtol=0)
+
+
+def test_neighbour_proposal_keeps_the_standard_normal():
+    pivot = torch.randn(20000, 4, generator=torch.Generator().manual_seed(0))
+    cand = _neighbors(pivot, 1, 0.5, torch.Generator().manual_seed(1))[0]
+    assert cand.var(0).sub(1).abs().max() < 0.05 and cand.mean(0).abs().max() < 4 / math.sqrt(20000)
+    corr = torch.corrcoef(torch.stack([pivot[:, 0], cand[:, 0]]))[0, 1]
+    assert corr.item() == pytest.approx(math.sqrt(1 - 0.25), abs=0.02)  # a local move: correlation sqrt(1 - step^2)
