@@ -153,10 +153,11 @@ def _eval_settings(config) -> dict:
         return {"model": config.pipeline.pretrained, "dataset": config.prompts.dataset, "eval_size": config.prompts.eval_size,
                 "gen_length": sc.gen_length, "steps": sc.steps, "block_length": sc.block_length, "temperature": sc.eval_temperature,
                 "remasking": sc.remasking, "threshold": sc.threshold}
-    ec, rc = config.eval, config.rollout
-    return {"model": config.pipeline.pretrained, "dataset": config.prompts.dataset, "samples_per_prompt": ec.samples_per_prompt,
-            "seed": ec.seed, "steps": ec.num_inference_steps or rc.num_inference_steps,
-            "guidance_scale": ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale, "sampler": "ode"}
+    from .config import eval_steps_and_guidance
+
+    steps, guidance = eval_steps_and_guidance(config)
+    return {"model": config.pipeline.pretrained, "dataset": config.prompts.dataset, "samples_per_prompt": config.eval.samples_per_prompt,
+            "seed": config.eval.seed, "steps": steps, "guidance_scale": guidance, "sampler": "ode"}
 
 
 def _best_of_n(trainer, n: int, out: Path) -> int:
@@ -183,10 +184,8 @@ def _svdd(trainer, m: int, out: Path) -> int:
 
     result = trainer.evaluate_svdd(m)
     save_grid(result.samples, out, ncol=trainer.config.eval.samples_per_prompt)
-    items = trainer._eval_setup()[0]
-    extras = trainer.reward(result.samples, [p for p, _ in items], [d for _, d in items]).extras  # the components of the final samples
     finite = result.scores[torch.isfinite(result.scores)]
-    components = {f"eval/reward/{k}@svdd{m}": round(float(v.float().nanmean()), 6) for k, v in extras.items()}
+    components = {f"eval/reward/{k}@svdd{m}": round(float(v.nanmean()), 6) for k, v in result.components.items()}
     settings = {**_eval_settings(trainer.config), "sampler": trainer.sampler.name}  # SVDD draws from the rollout sampler
     print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "grid": str(out), "settings": settings}))
     return 0

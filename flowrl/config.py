@@ -322,6 +322,12 @@ class EvalConfig(Section):
     guidance_scale: float | None = None  # None: rollout.guidance_scale
 
 
+def eval_steps_and_guidance(config: "Config") -> tuple[int, float]:
+    """The evaluation's denoising steps and guidance scale: eval's own where set, else the rollout's."""
+    ec, rc = config.eval, config.rollout
+    return ec.num_inference_steps or rc.num_inference_steps, ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale
+
+
 class LogConfig(Section):
     grid_prompts: int = Field(10, ge=1)
     checkpoint_every: int = Field(10, ge=0)  # 0 = only at the end

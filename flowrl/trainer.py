@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import seeding
 from .checkpoint import load_optimizer, read_checkpoint, resolve_checkpoint, save_checkpoint
-from .config import Config, ODEConfig, to_yaml
+from .config import Config, ODEConfig, eval_steps_and_guidance, to_yaml
 from .errors import FlowRLError
 from .inference.best_of_n import BestOfN, best_of_n
 from .inference.noise_search import NoiseSearchResult, zero_order_search
@@ -216,10 +216,10 @@ class Trainer:
     def _eval_setup(self) -> tuple[list, torch.Tensor, float, torch.Generator]:
         """The held-out items (prompt, metadata) x samples_per_prompt, the time grid, the guidance scale and
         the generator (seeded identically on every process and at every evaluation)."""
-        ec, rc = self.config.eval, self.config.rollout
+        ec = self.config.eval
         items = [item for item in self.eval_pool for _ in range(ec.samples_per_prompt)]
-        guidance = ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale
-        return items, self.sigmas(ec.num_inference_steps or rc.num_inference_steps), guidance, torch.Generator().manual_seed(ec.seed)
+        steps, guidance = eval_steps_and_guidance(self.config)
+        return items, self.sigmas(steps), guidance, torch.Generator().manual_seed(ec.seed)
 
     @torch.no_grad()
     def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
@@ -267,7 +267,8 @@ class Trainer:
         parts = [svdd_sample(self.pipeline, self.sampler, self.reward, [p for p, _ in items[i : i + chunk]], [d for _, d in items[i : i + chunk]],
                              m, sigmas, gen, guidance, initial_noise=noise[i : i + chunk]) for i in range(0, len(items), chunk)]
         return SVDDResult(samples=torch.cat([r.samples for r in parts]), scores=torch.cat([r.scores for r in parts]),
-                          step_scores=torch.cat([r.step_scores for r in parts], 1))
+                          step_scores=torch.cat([r.step_scores for r in parts], 1),
+                          components={k: torch.cat([r.components[k] for r in parts]) for k in parts[0].components})
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self) -> Path | None:

@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ..samplers.rollout import rollout
 from ..types import Pipeline, Sampler
+from .candidates import sample_and_score
 
 
 @dataclass
@@ -41,9 +41,9 @@ class BestOfN:
         return curve
 
 
-def _better(score: float, current: float) -> bool:
+def _better(score: Tensor, current: Tensor) -> Tensor:
     """A finite score beats a non-finite one and any smaller score; a tie keeps the earlier candidate."""
-    return math.isfinite(score) and (not math.isfinite(current) or score > current)
+    return torch.isfinite(score) & (~torch.isfinite(current) | (score > current))
 
 
 @torch.no_grad()
@@ -58,24 +58,18 @@ def best_of_n(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[st
         raise ValueError(f"n must be >= 1, got {n}")
     p = len(prompts)
     scores = torch.full((p, n), float("nan"))
-    chosen: list[Tensor | None] = [None] * p
-    components: dict[str, Tensor] = {}
     best = torch.zeros(p, dtype=torch.long)
     for j in range(n):  # candidate j of every prompt: the j-th draw of P noises
-        noise = pipeline.initial_noise(p, generator)
-        for start in range(0, p, batch_size):
-            idx = list(range(start, min(start + batch_size, p)))
-            traj = rollout(pipeline, sampler, [prompts[i] for i in idx], [metadata[i] for i in idx], torch.tensor(idx), sigmas,
-                           generator, guidance_scale, initial_noise=noise[idx], same_noise_in_group=False)
-            out = reward(traj.samples, traj.prompts, traj.metadata)
-            for b, i in enumerate(idx):
-                s = float(out.scores[b])
-                scores[i, j] = s
-                if chosen[i] is None or _better(s, float(scores[i, best[i]])):
-                    chosen[i], best[i] = traj.samples[b].cpu(), j
-                    for key, v in out.extras.items():
-                        components.setdefault(key, torch.full((p,), float("nan")))[i] = float(v[b])
+        samples, scores[:, j], extras = sample_and_score(pipeline, sampler, reward, prompts, metadata, pipeline.initial_noise(p, generator),
+                                                         sigmas, generator, guidance_scale, batch_size)
+        if j == 0:
+            chosen, components = samples, extras
+            continue
+        better = _better(scores[:, j], scores.gather(1, best[:, None]).squeeze(1))
+        chosen[better], best[better] = samples[better], j
+        for key, v in extras.items():
+            components[key][better] = v[better]
     bad = int((~torch.isfinite(scores)).sum())
     if bad:
         warnings.warn(f"{bad} of {n * p} candidates got a NaN or infinite reward; they are never chosen.", stacklevel=2)
-    return BestOfN(samples=torch.stack(chosen), scores=scores, best=best, components=components)
+    return BestOfN(samples=chosen, scores=scores, best=best, components=components)

@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ..samplers.rollout import rollout
 from ..types import Pipeline, Sampler
+from .candidates import sample_and_score
 
 
 @dataclass
@@ -50,15 +50,8 @@ def zero_order_search(pipeline: Pipeline, sampler: Sampler, reward, prompts: Seq
     p = len(prompts)
 
     def evaluate(noise: Tensor) -> tuple[Tensor, Tensor]:
-        samples, scores = [], []
-        for start in range(0, p, batch_size):
-            idx = list(range(start, min(start + batch_size, p)))
-            traj = rollout(pipeline, sampler, [prompts[i] for i in idx], [metadata[i] for i in idx], torch.tensor(idx), sigmas, generator,
-                           guidance_scale, initial_noise=noise[idx], same_noise_in_group=False)
-            samples.append(traj.samples.cpu())
-            scores.append(reward(traj.samples, traj.prompts, traj.metadata).scores.float().cpu())
-        s = torch.cat(scores)
-        return torch.cat(samples), torch.where(torch.isfinite(s), s, torch.tensor(float("-inf")))
+        samples, scores, _ = sample_and_score(pipeline, sampler, reward, prompts, metadata, noise, sigmas, generator, guidance_scale, batch_size)
+        return samples, torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
 
     pivot = (initial_noise if initial_noise is not None else pipeline.initial_noise(p, generator)).float()
     best_samples, best_scores = evaluate(pivot)

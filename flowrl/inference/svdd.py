@@ -29,6 +29,7 @@ class SVDDResult:
     samples: Tensor  # (P, *S) decoded final samples
     scores: Tensor  # (P,) their rewards
     step_scores: Tensor  # (K, P, M) every candidate's look-ahead reward at every step
+    components: dict[str, Tensor]  # reward component -> (P,) its value for the final samples
 
 
 def _repeat(cond: Condition, m: int) -> Condition:
@@ -62,7 +63,8 @@ def svdd_sample(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[
             x0_hat = sampler.deterministic_step(look, candidates, sigma_next, torch.zeros_like(sigma_next))
         else:
             look, x0_hat = None, candidates
-        scores = reward(pipeline.decode(x0_hat), prompts_m, metadata_m).scores.float().view(p, m)
+        out = reward(pipeline.decode(x0_hat), prompts_m, metadata_m)
+        scores = out.scores.float().view(p, m)
         step_scores.append(scores)
         best = torch.where(torch.isfinite(scores), scores, float("-inf")).argmax(1)  # (P,) ties: the first candidate
         chosen = torch.arange(p) * m + best
@@ -70,4 +72,5 @@ def svdd_sample(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[
         if look is not None:
             output = look[chosen]
     final = torch.stack(step_scores)[-1].gather(1, best[:, None]).squeeze(1)
-    return SVDDResult(samples=pipeline.decode(x), scores=final, step_scores=torch.stack(step_scores))
+    components = {k: v.float().cpu()[chosen] for k, v in out.extras.items()}  # the last step scored the final samples themselves
+    return SVDDResult(samples=pipeline.decode(x), scores=final, step_scores=torch.stack(step_scores), components=components)

@@ -78,45 +78,47 @@ class FlowSDESampler:
         return flow_euler_step(model_output, x, sigma, sigma_next)
 
 
-class _FlowBridgeSampler:
-    """Steps of the form x_next = (1 - s') x0_hat + sqrt(s'^2 - std^2) x1_hat + std z (x0_hat = x - s v,
-    x1_hat = x + (1 - s) v): the noise coefficient of x_next is exactly s'. CPS and the memoryless
-    posterior differ only in ``_std``."""
+def _bridge_step(model_output, x, sigma, sigma_next, std_of, x_next, generator, reduction: Reduction) -> StepOutput:
+    """x_next = (1 - s') x0_hat + sqrt(s'^2 - std^2) x1_hat + std z (x0_hat = x - s v, x1_hat = x + (1 - s) v):
+    the noise coefficient of x_next is exactly s'. CPS and the memoryless posterior differ only in
+    ``std_of(sigma, sigma_next)``."""
+    v, x = model_output.float(), x.float()
+    sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32, device=x.device) for s in (sigma, sigma_next))
+    x0_hat = x - sigma * v
+    x1_hat = x + (1 - sigma) * v
+    std = torch.as_tensor(std_of(sigma, sigma_next), dtype=torch.float32, device=x.device)
+    mean = x0_hat * (1 - sigma_next) + x1_hat * torch.sqrt((sigma_next**2 - std**2).clamp(min=0))
+    return _finish(mean, std, x_next, generator, reduction)
 
+
+def _memoryless_std(sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """s' sqrt(1 - r^2), r = (1 - s) s' / ((1 - s') s); then sqrt(s'^2 - std^2) = s' r."""
+    r = ((1 - sigma) * sigma_next) / ((1 - sigma_next) * sigma)
+    return sigma_next * torch.sqrt((1 - r**2).clamp(min=0))
+
+
+@dataclass
+class FlowCPSSampler:
+    """Coefficient-preserving sampling: the noise added is exactly the noise the mean removes."""
+
+    noise_level: float = 0.7
     reduction: Reduction = "mean"
+    name = "flow_cps"
     prediction_types = ("flow",)
     stochastic = True
 
     def _std(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
-        raise NotImplementedError
+        return sigma_next * math.sin(self.noise_level * math.pi / 2)
 
     def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
-        v, x = model_output.float(), x.float()
-        sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32, device=x.device) for s in (sigma, sigma_next))
-        x0_hat = x - sigma * v
-        x1_hat = x + (1 - sigma) * v
-        std = torch.as_tensor(self._std(sigma, sigma_next), dtype=torch.float32, device=x.device)
-        mean = x0_hat * (1 - sigma_next) + x1_hat * torch.sqrt((sigma_next**2 - std**2).clamp(min=0))
-        return _finish(mean, std, x_next, generator, self.reduction)
+        return _bridge_step(model_output, x, sigma, sigma_next, self._std, x_next, generator, self.reduction)
 
     def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
         return flow_euler_step(model_output, x, sigma, sigma_next)
 
 
 @dataclass
-class FlowCPSSampler(_FlowBridgeSampler):
-    """Coefficient-preserving sampling: the noise added is exactly the noise the mean removes."""
-
-    noise_level: float = 0.7
-    reduction: Reduction = "mean"
-    name = "flow_cps"
-
-    def _std(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
-        return sigma_next * math.sin(self.noise_level * math.pi / 2)
-
-
-@dataclass
-class FlowMemorylessSampler(_FlowBridgeSampler):
+class FlowMemorylessSampler:
     """The memoryless reverse process of a rectified flow (Adjoint Matching's noise schedule), stepped exactly.
 
     Each step samples the Gaussian posterior q(x_{s'} | x_s, x0 = x0_hat) of the forward Markov chain whose
@@ -135,7 +137,11 @@ class FlowMemorylessSampler(_FlowBridgeSampler):
 
     reduction: Reduction = "mean"
     name = "flow_memoryless"
+    prediction_types = ("flow",)
+    stochastic = True
 
-    def _std(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
-        r = ((1 - sigma) * sigma_next) / ((1 - sigma_next) * sigma)  # then sqrt(s'^2 - std^2) = s' r
-        return sigma_next * torch.sqrt((1 - r**2).clamp(min=0))
+    def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
+        return _bridge_step(model_output, x, sigma, sigma_next, _memoryless_std, x_next, generator, self.reduction)
+
+    def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
+        return flow_euler_step(model_output, x, sigma, sigma_next)
