@@ -79,6 +79,9 @@ class Trajectory:
     rewards:    (B,) float32 combined reward; NaN for samples to drop.
     reward_components: name -> (B,) per-component reward.
     advantages: (B,) or (B, K), filled by an objective's prepare().
+    reward_grads: (B, *S) gradient of the combined reward with respect to the final state latents[:, K]
+                (through the decoder), filled by the score phase for objectives that train on
+                "reward_gradient_rollouts"; None otherwise.
     guidance_scale: the CFG scale the rollout used (training re-scores with the same one).
     """
 
@@ -94,6 +97,7 @@ class Trajectory:
     rewards: Tensor | None = None
     reward_components: dict[str, Tensor] = field(default_factory=dict)
     advantages: Tensor | None = None
+    reward_grads: Tensor | None = None
     guidance_scale: float = 1.0
     inner_epoch: int = 0  # set by the trainer for each pass over the rollout
 
@@ -214,18 +218,52 @@ class Reward(Protocol):
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput: ...
 
 
+TrainingData = Literal["rollouts", "offline_pairs", "reward_gradient_rollouts"]
+"""What an objective trains on, i.e. what the loop's collect and score phases hand to ``prepare``:
+
+- ``"rollouts"``: on-policy trajectories from the rollout sampler, with their per-step log-probs when
+  the objective ``needs_log_probs`` (GRPO, DDPO, D3PO: pairs are consecutive rows of a group; the
+  diffusion-LM objectives: :class:`TokenTrajectory`).
+- ``"offline_pairs"``: (winner, loser) rows read from a pairs directory (``prompts.pairs``), no
+  sampling (Diffusion-DPO).
+- ``"reward_gradient_rollouts"``: on-policy trajectories plus the gradient of the reward with respect
+  to the final state, ``Trajectory.reward_grads`` (Adjoint Matching); the reward must be differentiable.
+"""
+
+ReferenceModel = Literal["none", "initial"]
+"""Which frozen model ``pipeline.reference()`` must provide: none, or the initial (pre-training)
+weights (LoRA: the adapters switched off; full fine-tuning: a frozen copy)."""
+
+
 @runtime_checkable
 class Objective(Protocol):
-    """prepare() runs without grad (advantages, pairs); losses() yields one LossOutput per backward pass."""
+    """Everything the training loop needs from an objective, declared (the loop never probes).
+
+    The loop calls, per iteration: collect (what ``trains_on`` names) -> score -> ``prepare`` (no grad:
+    advantages, pairs, labels) -> for each minibatch of ``minibatch_unit``-aligned rows, one optimizer
+    step over the ``LossOutput``s that ``losses`` yields (each is backpropagated before the next is
+    produced, so an objective can keep memory flat in the number of denoising steps).
+    """
 
     name: str
-    needs_log_probs: bool
+    trains_on: TrainingData  # what collect() gathers for it
+    needs_log_probs: bool  # the rollout sampler must be stochastic and record per-step log-probs
+    reference: ReferenceModel  # the frozen model losses() may switch to with pipeline.reference()
+    minibatch_unit: int  # rows that stay together when minibatches are shuffled (2: winner/loser pairs)
+    extra_module: "torch.nn.Module | None"  # the objective's own trainable module (DCoLT's head), checkpointed with the model
+    extra_lr_scale: float  # extra_module's learning rate relative to train.learning_rate
 
-    def prepare(self, batch: Trajectory) -> Trajectory: ...
+    def prepare(self, batch: Trajectory) -> Trajectory:
+        """Without grad: fill ``advantages`` (or reorder into pairs, drop rows); return the batch to train on."""
+        ...
 
-    def losses(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, generator: torch.Generator) -> Iterator[LossOutput]: ...
+    def losses(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, generator: torch.Generator) -> Iterator[LossOutput]:
+        """Yield the minibatch's loss in backward-sized pieces; ``generator`` keys every random draw."""
+        ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """Objective state that a resumed run needs (DDPO's per-prompt reward buffers); {} for most."""
+        ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
