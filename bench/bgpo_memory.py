@@ -27,7 +27,7 @@ def measure(naive: bool, n: int, batch: int) -> dict:
     from flowrl.config import BGPOConfig, MaskedSamplerConfig
     from flowrl.objectives.dllm.policy import build_dllm_objective
     from flowrl.pipelines.dllm import load_masked_lm
-    from flowrl.pipelines.embedded.arith_data import PROMPT_LEN, problems
+    from flowrl.data.arith import PROMPT_LEN, problems
     from flowrl.samplers.masked import generate
 
     torch.manual_seed(0)

@@ -25,8 +25,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flowrl.cli import build_trainer  # noqa: E402
+from flowrl.trainer import Trainer  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
+from flowrl.inference.best_of_n import best_of_n  # noqa: E402
+from flowrl.inference.noise_search import zero_order_search  # noqa: E402
+from flowrl.inference.svdd import svdd_in_batches  # noqa: E402
 
 
 class ForwardCounter:
@@ -48,8 +51,26 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_trainer(load_config(REPO / "configs" / "digits" / "grpo.yaml", [f"output_dir={tmp}", "log.progress=false", *args.overrides]))
+        trainer = Trainer(load_config(REPO / "configs" / "digits" / "grpo.yaml", [f"output_dir={tmp}", "log.progress=false", *args.overrides]))
         counter = ForwardCounter(trainer.pipeline)
+        pipe, held, reward, batch = trainer.pipeline, trainer.modality.held_out, trainer.reward, trainer.config.rollout.batch_size
+        ode, sde = trainer.modality.eval_sampler, trainer.sampler
+
+        def start_noise():  # the plain evaluation's generator and start noise
+            gen = held.generator()
+            return gen, pipe.initial_noise(len(held), gen)
+
+        def best(m):
+            return best_of_n(pipe, ode, reward, held.prompts, held.metadata, m, held.sigmas, held.generator(), held.guidance_scale, batch)
+
+        def zero_order(m):
+            gen, noise = start_noise()
+            return zero_order_search(pipe, ode, reward, held.prompts, held.metadata, max(1, (m - 1) // 3), 3, 0.5, held.sigmas, gen,
+                                     held.guidance_scale, batch, initial_noise=noise)
+
+        def svdd(m):
+            gen, noise = start_noise()
+            return svdd_in_batches(pipe, sde, reward, held.prompts, held.metadata, m, held.sigmas, gen, held.guidance_scale, batch, noise)
 
         def measure(fn):
             counter.rows, start = 0, time.perf_counter()
@@ -58,13 +79,13 @@ def main() -> None:
 
         plain, plain_rows, plain_s = measure(lambda: trainer.evaluate()[0]["eval/reward/mean"])
         print(f"plain evaluation: reward {plain:.4f}, {plain_rows} sample-forwards, {plain_s:.1f} s "
-              f"({len(trainer._eval_setup()[0])} items, sampler ode, {trainer.config.rollout.num_inference_steps} steps)")
+              f"({len(held)} items, sampler ode, {trainer.config.rollout.num_inference_steps} steps)")
         print(f"{'method':<14}{'M':>4}{'reward':>9}{'gain':>9}{'forwards x':>12}{'wall s':>8}")
         gains = {}
         for m in args.budgets:
-            for name, fn in (("best-of-N", lambda: trainer.evaluate_best_of_n(m).scaling_curve()[m]),
-                             ("zero-order", lambda: float(trainer.evaluate_noise_search(max(1, (m - 1) // 3), 3, 0.5).scores.mean())),
-                             ("svdd-pm", lambda: float(trainer.evaluate_svdd(m).scores.mean()))):
+            for name, fn in (("best-of-N", lambda: best(m).scaling_curve()[m]),
+                             ("zero-order", lambda: float(zero_order(m).scores.mean())),
+                             ("svdd-pm", lambda: float(svdd(m).scores.mean()))):
                 reward, rows, seconds = measure(fn)
                 gains[name, m] = reward - plain
                 print(f"{name:<14}{m:>4}{reward:>9.4f}{reward - plain:>+9.4f}{rows / plain_rows:>12.2f}{seconds:>8.1f}")

@@ -49,7 +49,7 @@ def text_encoders(real: bool, family: str):
     """One-layer text encoders with the real widths (tiny widths for --size tiny)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from flowrl.pipelines.embedded.digits_data import build_tokenizer
+    from flowrl.data.digits import build_tokenizer
 
     def clip(width, projection):
         cfg = CLIPTextConfig(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1, num_attention_heads=max(1, width // 64),
@@ -99,7 +99,7 @@ def main() -> None:
     real = args.size == "real"
     cuda = torch.cuda.is_available()
 
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
     from flowrl.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +121,7 @@ def main() -> None:
             "reward.components": "{ink: 1.0}", "eval.every": 0, "eval.samples_per_prompt": 1, "log.grid_prompts": 1,
             "log.checkpoint_every": 0, "log.progress": False, "output_dir": str(Path(tmp) / "run"), "prompts.dataset": "digits",
         }
-        trainer = build_trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
+        trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
         params = sum(p.numel() for p in trainer.pipeline.denoiser.parameters())
         lora = sum(p.numel() for p in trainer.trainable_parameters())
         trainer.train_iteration(0)  # warm-up (kernels, allocator, prompt cache)

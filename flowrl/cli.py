@@ -82,27 +82,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_reward(args) -> int:
-    from .reward_models.server import serve_main
+    from .reward_server import serve_main
 
     return serve_main(args.config, port=args.port)
 
 
-def build_trainer(config):
-    """The trainer for the config's modality: images (Trainer) or masked-diffusion text (TextTrainer)."""
-    if config.pipeline.name == "dllm":
-        from .text_trainer import TextTrainer
-
-        return TextTrainer(config)
-    from .trainer import Trainer
-
-    return Trainer(config)
-
-
 def _train(args) -> int:
     from .config import load_config
+    from .trainer import Trainer
 
     config = load_config(args.config, args.overrides)
-    summary = build_trainer(config).fit()
+    summary = Trainer(config).fit()
     print(json.dumps(summary))
     return 0
 
@@ -133,13 +123,15 @@ def _eval(args) -> int:
     for flag, value in (("--best-of", args.best_of), ("--svdd", args.svdd)):
         if value is not None and (value < 1 or config.pipeline.name == "dllm"):
             raise FlowRLError(f"{flag} needs a count >= 1 and an image or video model.")
-    trainer = build_trainer(config)
-    if checkpoint is not None:
-        trainer._load_weights(read_weights(checkpoint))
     if args.best_of is not None:
-        return _best_of_n(trainer, args.best_of, args.out)
+        return _best_of_n(config, checkpoint, args.best_of, args.out)
     if args.svdd is not None:
-        return _svdd(trainer, args.svdd, args.out)
+        return _svdd(config, checkpoint, args.svdd, args.out)
+    from .trainer import Trainer
+
+    trainer = Trainer(config)
+    if checkpoint is not None:
+        trainer.load_weights(read_weights(checkpoint))
     metrics, _ = trainer.evaluate()
     print(json.dumps({**{k: round(v, 6) for k, v in metrics.items()}, "settings": _eval_settings(config)}))
     return 0
@@ -160,33 +152,61 @@ def _eval_settings(config) -> dict:
             "seed": config.eval.seed, "steps": steps, "guidance_scale": guidance, "sampler": "ode"}
 
 
-def _best_of_n(trainer, n: int, out: Path) -> int:
+def _image_model(config, checkpoint: Path | None):
+    """The config's image / video model (a checkpoint's weights loaded), its samplers, its reward and its
+    held-out setting: what the inference-time scaling methods use, with no trainer or optimizer."""
     import torch
 
+    from . import seeding
+    from .evaluation.held_out import held_out_images
+    from .modalities.images import build_image_components
+    from .reward_models import build_reward_from_config
+
+    device = "cuda" if torch.cuda.is_available() and config.pipeline.device != "cpu" else "cpu"
+    reward = build_reward_from_config(config.reward)
+    seeding.seed_initialisation(config.seed)
+    parts = build_image_components(config, device)
+    if checkpoint is not None:
+        _load_checkpoint_weights(parts.pipeline, checkpoint)
+    parts.pipeline.denoiser.eval()
+    return parts, reward, held_out_images(config, parts.pipeline, device)
+
+
+def _best_of_n(config, checkpoint: Path | None, n: int, out: Path) -> int:
+    import torch
+
+    from .inference.best_of_n import best_of_n
     from .visualize import save_grid
 
-    result = trainer.evaluate_best_of_n(n)
+    parts, reward, held = _image_model(config, checkpoint)
+    result = best_of_n(parts.pipeline, parts.eval_sampler, reward, held.prompts, held.metadata, n, held.sigmas, held.generator(),
+                       held.guidance_scale, config.rollout.batch_size)
     curve = result.scaling_curve()
-    print(f"best-of-N on {len(result.best)} held-out items ({trainer.config.eval.samples_per_prompt} per prompt):")
+    print(f"best-of-N on {len(result.best)} held-out items ({config.eval.samples_per_prompt} per prompt):")
     for k, v in curve.items():
         print(f"  N = {k:4d}   eval reward {v:.4f}")
-    save_grid(result.samples, out, ncol=trainer.config.eval.samples_per_prompt)
+    save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
     components = {f"eval/reward/{k}@{n}": round(float(v[torch.isfinite(v)].mean()), 6) for k, v in result.components.items()}
     print(json.dumps({**{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()}, **components, "grid": str(out),
-                      "settings": _eval_settings(trainer.config)}))
+                      "settings": _eval_settings(config)}))
     return 0
 
 
-def _svdd(trainer, m: int, out: Path) -> int:
+def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> int:
     import torch
 
+    from .inference.svdd import svdd_in_batches
     from .visualize import save_grid
 
-    result = trainer.evaluate_svdd(m)
-    save_grid(result.samples, out, ncol=trainer.config.eval.samples_per_prompt)
+    parts, reward, held = _image_model(config, checkpoint)
+    gen = held.generator()
+    noise = parts.pipeline.initial_noise(len(held), gen)  # the plain evaluation's start noise
+    result = svdd_in_batches(parts.pipeline, parts.sampler, reward, held.prompts, held.metadata, m, held.sigmas, gen, held.guidance_scale,
+                             config.rollout.batch_size, noise)
+    save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
     finite = result.scores[torch.isfinite(result.scores)]
     components = {f"eval/reward/{k}@svdd{m}": round(float(v.nanmean()), 6) for k, v in result.components.items()}
-    settings = {**_eval_settings(trainer.config), "sampler": trainer.sampler.name}  # SVDD draws from the rollout sampler
+    settings = {**_eval_settings(config), "sampler": parts.sampler.name}  # SVDD draws from the rollout sampler
     print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "grid": str(out), "settings": settings}))
     return 0
 

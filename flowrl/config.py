@@ -194,7 +194,7 @@ class DLLMObjectiveBase(Section):
     clip_range: float = Field(0.2, gt=0)
     beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
     num_mask_seeds: int = Field(1, ge=1)  # inner iterations each see their own stored mask seed
-    # The completions of one prompt share their estimator masks (common random numbers): see text_trainer.draw_mask_seeds.
+    # The completions of one prompt share their estimator masks (common random numbers): see modalities/text.py::draw_mask_seeds.
     group_shared_masks: bool = True
 
 

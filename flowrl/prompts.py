@@ -19,7 +19,7 @@ def prompt_pool(dataset: str, split: str, size: int = 2000, file: str | None = N
         return read_prompt_file(file)
 
     if dataset == "arith":
-        from .pipelines.embedded.arith_data import problems
+        from .data.arith import problems
 
         try:
             return problems(split, size if split == "eval" else 4000, seed=0)
@@ -31,14 +31,14 @@ def prompt_pool(dataset: str, split: str, size: int = 2000, file: str | None = N
         return getattr(text_data, f"load_{dataset}")(limit=size)
 
     if dataset == "digits":
-        from .pipelines.embedded.digits_data import prompt_set
+        from .data.digits import prompt_set
 
         try:
             return prompt_set(split)
         except KeyError:
             raise FlowRLError(f"prompt split '{split}' does not exist for dataset 'digits' (use train or eval).") from None
     if dataset == "digits_video":  # the embedded text-to-video model: "the digit three moving left"
-        from .pipelines.embedded.digits_video_data import prompt_set as video_prompt_set
+        from .data.digits_video import prompt_set as video_prompt_set
 
         try:
             return video_prompt_set(split)

@@ -9,6 +9,12 @@ from pathlib import Path
 from typing import Any
 
 
+def nanmean(values: list[float]) -> float:
+    """Mean of the finite values (NaN when there are none): a dropped sample must not poison a metric."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.path = run_dir / "metrics.jsonl"

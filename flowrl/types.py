@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -166,6 +166,7 @@ class Pipeline(Protocol):
 
     denoiser: torch.nn.Module
     prediction_type: PredictionType
+    schedule: Any  # samplers.schedules.FlowSchedule | DiscreteSchedule: the time grid and sigma <-> alpha-bar
 
     def encode(self, prompts: Sequence[str]) -> Condition: ...
 
@@ -179,11 +180,28 @@ class Pipeline(Protocol):
         """Return images (B, C, H, W) float32 in [0, 1]."""
         ...
 
+    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+
+    # -- what the training loop needs besides sampling ---------------------------------------------
+    has_lora: bool  # a checkpoint then also holds the diffusers LoRA file (save_lora)
+
+    def enable_reference(self) -> None:
+        """Make ``reference()`` available (full fine-tuning: freeze a copy of the current weights; LoRA: nothing)."""
+        ...
+
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which predict() uses the frozen reference (initial) model."""
         ...
 
-    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """What a checkpoint stores (the LoRA tensors, or the whole trained module)."""
+        ...
+
+    def load_trainable_state_dict(self, weights: dict[str, Tensor]) -> None: ...
+
+    def save_lora(self, directory: Any) -> Any:
+        """Write the adapter in its library's own format (diffusers LoRA / peft) into ``directory``."""
+        ...
 
 
 @runtime_checkable
@@ -289,9 +307,31 @@ class MaskedLM(Protocol):
 
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
 
+    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+
+    # the training loop's needs, as for Pipeline
+    has_lora: bool
+
+    def enable_reference(self) -> None: ...
+
     def reference(self) -> contextlib.AbstractContextManager: ...
 
-    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+    def trainable_state_dict(self) -> dict[str, Tensor]: ...
+
+    def load_trainable_state_dict(self, weights: dict[str, Tensor]) -> None: ...
+
+    def save_lora(self, directory: Any) -> Any: ...
+
+
+@runtime_checkable
+class TokenObjective(Objective, Protocol):
+    """An objective for masked-diffusion LMs: batches are :class:`TokenTrajectory` and losses() gets the MaskedLM."""
+
+    position_scorer: "Callable[[Tensor, Tensor], Tensor] | None"  # (logits, state) -> scores: an unmasking-order policy (DCoLT)
+
+    def old_and_ref(self, lm: MaskedLM, batch: "TokenTrajectory") -> None:
+        """Without grad, at the rollout weights: fill ``batch.old_log_probs`` (and ``ref_log_probs``), so the first ratio is 1."""
+        ...
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 import re
 
 from conftest import REPO
-from flowrl.pipelines.embedded.arith_data import problems
+from flowrl.data.arith import problems
 
 
 def test_splits_are_disjoint_and_solutions_are_right():

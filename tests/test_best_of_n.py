@@ -17,21 +17,30 @@ GRPO = CONFIGS / "digits" / "grpo.yaml"
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
-    return build_trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("bon"), **{"eval.samples_per_prompt": 2})))
+    return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("bon"), **{"eval.samples_per_prompt": 2})))
+
+
+def _best_of(trainer, n):
+    """Best-of-N on the run's held-out setting, as ``flowrl eval --best-of`` calls it."""
+    from flowrl.inference.best_of_n import best_of_n
+
+    held = trainer.modality.held_out
+    return best_of_n(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, held.prompts, held.metadata, n, held.sigmas,
+                     held.generator(), held.guidance_scale, trainer.config.rollout.batch_size)
 
 
 def test_best_of_one_is_the_plain_evaluation(trainer):
     metrics, grid = trainer.evaluate()
-    result = trainer.evaluate_best_of_n(1)
+    result = _best_of(trainer, 1)
     assert result.scaling_curve()[1] == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
     torch.testing.assert_close(result.samples[: len(grid)], grid, atol=1e-6, rtol=0)
     assert result.best.eq(0).all()
 
 
 def test_chosen_candidate_is_the_argmax_and_the_curve_is_nested(trainer):
-    result = trainer.evaluate_best_of_n(5)
+    result = _best_of(trainer, 5)
     scores = result.scores
     assert scores.shape == (len(result.best), 5) and torch.isfinite(scores).all()
     torch.testing.assert_close(scores.gather(1, result.best[:, None]).squeeze(1), scores.max(1).values)
@@ -41,8 +50,8 @@ def test_chosen_candidate_is_the_argmax_and_the_curve_is_nested(trainer):
     assert curve[5] == pytest.approx(float(scores.max(1).values.mean()))
     assert curve[5] > curve[1]  # the candidates differ, so selection helps
     # The chosen samples really are the best: re-scoring them gives each row's maximum.
-    items = [item for item in trainer.eval_pool for _ in range(trainer.config.eval.samples_per_prompt)]
-    rescored = trainer.reward(result.samples, [p for p, _ in items], [m for _, m in items]).scores
+    held = trainer.modality.held_out
+    rescored = trainer.reward(result.samples, held.prompts, held.metadata).scores
     torch.testing.assert_close(rescored.float(), scores.max(1).values, atol=1e-5, rtol=0)
 
 
@@ -61,10 +70,10 @@ class _FailsEverySecondCall:
 def test_nonfinite_rewards_are_never_chosen(trainer):
     from flowrl.inference.best_of_n import best_of_n
 
-    items, sigmas, guidance, gen = trainer._eval_setup()
-    prompts, metadata = [p for p, _ in items][:3], [m for _, m in items][:3]
+    held = trainer.modality.held_out
+    prompts, metadata, sigmas, guidance, gen = held.prompts[:3], held.metadata[:3], held.sigmas, held.guidance_scale, held.generator()
     with pytest.warns(UserWarning, match="NaN or infinite"):  # one call per round of 3 prompts: rounds 1 and 3 fail
-        result = best_of_n(trainer.pipeline, trainer.eval_sampler, _FailsEverySecondCall(), prompts, metadata, 4, sigmas, gen, guidance,
+        result = best_of_n(trainer.pipeline, trainer.modality.eval_sampler, _FailsEverySecondCall(), prompts, metadata, 4, sigmas, gen, guidance,
                            batch_size=4)
     assert torch.isnan(result.scores[:, 1::2]).all() and torch.isfinite(result.scores[:, 0::2]).all()
     assert set(result.best.tolist()) <= {0, 2}

@@ -68,10 +68,10 @@ def test_prepare_pairs_consecutive_samples_of_a_group_winner_first():
 def test_first_loss_is_log2_and_gradient_is_the_pairs_log_prob_difference(tmp_path):
     """At the rollout weights the policy equals the reference: every step's loss is log 2, and the gradient
     is -(beta / 2) * mean over decisive pairs of grad(log p(winner) - log p(loser)) / trained steps."""
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
-    trainer = build_trainer(load_config(D3PO, fast_overrides(tmp_path, **{"objective.timestep_fraction": 0.5})))
-    traj = trainer.score(trainer.rollout(0))
+    trainer = Trainer(load_config(D3PO, fast_overrides(tmp_path, **{"objective.timestep_fraction": 0.5})))
+    traj = trainer.score(trainer.collect(0))
     batch = trainer.objective.prepare(traj)
     decisive = batch.advantages[0::2].bool()
     assert decisive.any()
@@ -100,21 +100,21 @@ def test_first_loss_is_log2_and_gradient_is_the_pairs_log_prob_difference(tmp_pa
 
 
 def test_minibatches_keep_pairs_together(tmp_path):
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
-    trainer = build_trainer(load_config(D3PO, fast_overrides(tmp_path, **{"train.prompts_per_iteration": 4, "train.num_generations": 2,
+    trainer = Trainer(load_config(D3PO, fast_overrides(tmp_path, **{"train.prompts_per_iteration": 4, "train.num_generations": 2,
                                                                            "train.batch_size": 2, "train.inner_epochs": 2})))
     seen = []
     trainer._optimizer_step = lambda batch, gen: seen.append(batch.group_ids.tolist()) or {}
-    trainer.update(trainer.score(trainer.rollout(0)), 0)
+    trainer.update(trainer.advantages(trainer.score(trainer.collect(0))), 0)
     assert len(seen) == 8 and all(len(set(g)) == 1 and len(g) == 2 for g in seen)  # each minibatch is one pair
 
 
 def test_pairs_need_even_sizes_and_pareto_needs_two_rewards(tmp_path):
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
     with pytest.raises(FlowRLError, match="trains pairs of samples"):
-        build_trainer(load_config(D3PO, fast_overrides(tmp_path / "a", **{"train.num_generations": 3})))
+        Trainer(load_config(D3PO, fast_overrides(tmp_path / "a", **{"train.num_generations": 3})))
     with pytest.raises(FlowRLError, match="needs at least two"):
         build_objective(D3POConfig(preference="pareto"), {"ink": 1.0})
 

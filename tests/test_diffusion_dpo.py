@@ -94,7 +94,7 @@ def test_builder_labels_by_the_reward_and_files_round_trip(tmp_path):
 
 
 def test_bad_pairs_fail_in_one_sentence(tmp_path):
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
     with pytest.raises(FlowRLError, match="not a pairs directory"):
         read_pairs(tmp_path)
@@ -104,19 +104,19 @@ def test_bad_pairs_fail_in_one_sentence(tmp_path):
         read_pairs(tmp_path)
     write_pairs(tmp_path / "p", PreferencePairs(torch.zeros(2, 3), torch.zeros(2, 3), ["a", "b"], [{}, {}]))
     with pytest.raises(FlowRLError, match="have shape"):
-        build_trainer(load_config(DPO, fast_overrides(tmp_path / "run", **{"prompts.pairs": str(tmp_path / "p")})))
+        Trainer(load_config(DPO, fast_overrides(tmp_path / "run", **{"prompts.pairs": str(tmp_path / "p")})))
     with pytest.raises(FlowRLError, match="set prompts.pairs"):
-        build_trainer(load_config(DPO, fast_overrides(tmp_path / "run2", **{"prompts.pairs": "null"})))
+        Trainer(load_config(DPO, fast_overrides(tmp_path / "run2", **{"prompts.pairs": "null"})))
 
 
 def test_first_loss_is_log2_and_gradient_is_hand_derived(tmp_path):
     """At the reference weights every pair's loss is log 2 and the gradient is (beta / 4) * grad mean(err_w - err_l),
     from d/dz -log sigmoid(z) = -1/2 at z = 0 and z = -beta/2 (d_model - d_ref)."""
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
     directory, _, _ = _pairs(tmp_path, n=8)
-    trainer = build_trainer(load_config(DPO, fast_overrides(tmp_path / "run", **{"prompts.pairs": str(directory), "objective.beta": 50.0})))
-    batch = trainer.objective.prepare(trainer.rollout(0))
+    trainer = Trainer(load_config(DPO, fast_overrides(tmp_path / "run", **{"prompts.pairs": str(directory), "objective.beta": 50.0})))
+    batch = trainer.objective.prepare(trainer.collect(0))
     params = trainer.trainable_parameters()
     (out,) = trainer.objective.losses(trainer.pipeline, trainer.sampler, batch, torch.Generator().manual_seed(3))
     assert out.metrics["loss/policy"].item() == pytest.approx(math.log(2), abs=1e-6)

@@ -14,7 +14,7 @@ from flowrl.errors import FlowRLError
 from flowrl.objectives.grpo import build_grpo
 from flowrl.pipelines import build_pipeline
 from flowrl.pipelines.embedded_adapter import ASSETS
-from flowrl.pipelines.embedded import digits_video_data as data
+from flowrl.data import digits_video as data
 from flowrl.prompts import prompt_pool
 from flowrl.samplers import build_sampler
 from flowrl.samplers.rollout import rollout

@@ -1,5 +1,5 @@
 """dLLM objectives on the embedded masked-diffusion LM: on-policy ratio == 1, BGPO == ELBO-GRPO on-policy
-(value and gradient), and two TextTrainer iterations per objective."""
+(value and gradient), and two Trainer iterations per objective."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from conftest import CONFIGS, REPO
 from flowrl.config import BGPOConfig, DCoLTConfig, DiffuGRPOConfig, MaskedSamplerConfig, UniGRPOConfig, load_config
 from flowrl.objectives.dllm.policy import build_dllm_objective
 from flowrl.pipelines.dllm import load_masked_lm
-from flowrl.pipelines.embedded.arith_data import PROMPT_LEN, problems
+from flowrl.data.arith import PROMPT_LEN, problems
 from flowrl.samplers.masked import generate
 
 ASSET = str(REPO / "flowrl" / "assets" / "arith_mdlm")
@@ -58,7 +58,7 @@ def test_first_update_ratio_is_one(config):
 def test_group_shared_masks_cancel_what_a_group_has_in_common(config):
     """Four identical completions of one prompt with advantages summing to zero: with the group's masks shared
     (draw_mask_seeds(shared=True)) the policy gradient is exactly zero; with a seed per row it is mask noise."""
-    from flowrl.text_trainer import draw_mask_seeds
+    from flowrl.modalities.text import draw_mask_seeds
 
     lm = _lm()
     objective = build_dllm_objective(config, MaskedSamplerConfig(), lm.mask_token_id)
@@ -110,12 +110,12 @@ def test_bgpo_equals_elbo_grpo_on_policy_in_value_and_gradient():
 
 @pytest.mark.parametrize("name", ["diffu_grpo", "unigrpo", "bgpo", "dcolt"])
 def test_text_trainer_two_iterations(tmp_path, name):
-    from flowrl.text_trainer import TextTrainer
+    from flowrl.trainer import Trainer
 
     overrides = [f"output_dir={tmp_path}", "train.iterations=2", "train.prompts_per_iteration=2", "train.num_generations=4",
                  "train.batch_size=8", "prompts.eval_size=8", "eval.every=0", "log.checkpoint_every=0", "log.progress=false",
                  "train.learning_rate=1e-3"]
-    trainer = TextTrainer(load_config(CONFIGS / "dllm" / f"{name}.yaml", overrides))
+    trainer = Trainer(load_config(CONFIGS / "dllm" / f"{name}.yaml", overrides))
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
     summary = trainer.fit()
     changed = sum(not torch.equal(before[n], p.detach()) for n, p in trainer.module.named_parameters())
@@ -130,9 +130,9 @@ def test_text_trainer_two_iterations(tmp_path, name):
 
 def test_dcolt_head_learning_rate_scale(tmp_path):
     """objective.scorer_lr_scale sets the unmasking-policy head's learning rate relative to the LM's."""
-    from flowrl.text_trainer import TextTrainer
+    from flowrl.trainer import Trainer
 
-    trainer = TextTrainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path}", "train.learning_rate=1e-5",
+    trainer = Trainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path}", "train.learning_rate=1e-5",
                                                                           "objective.scorer_lr_scale=50", "log.progress=false"]))
     lm_group, head_group = trainer.optimizer.param_groups
     assert lm_group["lr"] == pytest.approx(1e-5) and head_group["lr"] == pytest.approx(5e-4)
@@ -141,12 +141,12 @@ def test_dcolt_head_learning_rate_scale(tmp_path):
 
 def test_seed_fixes_the_initial_weights_of_fresh_modules(tmp_path):
     """DCoLT's unmasking-policy head is created by the trainer: the same config seed gives the same head."""
-    from flowrl.text_trainer import TextTrainer
+    from flowrl.trainer import Trainer
 
     heads = []
     for seed in (0, 0, 1):
         torch.randn(7)  # whatever the global RNG did before must not matter
-        trainer = TextTrainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path / str(len(heads))}", f"seed={seed}",
+        trainer = Trainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path / str(len(heads))}", f"seed={seed}",
                                                                               "log.progress=false"]))
         heads.append(torch.cat([p.detach().flatten() for p in trainer.objective.head.parameters()]))
     assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])

@@ -273,12 +273,12 @@ def test_flux_lora_round_trip_through_diffusers_load_lora_weights(flux_dir, tmp_
 
 
 def test_flux_default_guidance_mode_cfg_fails_with_one_sentence(flux_dir, tmp_path):
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
     from flowrl.config import load_config
     from flowrl.errors import FlowRLError
 
     with pytest.raises(FlowRLError, match="rollout.guidance_mode"):
-        build_trainer(load_config(None, flux_config(flux_dir, tmp_path / "run", **{"rollout.guidance_mode": "cfg"})))
+        Trainer(load_config(None, flux_config(flux_dir, tmp_path / "run", **{"rollout.guidance_mode": "cfg"})))
 
 
 # -- real-checkpoint configs ---------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def test_bf16_lora_with_autocast_keeps_fp32_step_math(sd_dir, tmp_path):
     lora = [p for n, p in pipe.denoiser.named_parameters() if "lora" in n]
     assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora)
     assert all(p.dtype == torch.bfloat16 for n, p in pipe.denoiser.named_parameters() if "lora" not in n)
-    traj = trainer.rollout(0)
+    traj = trainer.collect(0)
     assert traj.log_probs.dtype == torch.float32 and traj.latents.dtype == torch.float32
     rescoring_ratio_is_one(trainer)
 

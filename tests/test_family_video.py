@@ -204,7 +204,7 @@ def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path
     trainer = two_grpo_iterations_change_every_parameter(
         video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0}))
     rescoring_ratio_is_one(trainer)
-    traj = trainer.rollout(0)
+    traj = trainer.collect(0)
     assert traj.latents.shape[2:] == (4, 2, 4, 4) and traj.samples.shape == (4, 3, 5, 32, 32)
     assert torch.isfinite(trainer.score(traj).rewards).all()
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"

@@ -16,21 +16,21 @@ from flowrl.inference.noise_search import _neighbors, zero_order_search
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
-    return build_trainer(load_config(CONFIGS / "digits" / "grpo.yaml", fast_overrides(tmp_path_factory.mktemp("zo"), **{"eval.samples_per_prompt": 1})))
+    return Trainer(load_config(CONFIGS / "digits" / "grpo.yaml", fast_overrides(tmp_path_factory.mktemp("zo"), **{"eval.samples_per_prompt": 1})))
 
 
 def _items(trainer, n=8):
-    items, sigmas, guidance, _ = trainer._eval_setup()
-    return [p for p, _ in items][:n], [m for _, m in items][:n], sigmas, guidance
+    held = trainer.modality.held_out
+    return held.prompts[:n], held.metadata[:n], held.sigmas, held.guidance_scale
 
 
 def test_one_round_of_fresh_neighbours_is_best_of_n(trainer):
     prompts, metadata, sigmas, guidance = _items(trainer)
-    zo = zero_order_search(trainer.pipeline, trainer.eval_sampler, trainer.reward, prompts, metadata, 1, 3, 1.0, sigmas,
+    zo = zero_order_search(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 1, 3, 1.0, sigmas,
                            torch.Generator().manual_seed(4), guidance)
-    bon = best_of_n(trainer.pipeline, trainer.eval_sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(4), guidance)
+    bon = best_of_n(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(4), guidance)
     torch.testing.assert_close(zo.scores, bon.scores.max(1).values)
     torch.testing.assert_close(zo.samples, bon.samples)
     assert zo.evaluations == 4
@@ -38,12 +38,15 @@ def test_one_round_of_fresh_neighbours_is_best_of_n(trainer):
 
 def test_pivot_reward_never_decreases_and_round_zero_is_the_evaluation(trainer):
     metrics, _ = trainer.evaluate()
-    result = trainer.evaluate_noise_search(rounds=3, neighbors=2, step=0.5)
+    held = trainer.modality.held_out  # the search starts from the noise the plain evaluation draws
+    gen = held.generator()
+    noise = trainer.pipeline.initial_noise(len(held), gen)
+    result = zero_order_search(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, held.prompts, held.metadata, 3, 2, 0.5,
+                               held.sigmas, gen, held.guidance_scale, trainer.config.rollout.batch_size, initial_noise=noise)
     assert result.history[0].mean().item() == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
     assert (result.history[1:] >= result.history[:-1]).all()
     assert result.history[-1].mean() > result.history[0].mean()
-    items = trainer._eval_setup()[0]
-    rescored = trainer.reward(result.samples, [p for p, _ in items], [m for _, m in items]).scores.float()
+    rescored = trainer.reward(result.samples, held.prompts, held.metadata).scores.float()
     torch.testing.assert_close(rescored, result.scores, atol=1e-5, rtol=0)
 
 

@@ -1,6 +1,6 @@
 """The reward server and its client over real loopback HTTP.
 
-A real server process (``python -m flowrl.reward_models.server``) serves the embedded digit classifier
+A real server process (``python -m flowrl.reward_server``) serves the embedded digit classifier
 and ink rewards; the client must get exactly what the in-process reward gives, NaN included, and the
 server must refuse bad tokens, oversized, malformed and pickled payloads while going on serving. All
 traffic stays on 127.0.0.1 and every wait is bounded.
@@ -33,7 +33,7 @@ from flowrl.config import RewardConfig
 from flowrl.errors import FlowRLError
 from flowrl.reward_models import build_reward, build_reward_from_config
 from flowrl.reward_models.remote import RemoteReward, RewardServerError
-from flowrl.reward_models.server import ServerConfig, _Job, _Scorer, load_server_config, serve_main
+from flowrl.reward_server import ServerConfig, _Job, _Scorer, load_server_config, serve_main
 from flowrl.types import RewardOutput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ class ServerProcess:
         self.log = log
         self._log_file = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flowrl.reward_models.server", str(config)],
+            [sys.executable, "-m", "flowrl.reward_server", str(config)],
             stdout=subprocess.PIPE, stderr=self._log_file, text=True, cwd=REPO, env=env,
         )
         self.url = self._read_url(deadline=time.monotonic() + 60)
@@ -372,7 +372,7 @@ def test_5xx_answers_are_retried_and_4xx_are_not(status, attempts):
 def test_unknown_config_key_fails_to_start_with_one_line(tmp_path):
     config = write_config(tmp_path / "bad.yaml", bogus=1)
     env = dict(os.environ, PYTHONPATH=str(REPO), FLOWRL_REWARD_TOKEN=TOKEN, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "flowrl.reward_models.server", str(config)],
+    proc = subprocess.run([sys.executable, "-m", "flowrl.reward_server", str(config)],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert proc.returncode != 0 and proc.stdout == ""
     assert proc.stderr.strip() == "flowrl: error: unknown config key 'bogus'."

@@ -19,14 +19,14 @@ GRPO = CONFIGS / "digits" / "grpo.yaml"
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
 
-    return build_trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("svdd"), **{"eval.samples_per_prompt": 1})))
+    return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("svdd"), **{"eval.samples_per_prompt": 1})))
 
 
 def _items(trainer, n=6):
-    items, sigmas, guidance, _ = trainer._eval_setup()
-    return [p for p, _ in items][:n], [m for _, m in items][:n], sigmas, guidance
+    held = trainer.modality.held_out
+    return held.prompts[:n], held.metadata[:n], held.sigmas, held.guidance_scale
 
 
 def test_one_candidate_is_a_plain_stochastic_rollout(trainer):
@@ -54,7 +54,7 @@ def test_best_lookahead_is_kept_and_the_final_score_is_the_samples_reward(traine
 def test_deterministic_sampler_is_refused(trainer):
     prompts, metadata, sigmas, guidance = _items(trainer, 2)
     with pytest.raises(FlowRLError, match="deterministic"):
-        svdd_sample(trainer.pipeline, trainer.eval_sampler, trainer.reward, prompts, metadata, 2, sigmas, torch.Generator(), guidance)
+        svdd_sample(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 2, sigmas, torch.Generator(), guidance)
 
 
 def test_cli_svdd(tmp_path, capsys):

@@ -87,11 +87,11 @@ def two_grpo_iterations_change_every_parameter(overrides: list[str], config: Pat
     moved. Returns the trainer."""
     from accelerate.state import AcceleratorState
 
-    from flowrl.cli import build_trainer
+    from flowrl.trainer import Trainer
     from flowrl.config import load_config
 
     AcceleratorState._reset_state(True)  # tests build trainers with different mixed_precision in one process
-    trainer = build_trainer(load_config(config, overrides))
+    trainer = Trainer(load_config(config, overrides))
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if p.requires_grad}
     assert before, "nothing is trainable"
     trainer.fit()
@@ -103,7 +103,7 @@ def two_grpo_iterations_change_every_parameter(overrides: list[str], config: Pat
 
 def rescoring_ratio_is_one(trainer, atol: float = 1e-5) -> float:
     """Roll out, then re-score every stochastic step at unchanged weights: log-ratio must be 0."""
-    traj = trainer.rollout(0)
+    traj = trainer.collect(0)
     worst = 0.0
     with torch.no_grad():
         for k in torch.nonzero(traj.stochastic).flatten().tolist():
@@ -126,8 +126,11 @@ def rescoring_in_minibatches_ratio_is_one(pipeline, sampler, traj, splits=((3, 5
                 with torch.no_grad():
                     out = pipeline.predict(part.latents[:, k], part.sigmas[k], part.cond, part.guidance_scale)
                     new = sampler.step(out, part.latents[:, k], part.sigmas[k], part.sigmas[k + 1], x_next=part.latents[:, k + 1])
-                ratio = torch.exp(new.log_prob - part.log_probs[:, k])
-                assert torch.allclose(ratio, torch.ones_like(ratio), atol=atol), (k, ratio)
+                # float32 resolves a log-prob of magnitude L only to ~L * 1.2e-7, and a summed (reduction="sum")
+                # log-prob is ~50-80 here: re-scoring in another batch size moves it by a few ULPs (up to 2.3e-5
+                # measured on an AMD EPYC), so the tolerance grows with |log p|; a mean-reduced one stays at atol.
+                tol = atol + 1e-6 * part.log_probs[:, k].abs()
+                assert ((new.log_prob - part.log_probs[:, k]).abs() <= tol).all(), (k, torch.exp(new.log_prob - part.log_probs[:, k]))
 
 
 def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guidance_scale: float = 1.0) -> torch.Tensor:

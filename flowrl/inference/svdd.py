@@ -74,3 +74,15 @@ def svdd_sample(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[
     final = torch.stack(step_scores)[-1].gather(1, best[:, None]).squeeze(1)
     components = {k: v.float().cpu()[chosen] for k, v in out.extras.items()}  # the last step scored the final samples themselves
     return SVDDResult(samples=pipeline.decode(x), scores=final, step_scores=torch.stack(step_scores), components=components)
+
+
+def svdd_in_batches(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], m: int,
+                    sigmas: Tensor, generator: torch.Generator, guidance_scale: float, batch_size: int, initial_noise: Tensor) -> SVDDResult:
+    """:func:`svdd_sample` over many prompts, ``batch_size // m`` prompts (x ``m`` candidates) at a time,
+    prompt i starting from ``initial_noise[i]``."""
+    chunk = max(1, batch_size // m)
+    parts = [svdd_sample(pipeline, sampler, reward, prompts[i : i + chunk], metadata[i : i + chunk], m, sigmas, generator, guidance_scale,
+                         initial_noise=initial_noise[i : i + chunk]) for i in range(0, len(prompts), chunk)]
+    return SVDDResult(samples=torch.cat([r.samples for r in parts]), scores=torch.cat([r.scores for r in parts]),
+                      step_scores=torch.cat([r.step_scores for r in parts], 1),
+                      components={k: torch.cat([r.components[k] for r in parts]) for k in parts[0].components})

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Literal
 
 import torch
 
-from ..types import LossOutput, Pipeline, Sampler, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .functional import d3po_pair_loss, masked_mean, pair_preferences
 from .policy_gradient import choose_train_steps
 
@@ -39,9 +39,12 @@ class D3POObjective:
     preference: Literal["reward", "pareto"] = "reward"
     timestep_fraction: float = 1.0
     timestep_order: Literal["random", "first"] = "random"
+    trains_on: TrainingData = field(default="rollouts", init=False)  # pairs: consecutive rows of a group
     needs_log_probs: bool = field(default=True, init=False)
-    needs_reference: bool = field(default=True, init=False)
+    reference: ReferenceModel = field(default="initial", init=False)  # the ratio is to the initial model
     minibatch_unit: int = field(default=2, init=False)  # the trainer shuffles whole pairs
+    extra_module: None = field(default=None, init=False)
+    extra_lr_scale: float = field(default=1.0, init=False)
 
     def prepare(self, batch: Trajectory) -> Trajectory:
         """Pair consecutive samples of each group, winner first; ``advantages`` = 1 for the two samples of

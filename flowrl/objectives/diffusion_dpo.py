@@ -12,7 +12,7 @@ flows, the integer DDPM steps otherwise), one per pair.
 
 The pairs come from ``flowrl.preference_pairs`` (a safetensors file of winners and losers plus their
 prompts): no sampler, no log-probs; the trainer's rollout reads the iteration's pairs instead of
-sampling (``offline = True``).
+sampling (``trains_on = "offline_pairs"``).
 
 Differences from the reference implementation: flow-matching models are supported (target = velocity);
 the errors are per-dimension means, as in the reference, so beta keeps its meaning across resolutions
@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from ..types import LossOutput, Pipeline, Sampler, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .functional import diffusion_dpo_loss
 
 
@@ -55,10 +55,12 @@ def noised_and_target(pipeline: Pipeline, x0: Tensor, noise: Tensor, sigma: Tens
 class DiffusionDPOObjective:
     name: str = "diffusion_dpo"
     beta: float = 5000.0
+    trains_on: TrainingData = field(default="offline_pairs", init=False)
     needs_log_probs: bool = field(default=False, init=False)
-    needs_reference: bool = field(default=True, init=False)
+    reference: ReferenceModel = field(default="initial", init=False)
     minibatch_unit: int = field(default=2, init=False)  # rows (2i, 2i + 1) are (winner, loser)
-    offline: bool = field(default=True, init=False)
+    extra_module: None = field(default=None, init=False)
+    extra_lr_scale: float = field(default=1.0, init=False)
 
     def prepare(self, batch: Trajectory) -> Trajectory:
         return batch  # the pairs arrive winner first

@@ -46,6 +46,12 @@ class GroupAdvantages:
                 total = total + weight * group_advantages(component, batch.group_ids, self.std, self.eps)
         return total
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # stateless: each batch's groups are normalised on their own
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
 
 def build_grpo(std: StdConvention = "unbiased", std_eps: float = 1e-8, per_reward_advantages: bool = False,
                reward_weights: dict[str, float] | None = None, **kwargs: Any) -> PolicyGradientObjective:

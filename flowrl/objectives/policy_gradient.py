@@ -8,15 +8,22 @@ two copies of the loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Iterator, Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from ..types import LossOutput, Pipeline, Sampler, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, masked_mean
 
-AdvantageEstimator = Callable[[Trajectory], Tensor]
+class AdvantageEstimator(Protocol):
+    """Advantages (B,) of a scored batch; stateful estimators (DDPO's per-prompt buffers) save their state."""
+
+    def __call__(self, batch: Trajectory) -> Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def choose_train_steps(stochastic: Tensor, fraction: float, order: Literal["random", "first"], generator: torch.Generator) -> list[int]:
@@ -48,11 +55,15 @@ class PolicyGradientObjective:
     timestep_fraction: float = 1.0
     timestep_order: Literal["random", "first"] = "random"
     best_worst_k: int | None = None
+    trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
+    minibatch_unit: int = field(default=1, init=False)
+    extra_module: None = field(default=None, init=False)
+    extra_lr_scale: float = field(default=1.0, init=False)
 
     @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
+    def reference(self) -> ReferenceModel:
+        return "initial" if self.beta > 0 else "none"  # the KL term compares with the initial model
 
     def prepare(self, batch: Trajectory) -> Trajectory:
         batch.advantages = self.advantage_estimator(batch)
@@ -85,16 +96,13 @@ class PolicyGradientObjective:
         with torch.no_grad(), pipeline.reference():
             ref_output = pipeline.predict(x, sigma, batch.cond, batch.guidance_scale)
         ref_mean = sampler.step(ref_output, x, sigma, sigma_next, x_next=batch.latents[:, k + 1]).mean
-        kl = gaussian_kl(mean, ref_mean, std, getattr(sampler, "reduction", "mean"))
+        kl = gaussian_kl(mean, ref_mean, std, sampler.reduction)  # stochastic samplers declare their reduction
         if self.kl_form == "flow_grpo":
             kl = kl * (sigma - sigma_next).abs()
         return masked_mean(kl, None if valid is None else valid.float())
 
     def state_dict(self) -> dict[str, Any]:
-        fn = getattr(self.advantage_estimator, "state_dict", None)
-        return {"advantage_estimator": fn() if fn else {}}
+        return {"advantage_estimator": self.advantage_estimator.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        fn = getattr(self.advantage_estimator, "load_state_dict", None)
-        if fn:
-            fn(state.get("advantage_estimator", {}))
+        self.advantage_estimator.load_state_dict(state.get("advantage_estimator", {}))

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..samplers.schedules import DiscreteSchedule, FlowSchedule
 from ..types import Condition
-from .embedded.digits_data import MAX_PROMPT_TOKENS
+from ..data.digits import MAX_PROMPT_TOKENS
 from .embedded_adapter import EmbeddedAdapter
 
 

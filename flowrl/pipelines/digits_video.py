@@ -17,7 +17,7 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import FlowSchedule
 from ..types import Condition
-from .embedded.digits_video_data import CANVAS, MAX_PROMPT_TOKENS, NUM_FRAMES
+from ..data.digits_video import CANVAS, MAX_PROMPT_TOKENS, NUM_FRAMES
 from .embedded_adapter import EmbeddedAdapter
 
 

@@ -157,6 +157,13 @@ class MaskedDiffusionLM:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """What a checkpoint stores: the whole model's state (with its LoRA adapter when it has one)."""
+        return dict(_unwrap(self.model).state_dict())
+
+    def load_trainable_state_dict(self, weights: dict[str, Tensor]) -> None:
+        _unwrap(self.model).load_state_dict(weights)
+
     def enable_reference(self) -> None:
         """Freeze a deep copy of the current weights as the reference (full fine-tuning only; LoRA needs none)."""
         if not self.has_lora and self._reference is None:
@@ -339,6 +346,10 @@ def _config_dict(pretrained: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise FlowRLError(f"could not read the config of '{pretrained}': {_first_line(e)}") from None
     return config
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "module", module)  # DDP / accelerate wrappers
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:

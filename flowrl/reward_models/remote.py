@@ -5,7 +5,7 @@
       kwargs: {remote: {url: "http://127.0.0.1:8123"}}   # token from $FLOWRL_REWARD_TOKEN
 
 The samples travel as an NPZ archive (never pickle), the prompts and metadata as JSON inside it; see
-``flowrl.reward_models.server`` and docs/reward_server.md for the wire format. Connection errors,
+``flowrl.reward_server`` and docs/reward_server.md for the wire format. Connection errors,
 timeouts and 5xx answers are retried with exponential backoff; 4xx answers (a wrong token, a request the
 server refuses) are not, since sending the same request again cannot help.
 """

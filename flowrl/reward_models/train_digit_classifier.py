@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowrl.checkpoint import atomic_directory
-from flowrl.pipelines.embedded.digits_data import load_digit_images
+from flowrl.data.digits import load_digit_images
 from flowrl.reward_models.digit_classifier import DEFAULT_DIR, WEIGHTS_FILE, DigitClassifier
 
 TRAIN_FRACTION = 0.8

@@ -23,12 +23,12 @@ old log-probs (computed in prepare, before any update) and the new ones, so the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from ...types import LossOutput, TokenTrajectory
+from ...types import LossOutput, ReferenceModel, TokenTrajectory, TrainingData
 from ..functional import StdConvention, clipped_surrogate_terms, group_advantages, k3_kl, masked_mean
 from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
 from .plackett_luce import dcolt_log_probs
@@ -47,11 +47,23 @@ class _DLLMBase:
     num_mask_seeds: int
     std: StdConvention
     std_eps: float = 1e-4
+    extra_lr_scale: float = 1.0  # only DCoLT has an extra module (its unmasking-policy head)
+    trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
+    minibatch_unit: int = field(default=1, init=False)
 
     @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
+    def reference(self) -> ReferenceModel:
+        return "initial" if self.beta > 0 else "none"  # the KL term compares with the initial model
+
+    @property
+    def extra_module(self) -> nn.Module | None:
+        return None
+
+    @property
+    def position_scorer(self) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """The sampler's unmasking-order policy (logits, state) -> position scores; None: the sampler's own rule."""
+        return None
 
     def advantages(self, batch: TokenTrajectory) -> Tensor:
         return group_advantages(batch.rewards, batch.group_ids, self.std, self.std_eps)
@@ -183,10 +195,11 @@ class DCoLTObjective(_DLLMBase):
     def extra_module(self) -> nn.Module:
         return self.head
 
-    def extra_parameters(self) -> list[nn.Parameter]:
-        return list(self.head.parameters())
+    @property
+    def position_scorer(self) -> Callable[[Tensor, Tensor], Tensor]:
+        return self._score_positions
 
-    def position_scorer(self, logits: Tensor, state: Tensor) -> Tensor:
+    def _score_positions(self, logits: Tensor, state: Tensor) -> Tensor:
         """The sampler's view of the head (it passes logits first)."""
         return self.head(state, logits, mask_token_id=self.mask_token_id)
 

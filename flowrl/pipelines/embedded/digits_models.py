@@ -7,7 +7,7 @@ does with the embedded model is the code path it takes with a real checkpoint.
 
 from __future__ import annotations
 
-from .digits_data import IMAGE_SIZE, MAX_PROMPT_TOKENS, vocabulary
+from ...data.digits import IMAGE_SIZE, MAX_PROMPT_TOKENS, vocabulary
 
 TEXT_DIM = 32
 

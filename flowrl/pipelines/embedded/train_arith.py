@@ -8,7 +8,7 @@ probability t ~ U(0, 1) (at least one), and the loss is the cross-entropy of the
 plain mean; LLaDA's 1/t weighting gives the same minimiser with more variance at this scale).
 
 The SFT data is deliberately imperfect: in 30% of the solutions the working is right but the answer
-written in the tags is one off (``arith_data.off_by_one``). The model learns that habit (about a quarter
+written in the tags is one off (``flowrl.data.arith.off_by_one``). The model learns that habit (about a quarter
 of its greedy answers are one off), and an answer-correctness reward can remove it: a systematic
 mistake is what RL fixes quickly. Making the arithmetic itself better is what it does not do at this
 scale on a CPU (measured: docs/objectives/dllm.md).
@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from ...checkpoint import atomic_directory
-from .arith_data import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems, vocabulary
+from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems, vocabulary
 
 
 def build_model():

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ...checkpoint import atomic_directory
-from .digits_data import MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, EVAL_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
+from ...data.digits import MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, EVAL_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from .digits_models import build_text_encoder, build_unet
 
 CFG_DROPOUT = 0.1

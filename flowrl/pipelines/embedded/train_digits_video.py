@@ -1,7 +1,7 @@
 """Train the embedded text-to-video model ("moving digits") and write it where flowrl ships it.
 
     python -m flowrl.pipelines.embedded.train_digits_video --out flowrl/assets/digits_video
-    python -m flowrl.pipelines.embedded.train_digits_video --measure digits_video [--checkpoint runs/x/checkpoints/step_000020]
+    python -m flowrl.evaluation.digits_video digits_video [--checkpoint runs/x/checkpoints/step_000020]   (sample quality)
 
 The denoiser is a ``diffusers.CogVideoXTransformer3DModel`` (the CogVideoX-2b text-to-video
 transformer: 2x2 patches of every frame, 3-D sin-cos positions, full attention over the prompt and all
@@ -9,7 +9,7 @@ frames together, adaLN on the timestep) at tiny size, in pixel space (no VAE): c
 in [-1, 1]. The text encoder is a tiny ``transformers.CLIPTextModel`` trained jointly, as for the image
 model. Rectified flow: velocity target ``noise - x0`` at ``x = (1 - sigma) x0 + sigma noise``,
 sigma ~ U(0, 1) shifted towards noise (SD3 shift 3, also used for sampling); the prompt is dropped 10% of the time so classifier-free guidance works. Data:
-``digits_video_data.sample_clips`` (both template sets, every digit image). The output directory has
+``flowrl.data.digits_video.sample_clips`` (both template sets, every digit image). The output directory has
 the diffusers layout (transformer/, text_encoder/, tokenizer/, scheduler/ with a
 FlowMatchEulerDiscreteScheduler) plus training_info.json, and is written atomically. Deterministic for
 a given seed and thread count. (Why CogVideoX and not Wan 2.1 or a 3-D UNet: docs/digits_video.md.)
@@ -27,10 +27,10 @@ import torch
 from tqdm import tqdm
 
 from ...checkpoint import atomic_directory
-from .digits_data import load_digit_images
+from ...data.digits import load_digit_images
 from ...samplers.schedules import shift_sigmas
 from ..digits_video import denoise
-from .digits_video_data import CANVAS, EVAL_TEMPLATES, MAX_PROMPT_TOKENS, NUM_FRAMES, TRAIN_TEMPLATES, build_tokenizer, prompt_for, sample_clips, vocabulary
+from ...data.digits_video import CANVAS, EVAL_TEMPLATES, MAX_PROMPT_TOKENS, NUM_FRAMES, TRAIN_TEMPLATES, build_tokenizer, prompt_for, sample_clips, vocabulary
 
 CFG_DROPOUT = 0.1
 # SD3/Wan time shift, for training (sigma drawn more often near noise, where the prompt decides the
@@ -153,39 +153,6 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
     return info
 
 
-@torch.no_grad()
-def measure(model: str, checkpoint: Path | None = None, seeds: int = 4, steps: int = 10, guidance_scale: float = 1.0, seed: int = 1234) -> dict:
-    """Sample quality of a model directory (optionally with a run checkpoint's weights) on the held-out
-    prompts: ``seeds`` ODE samples per prompt. Returns the fraction of clips moving in the prompted
-    direction (centre of mass, first to last frame), the digit classifier's accuracy on the digit cut
-    out of the first and of the last frame, and the mean ``motion_quality`` reward."""
-    from ...config import ODEConfig, PipelineConfig
-    from ...reward_models import build_reward
-    from ...samplers import build_sampler
-    from ...samplers.rollout import rollout
-    from ..digits_video import DigitsVideoPipeline
-    from .digits_video_data import digit_crops, direction_accuracy, prompt_set
-
-    pipeline = DigitsVideoPipeline(PipelineConfig(name="digits_video", pretrained=model), "cpu")
-    if checkpoint is not None:
-        from ...checkpoint import read_weights
-
-        pipeline.denoiser.load_state_dict({k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")})
-    pipeline.denoiser.eval()
-    items = [item for item in prompt_set("eval") for _ in range(seeds)]
-    prompts, metadata = [p for p, _ in items], [m for _, m in items]
-    gen = torch.Generator().manual_seed(seed)
-    traj = rollout(pipeline, build_sampler(ODEConfig(), pipeline), prompts, metadata, torch.arange(len(items)),
-                   pipeline.schedule.sigmas(steps), gen, guidance_scale, same_noise_in_group=False)
-    videos = traj.samples
-    classifier, motion = build_reward("digit_classifier"), build_reward("motion_quality")
-    digit_first = classifier(digit_crops(videos, 0), prompts, metadata).extras["accuracy"]
-    digit_last = classifier(digit_crops(videos, -1), prompts, metadata).extras["accuracy"]
-    return {"samples": len(items), "direction_accuracy": round(direction_accuracy(videos, [m["direction"] for m in metadata]), 4),
-            "digit_accuracy_first_frame": round(float(digit_first.mean()), 4), "digit_accuracy_last_frame": round(float(digit_last.mean()), 4),
-            "motion_quality": round(float(motion(videos, prompts, metadata).scores.mean()), 4)}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None)
@@ -197,15 +164,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--snapshot-every", type=int, default=0, help="also write the model every N steps to OUT.snapshots/")
-    p.add_argument("--measure", metavar="MODEL_DIR", default=None,
-                   help="instead of training, print the sample quality of MODEL_DIR on the held-out prompts")
-    p.add_argument("--checkpoint", type=Path, default=None, help="with --measure: a run checkpoint whose weights to use")
-    p.add_argument("--guidance-scale", type=float, default=1.0, help="with --measure")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    if a.measure:
-        print(json.dumps(measure(a.measure, a.checkpoint, guidance_scale=a.guidance_scale)))
-        return
     out = a.out or Path(__file__).resolve().parents[2] / "assets" / "digits_video"
     train(out, a.steps, a.batch_size, a.lr, a.seed, a.width, a.layers, a.snapshot_every)
 

@@ -1,5 +1,5 @@
 """The data behind the embedded text-to-video model: "moving digits" clips built from the bundled 8x8
-handwritten digits (``digits_data.load_digit_images``).
+handwritten digits (``flowrl.data.digits.load_digit_images``).
 
 A clip is ``NUM_FRAMES`` frames of a ``CANVAS`` x ``CANVAS`` black canvas on which one 8x8 digit
 translates by ``SPEED`` pixels per frame in the direction the prompt names (left, right, up, down).
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .digits_data import IMAGE_SIZE, NUMBER_WORDS, load_digit_images
+from .digits import IMAGE_SIZE, NUMBER_WORDS, load_digit_images
 
 CANVAS = 16  # frame height = width in pixels
 NUM_FRAMES = 4

@@ -1,7 +1,7 @@
 """A reward server: run heavy reward models in another process (or on another host) and score over HTTP.
 
     FLOWRL_REWARD_TOKEN=... flowrl serve-reward server.yaml
-    FLOWRL_REWARD_TOKEN=... python -m flowrl.reward_models.server server.yaml [--port N]
+    FLOWRL_REWARD_TOKEN=... python -m flowrl.reward_server server.yaml [--port N]
 
 The client is ``flowrl.reward_models.remote.RemoteReward`` (reward name ``remote``). Wire format, see
 docs/reward_server.md:
@@ -483,7 +483,7 @@ serve = serve_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flowrl.reward_models.server",
+    p = argparse.ArgumentParser(prog="python -m flowrl.reward_server",
                                 description="Serve a flowrl reward over HTTP (see docs/reward_server.md).")
     p.add_argument("config", help="server YAML: reward, host, port, token_env, limits")
     p.add_argument("--port", type=int, default=None, help="override the config's port (0: pick a free one)")

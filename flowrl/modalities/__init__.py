@@ -1,0 +1,58 @@
+"""What differs between training an image/video model and a diffusion LM, behind one narrow protocol.
+
+The Trainer (``flowrl/trainer.py``) owns the loop, the optimizer, checkpoints and logging and is the same
+for every model; a :class:`Modality` builds the model-side parts and supplies the phases whose content
+depends on the kind of sample: collect, what the reward reads, and the held-out evaluation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..types import Reward, RewardOutput
+
+
+class Modality(Protocol):
+    pipeline: Any  # types.Pipeline (images, video) or types.MaskedLM (text)
+    sampler: Any  # the rollout sampler (text: the masked-sampler config section)
+    objective: Any  # types.Objective (text: types.TokenObjective)
+    module_attr: str  # the pipeline attribute holding the trained module ("denoiser" / "model")
+
+    def check(self) -> None:
+        """Refuse, in one sentence, an objective / sampler / batch combination this modality cannot train."""
+        ...
+
+    def collect(self, iteration: int, rank: int, world: int) -> Any:
+        """This process's training batch for ``iteration``: what ``objective.trains_on`` names, keyed by
+        (seed, iteration, rank) so a resumed run collects exactly what the uninterrupted one did."""
+        ...
+
+    def score(self, batch: Any, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, torch.Tensor | None]:
+        """The reward of the batch's samples, and with ``with_gradient`` its gradient w.r.t. the final state."""
+        ...
+
+    def for_update(self, batch: Any) -> Any:
+        """The scored batch as the update re-scores it (images: ``cfg_rollout_only`` re-scores without guidance)."""
+        ...
+
+    def evaluate(self, reward: Reward, rank: int, world: int) -> tuple[dict[str, float], Any]:
+        """Held-out metrics (identical for any number of processes) and what to show of the samples."""
+        ...
+
+    def save_eval_samples(self, shown: Any, run_dir: Path, step: int, tag: str | None) -> None:
+        """Write the shown evaluation samples (image grids / videos / decoded text) into the run directory."""
+        ...
+
+
+def build_modality(config, device: torch.device) -> Modality:
+    """The modality of the config's pipeline: masked-diffusion text (``dllm``) or images and video."""
+    if config.pipeline.name == "dllm":
+        from .text import TextModality
+
+        return TextModality(config, device)
+    from .images import ImageModality
+
+    return ImageModality(config, device)

@@ -1,0 +1,158 @@
+"""Images and video: diffusers-family pipelines (and the embedded models) with SDE / DDIM rollouts,
+offline preference pairs, decoded-sample rewards, and a held-out evaluation on the deterministic sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+
+from .. import seeding
+from ..config import Config, ODEConfig
+from ..errors import FlowRLError
+from ..evaluation.held_out import HeldOut, held_out_images
+from ..objectives import build_objective
+from ..pipelines import build_pipeline
+from ..pipelines.guidance import training_guidance_scale
+from ..preference_pairs import PreferencePairs, read_pairs
+from ..prompts import prompt_pool, sample_prompts
+from ..samplers import build_sampler
+from ..samplers.rollout import group_noise, rollout, sde_window
+from ..types import Pipeline, Reward, RewardOutput, Sampler, Trajectory
+from ..run_logger import nanmean
+from ..visualize import save_grid, save_videos
+
+
+@dataclass
+class ImageComponents:
+    """A config's model side: the pipeline (guidance mode set), the rollout sampler and the deterministic
+    evaluation sampler (ODE / DDIM eta = 0)."""
+
+    pipeline: Pipeline
+    sampler: Sampler
+    eval_sampler: Sampler
+
+
+def build_image_components(config: Config, device: torch.device | str) -> ImageComponents:
+    pipeline = build_pipeline(config.pipeline, device)
+    pipeline.guidance_mode = config.rollout.guidance_mode
+    return ImageComponents(pipeline, build_sampler(config.sampler, pipeline), build_sampler(ODEConfig(), pipeline))
+
+
+class ImageModality:
+    module_attr = "denoiser"
+
+    def __init__(self, config: Config, device: torch.device):
+        self.config, self.device = config, device
+        parts = build_image_components(config, device)
+        self.pipeline, self.sampler, self.eval_sampler = parts.pipeline, parts.sampler, parts.eval_sampler
+        self.objective = build_objective(config.objective, reward_weights=dict(config.reward.components))
+        pc = config.prompts
+        self.train_pool = prompt_pool(pc.dataset, pc.train_split, file=pc.train_file)
+        self.held_out: HeldOut = held_out_images(config, self.pipeline, device)
+        self.pairs: PreferencePairs | None = self._read_pairs() if self.objective.trains_on == "offline_pairs" else None
+
+    def check(self) -> None:
+        objective, tc = self.objective, self.config.train
+        if objective.needs_log_probs and not self.sampler.stochastic:
+            raise FlowRLError(f"objective '{objective.name}' needs log-probs but sampler '{self.sampler.name}' is deterministic; use a stochastic sampler.")
+        unit = objective.minibatch_unit
+        generations = 2 if objective.trains_on == "offline_pairs" else tc.num_generations  # offline: rows are (winner, loser)
+        if generations % unit or tc.batch_size % unit:
+            raise FlowRLError(f"objective '{objective.name}' trains pairs of samples: train.num_generations ({tc.num_generations}) "
+                              f"and train.batch_size ({tc.batch_size}) must be multiples of {unit}.")
+
+    # -- collect ------------------------------------------------------------------------------------
+    def collect(self, iteration: int, rank: int, world: int) -> Trajectory:
+        """On-policy rollouts of this process's prompt groups, or (offline objectives) the iteration's pairs."""
+        return self._pair_batch(iteration, rank, world) if self.pairs is not None else self._rollouts(iteration, rank, world)
+
+    def for_update(self, batch: Trajectory) -> Trajectory:
+        """The batch as training re-scores it: with the rollout's guidance scale, except 1 in ``cfg_rollout_only``."""
+        batch.guidance_scale = training_guidance_scale(self.config.rollout.guidance_mode, batch.guidance_scale)
+        return batch
+
+    @torch.no_grad()
+    def _rollouts(self, iteration: int, rank: int, world: int) -> Trajectory:
+        cfg, tc, seed = self.config.rollout, self.config.train, self.config.seed
+        groups = tc.prompts_per_iteration // world
+        chosen = sample_prompts(self.train_pool, groups, seeding.python_rng(seed, iteration, rank, "prompts"))
+        prompts = [p for p, _ in chosen for _ in range(tc.num_generations)]
+        metadata = [m for _, m in chosen for _ in range(tc.num_generations)]
+        group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + rank * groups
+        gen = seeding.torch_generator(seed, iteration, rank, "rollout")
+        noise = group_noise(self.pipeline, group_ids, gen, cfg.same_noise_in_group)
+        window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)
+        sigmas = self.pipeline.schedule.sigmas(cfg.num_inference_steps).to(self.device)
+        chunks = []
+        for start in range(0, len(prompts), cfg.batch_size):
+            sl = slice(start, start + cfg.batch_size)
+            chunks.append(rollout(self.pipeline, self.sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, gen,
+                                  cfg.guidance_scale, window, initial_noise=noise[sl]))
+        return Trajectory.cat(chunks)
+
+    def _read_pairs(self) -> PreferencePairs:
+        """The offline objective's pairs, checked against the model's sample shape."""
+        if self.config.prompts.pairs is None:
+            raise FlowRLError(f"objective '{self.objective.name}' trains on offline preference pairs: set prompts.pairs to a pairs "
+                              "directory (python -m flowrl.preference_pairs).")
+        pairs = read_pairs(self.config.prompts.pairs)
+        shape = tuple(self.pipeline.initial_noise(1, torch.Generator()).shape[1:])
+        if tuple(pairs.winners.shape[1:]) != shape:
+            raise FlowRLError(f"the pairs in '{self.config.prompts.pairs}' have shape {tuple(pairs.winners.shape[1:])}, the model's samples {shape}.")
+        return pairs
+
+    @torch.no_grad()
+    def _pair_batch(self, iteration: int, rank: int, world: int) -> Trajectory:
+        """This process's pairs for ``iteration`` (drawn with replacement, keyed by the seed) as a trajectory
+        of clean samples, rows (2i, 2i + 1) = (winner, loser) of pair i."""
+        per_process = self.config.train.prompts_per_iteration // world
+        rng = seeding.python_rng(self.config.seed, iteration, rank, "pairs")
+        idx = [rng.randrange(len(self.pairs)) for _ in range(per_process)]
+        x0 = torch.stack([t for i in idx for t in (self.pairs.winners[i], self.pairs.losers[i])]).to(self.device)
+        prompts = [self.pairs.prompts[i] for i in idx for _ in range(2)]
+        metadata = [dict(self.pairs.metadata[i]) for i in idx for _ in range(2)]
+        return Trajectory(latents=x0[:, None], sigmas=torch.zeros(1), log_probs=x0.new_zeros(len(prompts), 0),
+                          stochastic=torch.zeros(0, dtype=torch.bool), cond=self.pipeline.encode(prompts), prompts=prompts, metadata=metadata,
+                          group_ids=torch.arange(per_process).repeat_interleave(2) + rank * per_process,
+                          samples=self.pipeline.decode(x0), guidance_scale=1.0)
+
+    # -- score --------------------------------------------------------------------------------------
+    def score(self, batch: Trajectory, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, torch.Tensor | None]:
+        if with_gradient:
+            raise FlowRLError("reward gradients are not wired into the image modality yet.")
+        with torch.no_grad():
+            return reward(batch.samples, batch.prompts, batch.metadata), None
+
+    # -- evaluate -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, reward: Reward, rank: int, world: int) -> tuple[dict[str, float], torch.Tensor]:
+        """Held-out prompts, fixed seeds, deterministic sampler, sharded over processes and gathered.
+        Returns (metrics, the first ``log.grid_prompts`` prompts' samples for the grid)."""
+        held = self.held_out
+        gen = held.generator()
+        noise = self.pipeline.initial_noise(len(held), gen)
+        mine = list(range(rank, len(held), world))
+        self.pipeline.denoiser.eval()
+        traj = rollout(self.pipeline, self.eval_sampler, [held.prompts[i] for i in mine], [held.metadata[i] for i in mine],
+                       torch.tensor(mine), held.sigmas, gen, held.guidance_scale, initial_noise=noise[mine])
+        out = reward(traj.samples, traj.prompts, traj.metadata)
+        local = [(i, float(out.scores[j]), {k: float(v[j]) for k, v in out.extras.items()}, traj.samples[j].cpu()) for j, i in enumerate(mine)]
+        rows = sorted(gather_object(local), key=lambda r: r[0])
+        metrics = {"eval/reward/mean": nanmean([r[1] for r in rows])}
+        for key in rows[0][2]:
+            metrics[f"eval/reward/{key}"] = nanmean([r[2][key] for r in rows])
+        grid = torch.stack([r[3] for r in rows])[: self.config.log.grid_prompts * self.config.eval.samples_per_prompt]
+        return metrics, grid
+
+    def save_eval_samples(self, grid: torch.Tensor, run_dir: Path, step: int, tag: str | None) -> None:
+        ncol = self.config.eval.samples_per_prompt
+        save_grid(grid, run_dir / "samples" / f"step_{step:06d}.png", ncol=ncol)
+        if tag:
+            save_grid(grid, run_dir / f"samples_{tag}.png", ncol=ncol)
+        if grid.ndim == 5:  # videos: also an animated grid as MP4 and GIF
+            save_videos(grid, run_dir / "samples" / f"step_{step:06d}", ncol=ncol)
+            if tag:
+                save_videos(grid, run_dir / f"samples_{tag}", ncol=ncol)

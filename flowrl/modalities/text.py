@@ -1,0 +1,135 @@
+"""Masked-diffusion language models (LLaDA, MMaDA, Dream, the embedded arith_mdlm): LLaDA-style
+generations recorded as TokenTrajectory, rewards that read the decoded text, and a held-out evaluation
+by greedy decoding (accuracy = mean reward) whose decoded answers are written to the run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+
+from .. import seeding
+from ..checkpoint import atomic_path
+from ..config import Config
+from ..errors import FlowRLError
+from ..evaluation.held_out import eval_pool
+from ..objectives.dllm.policy import build_dllm_objective
+from ..pipelines.dllm import load_masked_lm
+from ..prompts import prompt_pool, sample_prompts
+from ..run_logger import nanmean
+from ..samplers.masked import decode_completions, generate
+from ..types import Reward, RewardOutput, TokenTrajectory
+
+EMBEDDED_LMS = {"arith_mdlm": Path(__file__).resolve().parents[1] / "assets" / "arith_mdlm"}
+DLLM_OBJECTIVES = ("diffu_grpo", "unigrpo", "dcolt", "bgpo")
+NUM_EVAL_SAMPLES_SHOWN = 12
+
+
+def draw_mask_seeds(groups: int, group_size: int, num_seeds: int, shared: bool, gen: torch.Generator) -> torch.Tensor:
+    """(groups * group_size, num_seeds) estimator mask seeds for a rollout whose rows come group by group.
+
+    ``shared``: every completion of a prompt gets the same seeds, so the estimator masks the same positions
+    in all of them (common random numbers). The group-relative advantages sum to zero within a group, so
+    whatever the completions have in common (format tokens, the prompt) then cancels from the gradient
+    instead of adding mask noise; d1 goes further and shares one seed across the whole batch. Each row's
+    estimate is distributed exactly as with its own seed.
+    """
+    rows = groups if shared else groups * group_size
+    seeds = torch.randint(0, 2**62, (rows, num_seeds), generator=gen)
+    return seeds.repeat_interleave(group_size, 0) if shared else seeds
+
+
+class TextModality:
+    module_attr = "model"
+
+    def __init__(self, config: Config, device: torch.device):
+        self.config, self.device = config, device
+        if config.sampler.name != "masked":
+            raise FlowRLError(f"a dllm pipeline needs sampler.name=masked, got '{config.sampler.name}'.")
+        if config.objective.name not in DLLM_OBJECTIVES:
+            raise FlowRLError(f"objective '{config.objective.name}' is for image models; use diffu_grpo, unigrpo, dcolt or bgpo.")
+        pc = config.pipeline
+        pretrained = str(EMBEDDED_LMS.get(pc.pretrained, pc.pretrained))
+        lora = pc.lora.model_dump() if pc.lora else None
+        self.pipeline = load_masked_lm(pretrained, family=pc.family, trust_remote_code=pc.trust_remote_code, dtype=pc.dtype, device=device, lora=lora)
+        self.sampler = config.sampler
+        self.objective = build_dllm_objective(config.objective, config.sampler, self.pipeline.mask_token_id)
+        self.train_pool = prompt_pool(config.prompts.dataset, config.prompts.train_split, file=config.prompts.train_file)
+        self.eval_pool = eval_pool(config)
+
+    def check(self) -> None:
+        if self.config.objective.name == "dcolt" and self.config.sampler.remasking != "policy":
+            raise FlowRLError("objective 'dcolt' trains the unmasking policy: set sampler.remasking=policy.")
+        if self.config.sampler.remasking == "policy" and self.objective.position_scorer is None:
+            raise FlowRLError(f"sampler.remasking=policy needs an objective with an unmasking policy (dcolt), not '{self.objective.name}'.")
+
+    # -- generation -----------------------------------------------------------------------------
+    def _generate(self, prompts: list[str], temperature: float, gen: torch.Generator) -> TokenTrajectory:
+        tok, sc, pc = self.pipeline.tokenizer, self.config.sampler, self.config.pipeline
+        tok.padding_side = "left"
+        enc = tok(prompts, padding="max_length" if pc.prompt_length else "longest", max_length=pc.prompt_length,
+                  truncation=pc.prompt_length is not None, return_tensors="pt")
+        scorer = self.objective.position_scorer if sc.remasking == "policy" else None
+        traj = generate(self.pipeline, enc.input_ids.to(self.device), enc.attention_mask.bool().to(self.device), sc.gen_length, sc.steps,
+                        sc.block_length, temperature=temperature, remasking=sc.remasking, threshold=sc.threshold,
+                        position_scorer=scorer, logit_shift=sc.logit_shift, generator=gen)
+        traj.completions = decode_completions(tok, traj.completion_ids, self.pipeline.eos_token_id)
+        return traj
+
+    @torch.no_grad()
+    def collect(self, iteration: int, rank: int, world: int) -> TokenTrajectory:
+        tc = self.config.train
+        groups = tc.prompts_per_iteration // world
+        chosen = sample_prompts(self.train_pool, groups, seeding.python_rng(self.config.seed, iteration, rank, "prompts"))
+        prompts = [p for p, _ in chosen for _ in range(tc.num_generations)]
+        gen = seeding.torch_generator(self.config.seed, iteration, rank, "rollout")
+        self.pipeline.model.eval()
+        traj = self._generate(prompts, self.config.sampler.temperature, gen)
+        traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(tc.num_generations)]
+        traj.group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + rank * groups
+        traj.mask_seeds = draw_mask_seeds(groups, tc.num_generations, self.config.objective.num_mask_seeds,
+                                          self.config.objective.group_shared_masks, gen)
+        # The rollout policy's log-likelihood estimates (and the reference's) are part of the record, computed
+        # with the weights that generated it, before any update: the first ratio is exactly 1.
+        self.objective.old_and_ref(self.pipeline, traj)
+        return traj
+
+    def for_update(self, batch: TokenTrajectory) -> TokenTrajectory:
+        return batch  # training re-scores exactly what was generated
+
+    def score(self, batch: TokenTrajectory, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, None]:
+        if with_gradient:
+            raise FlowRLError("text rewards have no gradient; the dLLM objectives train on rollouts.")
+        return reward(batch.completions, batch.prompts, batch.metadata), None
+
+    # -- evaluate -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, reward: Reward, rank: int, world: int) -> tuple[dict[str, float], list[dict]]:
+        """Greedy (eval_temperature) decoding of the held-out prompts; accuracy = mean reward."""
+        items = self.eval_pool
+        mine = list(range(rank, len(items), world))
+        self.pipeline.model.eval()
+        rows = []
+        for start in range(0, len(mine), self.config.rollout.batch_size):
+            idx = mine[start : start + self.config.rollout.batch_size]
+            prompts, meta = [items[i][0] for i in idx], [items[i][1] for i in idx]
+            traj = self._generate(prompts, self.config.sampler.eval_temperature, torch.Generator().manual_seed(self.config.eval.seed))
+            out = reward(traj.completions, prompts, meta)
+            for j, i in enumerate(idx):
+                rows.append({"index": i, "prompt": prompts[j], "completion": traj.completions[j], "score": float(out.scores[j]),
+                             **{k: float(v[j]) for k, v in out.extras.items()}})
+        rows = sorted((r for part in gather_object([rows]) for r in part), key=lambda r: r["index"])
+        metrics = {"eval/reward/mean": nanmean([r["score"] for r in rows])}
+        for key in rows[0]:
+            if key not in ("index", "prompt", "completion", "score"):
+                metrics[f"eval/reward/{key}"] = nanmean([r[key] for r in rows])
+        return metrics, rows
+
+    def save_eval_samples(self, rows: list[dict], run_dir: Path, step: int, tag: str | None) -> None:
+        text = "".join(json.dumps({k: r[k] for k in ("prompt", "completion", "score")}) + "\n" for r in rows[:NUM_EVAL_SAMPLES_SHOWN])
+        for path in [run_dir / "samples" / f"step_{step:06d}.jsonl"] + ([run_dir / f"samples_{tag}.jsonl"] if tag else []):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp:
+                tmp.write_text(text)
