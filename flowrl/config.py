@@ -30,7 +30,7 @@ class LoraConfig(Section):
 
 # Image and video model families (flowrl/pipelines/<family>.py). "digits"/"digits_video" are the
 # embedded tiny models; the others load real diffusers checkpoints (hub id or local directory).
-IMAGE_FAMILIES = ("digits", "digits_video", "stable_diffusion", "sdxl", "sd3", "flux", "wan", "cogvideox", "wan_i2v")
+IMAGE_FAMILIES = ("digits", "digits_video", "stable_diffusion", "sdxl", "sd3", "flux", "wan", "cogvideox", "wan_i2v", "toy2d")
 
 
 class PipelineConfig(Section):
@@ -190,6 +190,18 @@ class DiffusionDPOConfig(Section):
     beta: float = Field(5000.0, gt=0)  # the reference's value for SD1.5 / SDXL latents
 
 
+class AdjointMatchingConfig(Section):
+    """Adjoint Matching: regress the control onto the lean adjoint of the reward gradient (needs a differentiable
+    reward and a memoryless sampler: flow_memoryless for flow models, ddim with eta 1 for diffusion models)."""
+
+    name: Literal["adjoint_matching"] = "adjoint_matching"
+    reward_multiplier: float = Field(1.0, gt=0)  # lambda: the target is p_base(x) exp(lambda r(x)); the authors use 100 with ImageReward
+    num_trained_steps: int | None = Field(4, ge=1)  # steps per minibatch with a loss; None: every step below sigma = 1
+    early_fraction: float = Field(0.6, gt=0, lt=1)  # stratified draw: half the trained steps from this first fraction
+    clip_quantile: float | None = Field(0.9, gt=0, le=1)  # per-sample loss clipping at the EMA'd quantile; None: off
+    clip_ema_decay: float = Field(0.9, ge=0, lt=1)
+
+
 class DLLMObjectiveBase(Section):
     clip_range: float = Field(0.2, gt=0)
     beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
@@ -236,7 +248,7 @@ class BGPOConfig(DLLMObjectiveBase):
     naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
 
 
-ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffusionDPOConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
+ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffusionDPOConfig, AdjointMatchingConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
                             Field(discriminator="name")]
 
 
@@ -358,7 +370,7 @@ class Config(Section):
 
 
 def _describe(error: dict) -> str:
-    tags = {"flow_sde", "flow_cps", "flow_memoryless", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
+    tags = {"flow_sde", "flow_cps", "flow_memoryless", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "adjoint_matching", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
     loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in tags))
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":

@@ -21,6 +21,7 @@ FAMILIES = {
     "wan": "wan:WanAdapter",
     "cogvideox": "cogvideox:CogVideoXAdapter",
     "wan_i2v": "wan:WanImageToVideoAdapter",
+    "toy2d": "toy2d:Toy2DPipeline",
 }
 
 

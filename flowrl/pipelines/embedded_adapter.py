@@ -62,5 +62,6 @@ class EmbeddedAdapter(DiffusersAdapter):
         return {"prompt_embeds": hidden.float()}  # (B, L, D)
 
     def decode(self, x: Tensor) -> Tensor:
-        """Pixels in [-1, 1] -> [0, 1], float32."""
-        return ((x.float().clamp(-1, 1) + 1) / 2).detach()
+        """Pixels in [-1, 1] -> [0, 1], float32. Differentiable (Adjoint Matching backpropagates a reward through
+        it); rollouts call it under no_grad, so nothing is kept there."""
+        return (x.float().clamp(-1, 1) + 1) / 2
