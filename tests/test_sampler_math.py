@@ -661,3 +661,119 @@ def test_discrete_schedule():
     # 100 trailing steps: t = 999, 989, ..., 9
     t100 = sched.timestep(sched.sigmas(100))
     assert t100[:-1].tolist() == list(range(999, 8, -10)) and int(t100[-1]) == -1
+
+
+# --------------------------------------------------------------------------------------------------
+# 7. DDIM / DDPM precision: float64 coefficients, every timestep down to t = 0
+# --------------------------------------------------------------------------------------------------
+
+SD_BETAS = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2  # Stable Diffusion's scaled_linear
+
+
+def ddim_float64_reference(betas: torch.Tensor, t: int, t_prev: int, final: float, out, x, x_next, eta: float):
+    """std and mean-reduced log-prob of one step t -> t_prev (t_prev = -1: clean data), all in float64 from the
+    betas: a = prod(1 - beta), written out here, not read from flowrl's table."""
+    ac = torch.cumprod(1 - betas.double(), 0)
+    a = float(ac[t])
+    ap = float(ac[t_prev]) if t_prev >= 0 else final
+    var = (1 - ap) / (1 - a) * (1 - a / ap)
+    std = eta * math.sqrt(max(var, 0.0))
+    eps = out.double()
+    x0 = (x.double() - math.sqrt(1 - a) * eps) / math.sqrt(a)
+    mean = math.sqrt(ap) * x0 + math.sqrt(max(1 - ap - std**2, 0.0)) * eps
+    if std == 0:
+        return std, None
+    elem = -((x_next.double() - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+    return std, elem.mean(DIMS)
+
+
+@pytest.mark.parametrize("betas,final", [(SD_BETAS, None), (SD_BETAS, 1.0), (BETAS.double(), 1.0)],
+                         ids=["sd15_alpha0", "sd_alpha1", "linear_alpha1"])
+def test_ddim_std_and_log_prob_within_1e6_of_float64_at_every_timestep(betas, final):
+    """Every single-timestep step t -> t - 1 (t = 999 .. 0) and Stable Diffusion's 50-step leading grid: std and
+    log-prob within 1e-6 relative of the float64 reference. final=None is SD1.5's set_alpha_to_one=False."""
+    ac = torch.cumprod(1 - betas, 0)
+    final = float(ac[0]) if final is None else final
+    sched = DiscreteSchedule(alphas_cumprod=ac, final_alpha_cumprod=final)
+    sampler = DDIMSampler(sched, eta=1.0)
+    x, out = _inputs(11)
+    T = 1000
+    pairs = [(t, t - 1) for t in range(T - 1, -1, -1)]
+    leading = DiscreteSchedule(alphas_cumprod=ac, final_alpha_cumprod=final, spacing="leading", steps_offset=1).timesteps(50).tolist()
+    assert leading[0] == 981 and leading[-1] == 1
+    pairs += list(zip(leading, leading[1:] + [-1]))
+    worst_std = worst_lp = 0.0
+    for t, t_prev in pairs:
+        sigma, sigma_next = torch.tensor((t + 1) / T), torch.tensor((t_prev + 1) / T)
+        res = sampler.step(out, x, sigma, sigma_next, generator=torch.Generator().manual_seed(t))
+        std, log_prob = ddim_float64_reference(betas, t, t_prev, final, out, x, res.x_next, 1.0)
+        if std == 0:  # into clean data with a_prev = 1 (set_alpha_to_one), or from t = 0 with a_prev = a_0: var = 0
+            assert t_prev == -1 and res.log_prob is None and float(res.std) == 0
+            continue
+        worst_std = max(worst_std, abs(float(res.std) - std) / std)
+        worst_lp = max(worst_lp, float(((res.log_prob.double() - log_prob).abs() / log_prob.abs()).max()))
+    print(f"worst relative error: std {worst_std:.2e}, log-prob {worst_lp:.2e}")
+    assert worst_std <= 1e-6 and worst_lp <= 1e-6
+
+    # the check can fail: with alpha-bar rounded to float32 before 1 - a (flowrl before issue 15) the std of
+    # the steps near t = 0 is off by more than 1e-5
+    t = torch.arange(1, 60)
+    a, ap = ac[t], ac[t - 1]
+    std64 = ((1 - ap) / (1 - a) * (1 - a / ap)).sqrt()
+    a32, ap32 = a.float(), ap.float()
+    std32 = ((1 - ap32) / (1 - a32) * (1 - a32 / ap32)).sqrt().double()
+    assert float(((std32 - std64).abs() / std64).max()) > 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. Per-sample sigma: a (B,) sigma gives, row by row, the scalar step on that row
+# --------------------------------------------------------------------------------------------------
+
+PER_SAMPLE_SAMPLERS = ["flow_grpo", "dance_grpo", "cps", "memoryless", "ddim_eps_eta1", "ddim_v_eta05"]
+# one row per regime: the first step from noise (flow_grpo's sigma = 1 branch), the middle, near data, and a
+# step into sigma = 0 (deterministic for CPS, memoryless and DDIM: std 0, NaN log-prob in a mixed batch)
+FLOW_ROWS = [(1.0, 0.9), (0.6, 0.55), (0.1, 0.02), (0.05, 0.0)]
+DDIM_ROWS = [(1.0, 0.98), (0.5, 0.45), (0.05, 0.03), (0.02, 0.0)]
+
+
+@pytest.mark.parametrize("name", PER_SAMPLE_SAMPLERS)
+def test_per_sample_sigma_equals_the_scalar_step_row_by_row(name):
+    sampler = make_sampler(name)
+    rows = DDIM_ROWS if name.startswith("ddim") else FLOW_ROWS
+    x, out = _inputs(12)
+    sigma = torch.tensor([s for s, _ in rows])
+    sigma_next = torch.tensor([sn for _, sn in rows])
+    batch = sampler.step(out, x, sigma, sigma_next, generator=torch.Generator().manual_seed(5))
+    z = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
+    assert batch.std.shape == (4, 1, 1, 1) and batch.log_prob.shape == (4,)
+    rescored = sampler.step(out, x, sigma, sigma_next, x_next=batch.x_next)
+    deterministic = sampler.deterministic_step(out, x, sigma, sigma_next)
+    for i, (s, sn) in enumerate(rows):
+        one = sampler.step(out[i : i + 1], x[i : i + 1], torch.tensor(s), torch.tensor(sn), x_next=batch.x_next[i : i + 1])
+        assert one.std.ndim == 0
+        assert torch.equal(batch.mean[i], one.mean[0]) and torch.equal(batch.std[i].reshape(()), one.std)
+        assert torch.equal(batch.x_next[i], (one.mean[0].double() + one.std.double() * z[i].double()).float()) or \
+            torch.allclose(batch.x_next[i], one.mean[0] + one.std * z[i], rtol=0, atol=1e-6)
+        if one.log_prob is None:  # a deterministic row: NaN in the batch
+            assert float(one.std) == 0 and torch.isnan(batch.log_prob[i]) and torch.isnan(rescored.log_prob[i])
+        else:
+            assert torch.equal(batch.log_prob[i], one.log_prob[0]) and torch.equal(rescored.log_prob[i], one.log_prob[0])
+        assert torch.equal(deterministic[i], sampler.deterministic_step(out[i : i + 1], x[i : i + 1], torch.tensor(s), torch.tensor(sn))[0])
+    assert torch.isnan(batch.log_prob).sum() == (1 if name in ("cps", "memoryless") or name.startswith("ddim") else 0)
+
+
+def test_per_sample_sigma_all_deterministic_rows_have_no_log_prob_and_bad_shapes_fail():
+    from flowrl.errors import FlowRLError
+
+    x, out = _inputs(13)
+    res = FlowCPSSampler().step(out, x, torch.full((4,), 0.1), torch.zeros(4))
+    assert res.log_prob is None and res.std.shape == (4, 1, 1, 1)
+    same = FlowSDESampler().step(out, x, torch.full((4,), 0.6), torch.full((4,), 0.5), generator=torch.Generator().manual_seed(0))
+    scalar = FlowSDESampler().step(out, x, 0.6, 0.5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(same.x_next, scalar.x_next) and torch.equal(same.log_prob, scalar.log_prob)
+    torch.testing.assert_close(ODESampler(FlowSDESampler()).step(out, x, torch.full((4,), 0.6), torch.full((4,), 0.5)).x_next,
+                               flow_euler_step(out, x, 0.6, 0.5), rtol=0, atol=0)
+    with pytest.raises(FlowRLError, match=r"one value per sample, shape \(4,\); got shape \(3,\)"):
+        FlowSDESampler().step(out, x, torch.full((3,), 0.6), torch.full((3,), 0.5))
+    with pytest.raises(FlowRLError, match="one value per sample"):
+        DDIMSampler(_schedule()).step(out, x, torch.full((4, 1), 0.6), torch.full((4, 1), 0.5))

@@ -12,7 +12,9 @@ reference's ``sigma_max`` trick, written statelessly); DanceGRPO: g = eta, const
 CPS (coefficient-preserving): std = sigma_next sin(a pi / 2),
 mean = x0_hat (1 - sigma_next) + x1_hat sqrt(sigma_next^2 - std^2). flowrl scores CPS with the true
 normalised Gaussian density (Flow-GRPO's CPS "log-prob" drops 1/(2 std^2) and the constants).
-All step math runs in float32 whatever the model's dtype.
+All step math runs in float32 whatever the model's dtype. ``sigma`` / ``sigma_next`` are scalars or one value
+per sample, shape (B,) (objectives that draw a timestep per sample); a per-sample step equals, row by row,
+the scalar step on that row, and its ``std`` is (B, 1, ..., 1).
 """
 
 from __future__ import annotations
@@ -25,21 +27,15 @@ import torch
 from torch import Tensor
 
 from ..types import StepOutput
-from .log_prob import Reduction, gaussian_log_prob, standard_noise
+from .log_prob import Reduction, as_sigma, finish_step
 
 
 def flow_euler_step(v: Tensor, x: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
-    """Deterministic probability-flow ODE step."""
+    """Deterministic probability-flow ODE step (sigma, sigma_next: scalars or one per sample)."""
+    sigma, sigma_next = as_sigma(sigma, x), as_sigma(sigma_next, x)
     return x.float() + (sigma_next - sigma) * v.float()
 
 
-def _finish(mean: Tensor, std: Tensor, x_next: Tensor | None, generator, reduction: Reduction) -> StepOutput:
-    """Sample x_next ~ N(mean, std^2) if not given, then score it."""
-    if x_next is None:
-        x_next = mean + std * standard_noise(mean, generator)
-    x_next = x_next.float()
-    log_prob = gaussian_log_prob(x_next, mean, std, reduction) if float(std) > 0 else None
-    return StepOutput(x_next=x_next, log_prob=log_prob, mean=mean, std=std)
 
 
 @dataclass
@@ -66,13 +62,13 @@ class FlowSDESampler:
 
     def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
         v, x = model_output.float(), x.float()
-        sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32, device=x.device) for s in (sigma, sigma_next))
+        sigma, sigma_next = as_sigma(sigma, x), as_sigma(sigma_next, x)
         dt = sigma_next - sigma
         g = self.diffusion_coefficient(sigma, sigma_next)
         score = -(x + (1 - sigma) * v) / sigma
         mean = x + dt * (v - 0.5 * g**2 * score)
         std = g * torch.sqrt(-dt)
-        return _finish(mean, std, x_next, generator, self.reduction)
+        return finish_step(mean, std, x_next, generator, self.reduction)
 
     def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
         return flow_euler_step(model_output, x, sigma, sigma_next)
@@ -83,12 +79,12 @@ def _bridge_step(model_output, x, sigma, sigma_next, std_of, x_next, generator, 
     the noise coefficient of x_next is exactly s'. CPS and the memoryless posterior differ only in
     ``std_of(sigma, sigma_next)``."""
     v, x = model_output.float(), x.float()
-    sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32, device=x.device) for s in (sigma, sigma_next))
+    sigma, sigma_next = as_sigma(sigma, x), as_sigma(sigma_next, x)
     x0_hat = x - sigma * v
     x1_hat = x + (1 - sigma) * v
     std = torch.as_tensor(std_of(sigma, sigma_next), dtype=torch.float32, device=x.device)
     mean = x0_hat * (1 - sigma_next) + x1_hat * torch.sqrt((sigma_next**2 - std**2).clamp(min=0))
-    return _finish(mean, std, x_next, generator, reduction)
+    return finish_step(mean, std, x_next, generator, reduction)
 
 
 def _memoryless_std(sigma: Tensor, sigma_next: Tensor) -> Tensor:
