@@ -108,9 +108,9 @@ def test_sd3_matches_diffusers_pipeline_with_cfg(sd3_dir):
 
     steps, scale = 2, 4.0
     noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
-    theirs = pipe(prompt=PROMPTS, latents=noise.clone(), num_inference_steps=steps, sigmas=torch.linspace(1, 0, steps + 1)[:steps].tolist(),
-                  guidance_scale=scale, output_type="latent", max_sequence_length=T5_TOKENS).images
-    torch.testing.assert_close(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps), atol=1e-6, rtol=0)
+    theirs = pipe(prompt=PROMPTS, latents=noise.clone(), num_inference_steps=steps, guidance_scale=scale, output_type="latent",
+                  max_sequence_length=T5_TOKENS).images  # default arguments: the scheduler's own grid
+    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
     ours = flowrl_euler(adapter, noise, steps, scale)
     diff = (ours - theirs).abs().max().item()
     print(f"SD3 oracle (CFG {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
@@ -118,6 +118,65 @@ def test_sd3_matches_diffusers_pipeline_with_cfg(sd3_dir):
     images = adapter.decode(ours)
     assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
     assert not any(p.requires_grad for m in adapter.frozen_modules() for p in m.parameters()) and len(adapter.frozen_modules()) == 4
+
+
+def with_scheduler(directory, tmp_path, scheduler):
+    """A copy of a tiny checkpoint with another scheduler config (the models are shared, not rebuilt)."""
+    import shutil
+
+    copy = tmp_path / f"{Path(directory).name}_{type(scheduler).__name__}"
+    shutil.copytree(directory, copy)
+    shutil.rmtree(copy / "scheduler")
+    scheduler.save_pretrained(copy / "scheduler")
+    return copy
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["shift3", "dynamic"])
+def test_sd3_default_grid_is_the_pipelines_for_k_1_to_50(sd3_dir, tmp_path, dynamic):
+    """flowrl's SD3 grid = the sigmas StableDiffusion3Pipeline sets up with its default arguments (no sigmas=), for
+    the checkpoint's static shift 3 (SD3.5) and for a dynamic-shift config (mu from the image token count)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    from tests.test_family_stable_diffusion import pipeline_default_grid
+
+    directory = with_scheduler(sd3_dir, tmp_path, FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)) if dynamic else sd3_dir
+    adapter, pipe = load("sd3", directory), StableDiffusion3Pipeline.from_pretrained(directory)
+    assert adapter.schedule.grid == "flow_match" and adapter.schedule.dynamic == dynamic
+    for steps in range(1, 51):
+        _, sigmas = pipeline_default_grid(pipe, steps, prompt="a cat", guidance_scale=1.0, max_sequence_length=T5_TOKENS)
+        assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
+
+
+def test_sd3_default_grid_ends_near_data_so_flow_grpo_rollouts_end_clean(sd3_dir):
+    """Issue 15: on shift(linspace(1, 0, 11)) the last nonzero sigma is 0.25, and the Flow-GRPO step (a = 0.7) into
+    sigma = 0 leaves noise of std 0.20 in the final latent; on the pipeline's grid it is 0.0089 and std < 0.01."""
+    from flowrl.samplers import FlowSDESampler
+    from flowrl.samplers.schedules import FlowSchedule
+
+    adapter = load("sd3", sd3_dir)
+    linspace = FlowSchedule(shift=3.0, grid="linspace").sigmas(10)
+    sampler = FlowSDESampler(noise_level=0.7)
+
+    def last_std(sigmas):
+        sigma, sigma_next = sigmas[-2], sigmas[-1]
+        return float(sampler.diffusion_coefficient(sigma, sigma_next) * (sigma - sigma_next).sqrt())
+
+    sigmas = adapter.schedule.sigmas(10)
+    assert float(sigmas[-2]) == pytest.approx(0.0089, abs=5e-5) and float(linspace[-2]) == pytest.approx(0.25)
+    assert last_std(sigmas) < 0.01 and last_std(linspace) == pytest.approx(0.202, abs=1e-3)
+    # the other grid stays selectable
+    chosen = build_with_grid("sd3", sd3_dir, "linspace")
+    assert chosen.schedule.grid == "linspace" and torch.equal(chosen.schedule.sigmas(10), linspace)
+
+
+def build_with_grid(name: str, directory, grid: str):
+    """The adapter with ``pipeline.sampling_grid`` set."""
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+
+    size = {"height": 16, "width": 16} if name == "flux" else {}
+    config = PipelineConfig(name=name, pretrained=str(directory), device="cpu", max_sequence_length=T5_TOKENS, **size)
+    return build_pipeline(config.model_copy(update={"sampling_grid": grid}), "cpu")
 
 
 def test_sd3_without_t5_uses_zeros_like_diffusers(tmp_path):
@@ -211,18 +270,37 @@ def test_flux_matches_diffusers_pipeline_with_embedded_guidance(flux_dir):
     noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
     assert torch.equal(unpack_latents(pack_latents(noise), 8, 8), noise)
     theirs = pipe(prompt=PROMPTS, latents=pack_latents(noise), num_inference_steps=steps, height=16, width=16,
-                  sigmas=torch.linspace(1, 0, steps + 1)[:steps].tolist(), guidance_scale=scale, output_type="latent",
-                  max_sequence_length=T5_TOKENS).images
-    torch.testing.assert_close(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps), atol=1e-6, rtol=0)
+                  guidance_scale=scale, output_type="latent", max_sequence_length=T5_TOKENS).images  # default arguments
+    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
     ours = flowrl_euler(adapter, noise, steps, scale)
     diff = (ours - unpack_latents(theirs, 8, 8)).abs().max().item()
     print(f"FLUX oracle (embedded guidance {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
     assert diff < 1e-5
     # and decoding equals the pipeline's own (unpack, unscale, shift, VAE)
     images = pipe(prompt=PROMPTS, latents=pack_latents(noise), num_inference_steps=steps, height=16, width=16,
-                  sigmas=torch.linspace(1, 0, steps + 1)[:steps].tolist(), guidance_scale=scale, output_type="pt",
-                  max_sequence_length=T5_TOKENS).images
+                  guidance_scale=scale, output_type="pt", max_sequence_length=T5_TOKENS).images
     torch.testing.assert_close(adapter.decode(ours), images, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dev_dynamic", "schnell_static"])
+def test_flux_default_grid_is_the_pipelines_for_k_1_to_50(flux_dir, tmp_path, dynamic):
+    """flowrl's FLUX grid = the sigmas FluxPipeline sets up with its default arguments: linspace(1, 1/K, K) shifted by
+    the scheduler in float32, with mu from the token count (FLUX.1-dev's dynamic config) or a static shift
+    (FLUX.1-schnell's config: shift 1, no dynamic shifting)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from tests.test_family_stable_diffusion import pipeline_default_grid
+
+    directory = flux_dir if dynamic else with_scheduler(flux_dir, tmp_path, FlowMatchEulerDiscreteScheduler(shift=1.0))
+    adapter, pipe = load("flux", directory), FluxPipeline.from_pretrained(directory)
+    assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == dynamic
+    for steps in range(1, 51):
+        _, sigmas = pipeline_default_grid(pipe, steps, prompt="a cat", height=16, width=16, guidance_scale=3.5, max_sequence_length=T5_TOKENS)
+        assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
+    from flowrl.errors import FlowRLError
+
+    with pytest.raises(FlowRLError, match="sampling_grid 'leading' does not apply to flux"):
+        build_with_grid("flux", directory, "leading")
 
 
 def test_flux_embedded_guidance_one_forward_per_step_with_gradient(flux_dir):
@@ -305,9 +383,11 @@ def test_flow_shift_overrides_the_checkpoint(sd3_dir, tmp_path):
     from flowrl.errors import FlowRLError
     from tests.test_family_stable_diffusion import build_tiny_sd
 
+    from flowrl.samplers.schedules import FlowSchedule
+
     assert load("sd3", sd3_dir).schedule.shift != 5.0
     shifted = load("sd3", sd3_dir, flow_shift=5.0)
-    assert shifted.schedule.shift == 5.0
-    torch.testing.assert_close(shifted.schedule.sigmas(2), torch.tensor([1.0, 5 * 0.5 / (1 + 4 * 0.5), 0.0]))
+    assert shifted.schedule.shift == 5.0 and not shifted.schedule.dynamic
+    assert torch.equal(shifted.schedule.sigmas(2), FlowSchedule(5.0, shifted.schedule.grid).sigmas(2))
     with pytest.raises(FlowRLError, match="applies to rectified-flow models"):
         load("stable_diffusion", build_tiny_sd(tmp_path / "sd"), flow_shift=5.0)

@@ -117,10 +117,39 @@ def test_oracle_conditioning_and_cfg_prediction_equal_diffusers(sdxl_dir):
     assert (cond_out - uncond_out).abs().max() > 1e-3  # the two branches differ, so the CFG comparison means something
 
 
+def test_default_grid_is_the_sdxl_pipelines_for_k_1_to_50(sdxl_dir):
+    """SDXL base's EulerDiscreteScheduler config: "leading" with steps_offset 1. flowrl's grid equals the timesteps
+    StableDiffusionXLPipeline sets up with its default arguments, and DDIMScheduler.from_config of the same file."""
+    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
+
+    from tests.test_family_stable_diffusion import assert_ddpm_grid_is_the_pipelines
+
+    adapter = _adapter(sdxl_dir)
+    assert (adapter.schedule.spacing, adapter.schedule.steps_offset) == ("leading", 1)
+    ref = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
+    assert_ddpm_grid_is_the_pipelines(adapter, ref, prompt="a cat", guidance_scale=1.0)
+    ddim = DDIMScheduler.from_config(ref.scheduler.config)
+    for steps in (1, 7, 50):
+        ddim.set_timesteps(steps)
+        assert torch.equal(adapter.timestep(adapter.schedule.sigmas(steps))[:-1], ddim.timesteps)
+
+
+def test_euler_config_without_spacing_reads_as_euler_does():
+    """A missing timestep_spacing key means what the checkpoint's own scheduler class defaults to: "linspace" for
+    EulerDiscreteScheduler, "leading" for DDIM / PNDM (flowrl then rounds Euler's fractional timesteps as DDIM does)."""
+    from flowrl.samplers.schedules import config_default
+
+    assert config_default({"_class_name": "EulerDiscreteScheduler"}, "timestep_spacing", "leading") == "linspace"
+    assert config_default({"_class_name": "PNDMScheduler"}, "timestep_spacing", "trailing") == "leading"
+    assert config_default({"_class_name": "DDIMScheduler", "timestep_spacing": "trailing"}, "timestep_spacing", "leading") == "trailing"
+    assert config_default({"_class_name": "NoSuchScheduler"}, "steps_offset", 0) == 0
+
+
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_oracle_full_pipeline_call_equals_flowrl_ode(sdxl_dir, sdxl_v_dir, prediction):
-    """End to end: StableDiffusionXLPipeline.__call__ (DDIM, trailing spacing, eta=0, CFG with its zero
-    negatives) from the same initial noise gives flowrl's deterministic samples, latents and images."""
+    """End to end: StableDiffusionXLPipeline.__call__ with DDIMScheduler.from_config of the checkpoint's scheduler
+    config (its leading grid, eta=0, CFG with its zero negatives) from the same initial noise gives flowrl's
+    deterministic samples, latents and images."""
     from diffusers import DDIMScheduler, StableDiffusionXLPipeline
 
     from flowrl.config import ODEConfig
@@ -129,13 +158,13 @@ def test_oracle_full_pipeline_call_equals_flowrl_ode(sdxl_dir, sdxl_v_dir, predi
 
     directory = sdxl_dir if prediction == "epsilon" else sdxl_v_dir
     pipe = _adapter(directory)
-    steps, scale = 4, 5.0  # 1000 / 4 steps: DDIM's prev_timestep = t - 250 is exactly flowrl's trailing grid
+    steps, scale = 4, 5.0  # leading + 1: 751, 501, 251, 1
     traj = rollout(pipe, build_sampler(ODEConfig(), pipe), PROMPTS, [{}, {}], torch.arange(2), pipe.schedule.sigmas(steps),
                    torch.Generator().manual_seed(0), scale, same_noise_in_group=False)
 
     ref = StableDiffusionXLPipeline.from_pretrained(directory)
-    ref.scheduler = DDIMScheduler.from_config(ref.scheduler.config, timestep_spacing="trailing", set_alpha_to_one=True,
-                                              clip_sample=False, steps_offset=0)
+    # DDIM stands in for the Euler scheduler's step on the same grid; Euler never clips x0 (DDIM's default would)
+    ref.scheduler = DDIMScheduler.from_config(ref.scheduler.config, clip_sample=False)
     ref.set_progress_bar_config(disable=True)
     h, w = pipe.sample_size()
     kwargs = {"prompt": PROMPTS, "height": h, "width": w, "num_inference_steps": steps, "guidance_scale": scale, "eta": 0.0,
@@ -143,6 +172,7 @@ def test_oracle_full_pipeline_call_equals_flowrl_ode(sdxl_dir, sdxl_v_dir, predi
     with torch.no_grad():
         latents = ref(**kwargs, output_type="latent").images
         images = ref(**kwargs, output_type="pt").images
+    assert torch.equal(pipe.timestep(traj.sigmas)[:-1], ref.scheduler.timesteps)
     diffs = {"latents": (latents - traj.latents[:, -1]).abs().max().item(), "images": (images - traj.samples).abs().max().item()}
     print(f"full-pipeline oracle ({prediction}) max |diff|:", diffs)
     assert diffs["latents"] <= 1e-4 and diffs["images"] <= 1e-4, diffs

@@ -37,6 +37,100 @@ def sd_v_dir(tmp_path_factory):
     return build_tiny_sd(tmp_path_factory.mktemp("tiny_sd_v"), prediction_type="v_prediction")
 
 
+def pipeline_default_grid(pipe, steps: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(timesteps, sigmas) a diffusers pipeline sets up for ``num_inference_steps=steps`` with its default
+    arguments (no ``sigmas=`` / ``timesteps=``): the real ``__call__``, interrupted after its first step so that
+    K = 1..50 stays cheap (``set_timesteps`` has run by then; the interrupt only skips the remaining steps)."""
+
+    def stop(pipeline, i, t, callback_kwargs):
+        pipeline._interrupt = True
+        return callback_kwargs
+
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        pipe(num_inference_steps=steps, output_type="latent", callback_on_step_end=stop, **kwargs)
+    sigmas = getattr(pipe.scheduler, "sigmas", None)
+    return pipe.scheduler.timesteps.clone(), None if sigmas is None else sigmas.clone()
+
+
+def assert_ddpm_grid_is_the_pipelines(adapter, pipe, **kwargs) -> None:
+    """For K = 1..50 flowrl's grid, mapped through the adapter's timestep(), is the pipeline's own timesteps
+    (then -1: clean data)."""
+    for steps in range(1, 51):
+        theirs, _ = pipeline_default_grid(pipe, steps, **kwargs)
+        ours = adapter.timestep(adapter.schedule.sigmas(steps))
+        assert ours[-1] == -1 and torch.equal(ours[:-1], theirs.to(torch.int64)), (steps, ours, theirs)
+        assert torch.equal(theirs.to(torch.int64).double(), theirs.double())  # integer timesteps: nothing was rounded away
+
+
+def test_default_grid_is_stable_diffusion_pipelines_for_k_1_to_50(sd_dir):
+    """SD1.x/2.x configs: "leading" spacing with steps_offset 1 (981, 961, ..., 1 at K = 50), the grid of
+    StableDiffusionPipeline (and DDPO, which samples through its DDIM scheduler); not flowrl's old trailing grid."""
+    from diffusers import StableDiffusionPipeline
+
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+
+    adapter = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(sd_dir), device="cpu"), "cpu")
+    assert adapter.schedule.spacing == "leading" and adapter.schedule.steps_offset == 1
+    assert adapter.timestep(adapter.schedule.sigmas(50)).tolist() == list(range(981, 0, -20)) + [-1]
+    pipe = StableDiffusionPipeline.from_pretrained(sd_dir)
+    assert_ddpm_grid_is_the_pipelines(adapter, pipe, prompt="a cat", guidance_scale=1.0)
+    # another grid stays selectable
+    trailing = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(sd_dir), device="cpu").model_copy(
+        update={"sampling_grid": "trailing"}), "cpu")
+    assert trailing.timestep(trailing.schedule.sigmas(50)).tolist() == list(range(999, 0, -20)) + [-1]
+
+
+def test_pndm_checkpoint_samples_on_ddim_s_grid_of_its_config(sd_dir, tmp_path):
+    """SD1.5 ships a PNDMScheduler config (no timestep_spacing key, steps_offset 1, set_alpha_to_one false): flowrl's
+    grid is what DDIMScheduler.from_config of that file gives, as in DDPO (PLMS repeats one timestep; flowrl does not)."""
+    import shutil
+
+    from diffusers import DDIMScheduler, PNDMScheduler
+
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+
+    directory = tmp_path / "sd15_like"
+    shutil.copytree(sd_dir, directory)
+    shutil.rmtree(directory / "scheduler")
+    PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", set_alpha_to_one=False, skip_prk_steps=True,
+                  steps_offset=1).save_pretrained(directory / "scheduler")
+    adapter = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(directory), device="cpu"), "cpu")
+    ddim = DDIMScheduler.from_pretrained(directory, subfolder="scheduler")
+    assert adapter.schedule.final_alpha_cumprod == float(ddim.alphas_cumprod[0])  # set_alpha_to_one=False
+    for steps in range(1, 51):
+        ddim.set_timesteps(steps)
+        assert torch.equal(adapter.timestep(adapter.schedule.sigmas(steps))[:-1], ddim.timesteps), steps
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_ode_equals_stable_diffusion_pipeline_with_default_arguments(sd_dir, sd_v_dir, prediction):
+    """End to end: StableDiffusionPipeline.__call__ with its defaults (its DDIM scheduler, eta 0, the config's
+    leading grid, CFG) from the same initial latents gives flowrl's deterministic samples."""
+    from diffusers import StableDiffusionPipeline
+
+    from flowrl.config import ODEConfig, PipelineConfig
+    from flowrl.pipelines import build_pipeline
+    from flowrl.samplers import build_sampler
+    from flowrl.samplers.rollout import rollout
+
+    directory = sd_dir if prediction == "epsilon" else sd_v_dir
+    adapter = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(directory), device="cpu"), "cpu")
+    steps, scale, prompts = 7, 5.0, ["a photo of a cat", "a dog"]  # 1000 // 7 = 142: 853, 711, ..., 1
+    traj = rollout(adapter, build_sampler(ODEConfig(), adapter), prompts, [{}, {}], torch.arange(2), adapter.schedule.sigmas(steps),
+                   torch.Generator().manual_seed(0), scale, same_noise_in_group=False)
+    pipe = StableDiffusionPipeline.from_pretrained(directory)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        theirs = pipe(prompts, num_inference_steps=steps, guidance_scale=scale, latents=traj.latents[:, 0].clone(), output_type="latent").images
+    assert torch.equal(adapter.timestep(traj.sigmas)[:-1], pipe.scheduler.timesteps)
+    diff = float((theirs - traj.latents[:, -1]).abs().max())
+    print(f"StableDiffusionPipeline oracle ({prediction}): max |diff| {diff:.2e}")
+    assert diff <= 1e-4
+
+
 def test_loads_through_flowrl_and_samples(sd_dir):
     from flowrl.config import PipelineConfig
     from flowrl.pipelines import build_pipeline

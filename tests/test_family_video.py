@@ -167,8 +167,9 @@ def test_wan_loads_encodes_like_wan_pipeline_and_decodes_video(wan_dir):
 @pytest.mark.parametrize("expand_timesteps", [False, True])
 def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     """flowrl's Euler ODE (flow_sde at noise level 0) with CFG = WanPipeline + FlowMatchEulerDiscreteScheduler
-    over the same sigmas (the checkpoint's shift 3 applied by both), from the same initial latents; and the
-    decoded videos = the pipeline's output_type="pt" frames. Also with Wan2.2's per-token timesteps."""
+    with its default arguments (the same grid: set_timesteps(K) with the checkpoint's shift 3), from the same
+    initial latents; and the decoded videos = the pipeline's output_type="pt" frames. Also with Wan2.2's
+    per-token timesteps."""
     from diffusers import WanPipeline
 
     from flowrl.samplers import FlowSDESampler
@@ -182,12 +183,10 @@ def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     traj = rollout(pipe, FlowSDESampler(noise_level=0.0), PROMPTS, [{}, {}], torch.arange(2), sigmas, torch.Generator().manual_seed(1),
                    scale, initial_noise=noise)
 
-    reference = WanPipeline.from_pretrained(wan_dir)
-    set_timesteps = reference.scheduler.set_timesteps  # the unshifted grid; the scheduler shifts it itself
-    reference.scheduler.set_timesteps = lambda n, device=None: set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1].tolist(), device=device)
+    reference = WanPipeline.from_pretrained(wan_dir)  # default arguments: the scheduler's own set_timesteps(K)
     theirs = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=steps, guidance_scale=scale,
                        latents=noise.clone(), max_sequence_length=16, output_type="latent").frames
-    torch.testing.assert_close(reference.scheduler.sigmas.float(), sigmas, atol=1e-6, rtol=0)
+    assert torch.equal(reference.scheduler.sigmas, sigmas)
     diff = float((traj.latents[:, -1] - theirs).abs().max())
     print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's ODE differs from WanPipeline by {diff}"
@@ -196,6 +195,54 @@ def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     frames = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=steps, guidance_scale=scale,
                        latents=noise.clone(), max_sequence_length=16, output_type="pt").frames
     torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=1e-5, rtol=0)
+
+
+def wan_with_unipc(wan_dir, tmp_path, flow_shift: float = 3.0):
+    """The tiny Wan with the scheduler the hub's Wan2.1 checkpoints ship (UniPCMultistepScheduler, flow sigmas)."""
+    import shutil
+
+    from diffusers import UniPCMultistepScheduler
+
+    directory = tmp_path / "wan_unipc"
+    shutil.copytree(wan_dir, directory)
+    shutil.rmtree(directory / "scheduler")
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift,
+                            num_train_timesteps=1000).save_pretrained(directory / "scheduler")
+    index = json.loads((directory / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", "UniPCMultistepScheduler"]
+    (directory / "model_index.json").write_text(json.dumps(index))
+    return directory
+
+
+@pytest.mark.parametrize("scheduler", ["flow_match", "unipc"])
+def test_wan_default_grid_is_the_pipelines_for_k_1_to_50(wan_dir, tmp_path, scheduler):
+    """flowrl's Wan grid = the sigmas WanPipeline sets up with its default arguments for the checkpoint's scheduler:
+    FlowMatchEulerDiscreteScheduler(shift=3) or the hub's UniPCMultistepScheduler(flow_shift=3). UniPC alone starts
+    at 1 - 1e-6 (for its log(1 - sigma)); flowrl starts at 1, every later sigma is equal."""
+    from diffusers import WanPipeline
+
+    from tests.test_family_stable_diffusion import pipeline_default_grid
+
+    directory = wan_dir if scheduler == "flow_match" else wan_with_unipc(wan_dir, tmp_path)
+    pipe, reference = load("wan", directory), WanPipeline.from_pretrained(directory)
+    assert pipe.schedule.grid == scheduler and pipe.shift == 3.0
+    for steps in range(1, 51):
+        _, theirs = pipeline_default_grid(reference, steps, prompt="a cat", height=32, width=32, num_frames=5, guidance_scale=1.0,
+                                          max_sequence_length=16)
+        ours = pipe.schedule.sigmas(steps)
+        if scheduler == "unipc":
+            assert float(ours[0]) == 1.0 and float(theirs[0]) == pytest.approx(1 - 1e-6, abs=1e-7)
+            ours, theirs = ours[1:], theirs[1:]
+        assert torch.equal(ours, theirs), steps
+    # DanceGRPO's grid, shift(linspace(1, 0, K + 1)), stays selectable
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+    from flowrl.samplers.schedules import shift_sigmas
+
+    size = {k.split(".", 1)[1]: v for k, v in SIZE.items()}
+    chosen = build_pipeline(PipelineConfig(name="wan", pretrained=str(directory), device="cpu", **size).model_copy(
+        update={"sampling_grid": "linspace"}), "cpu")
+    assert torch.equal(chosen.schedule.sigmas(20), shift_sigmas(torch.linspace(1, 0, 21, dtype=torch.float64), 3.0).float())
 
 
 def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path):
@@ -247,7 +294,7 @@ def test_bf16_lora_with_gradient_checkpointing_backpropagates(family, request):
 
 def test_wan_i2v_ode_equals_diffusers_pipeline(wan_i2v_dir, prompt_files):
     """The first-frame condition (CLIP embeds, VAE latents + mask) and the CFG branches match
-    WanImageToVideoPipeline given the same image file, sigmas and initial latents."""
+    WanImageToVideoPipeline (default arguments, so the same grid) given the same image file and initial latents."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
     from PIL import Image
 
@@ -264,13 +311,12 @@ def test_wan_i2v_ode_equals_diffusers_pipeline(wan_i2v_dir, prompt_files):
     assert set(traj.cond) == {"prompt_embeds", "condition", "image_embeds"} and traj.cond["condition"].shape == (1, 8, 2, 4, 4)
     assert (traj.cond["condition"][:, :4, 0] == 1).all() and (traj.cond["condition"][:, :4, 1:] == 0).all()  # the mask channels
 
-    reference = WanImageToVideoPipeline.from_pretrained(wan_i2v_dir)
-    set_timesteps = reference.scheduler.set_timesteps
-    reference.scheduler.set_timesteps = lambda n, device=None: set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1].tolist(), device=device)
+    reference = WanImageToVideoPipeline.from_pretrained(wan_i2v_dir)  # default arguments: the scheduler's own grid
     # diffusers 0.42.1's I2V prompt_clean calls ftfy unconditionally (not installed here): encode with WanPipeline's
     embeds = [WanPipeline._get_t5_prompt_embeds(reference, [p], max_sequence_length=16, device="cpu") for p in (PROMPTS[0], "")]
     theirs = reference(image=Image.open(image).convert("RGB"), prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=32, width=32, num_frames=5,
                        num_inference_steps=steps, guidance_scale=scale, latents=noise.clone(), max_sequence_length=16, output_type="latent").frames
+    assert torch.equal(reference.scheduler.sigmas, sigmas)
     diff = float((traj.latents[:, -1] - theirs).abs().max())
     print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's I2V ODE differs from WanImageToVideoPipeline by {diff}"
@@ -341,6 +387,20 @@ def test_cogvideox_ddim_equals_diffusers_pipeline(request, rotary):
     frames = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=steps, guidance_scale=scale,
                        latents=noise.permute(0, 2, 1, 3, 4).clone(), max_sequence_length=16, output_type="pt").frames
     torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=1e-5, rtol=0)
+
+
+def test_cogvideox_default_grid_is_the_pipelines_for_k_1_to_50(cogvideox_dir):
+    """CogVideoX-2b's CogVideoXDDIMScheduler config says "trailing": flowrl's grid, mapped through timestep(), is the
+    timesteps CogVideoXPipeline sets up with its default arguments (999, ..., from pure noise)."""
+    from diffusers import CogVideoXPipeline
+
+    from tests.test_family_stable_diffusion import assert_ddpm_grid_is_the_pipelines
+
+    pipe = load("cogvideox", cogvideox_dir, num_frames=9)
+    assert pipe.schedule.spacing == "trailing"
+    reference = CogVideoXPipeline.from_pretrained(cogvideox_dir)
+    assert_ddpm_grid_is_the_pipelines(pipe, reference, prompt="a cat", height=32, width=32, num_frames=9, guidance_scale=1.0,
+                                      max_sequence_length=16)
 
 
 def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_files, tmp_path):

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.schedules import DiscreteSchedule
 from ..types import Condition
 from .diffusers_base import DiffusersAdapter
+from .stable_diffusion import discrete_schedule
 
 
 class CogVideoXAdapter(DiffusersAdapter):
@@ -41,8 +41,7 @@ class CogVideoXAdapter(DiffusersAdapter):
         self.prediction_type = scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise FlowRLError(f"unsupported CogVideoX prediction_type {self.prediction_type!r}.")
-        spacing = "leading" if scheduler.config.timestep_spacing == "leading" else "trailing"
-        self.schedule = DiscreteSchedule.from_diffusers(scheduler, spacing=spacing)
+        self.schedule = discrete_schedule(self, scheduler)  # CogVideoX's configs: "trailing" (999, ..., from pure noise)
         cfg = self.transformer_config = self.denoiser.config  # kept: the denoiser may be wrapped (DDP) later
         self.vae_scale_factor_spatial = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.vae_scale_factor_temporal = int(self.vae.config.temporal_compression_ratio)

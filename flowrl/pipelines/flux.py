@@ -7,7 +7,8 @@ Rectified flow (``prediction_type="flow"``, velocity ``noise - x0`` as FlowMatch
   happens inside :meth:`FluxAdapter._forward`. Packing is a permutation, so log-probs are unchanged.
 * Time: the transformer takes sigma itself (diffusers passes ``timestep / 1000``); the resolution
   shift is dynamic: ``shift = exp(mu)``, mu linear in the image token count (scheduler config
-  base/max shift), which is FlowSchedule's shift formula.
+  base/max shift), which is FlowSchedule's shift formula. The default grid is FluxPipeline's
+  (``sigmas = linspace(1, 1/K, K)``, shifted by the scheduler in float32): FlowSchedule's "flux" grid.
 * Guidance: FLUX.1-dev is guidance-distilled (``guidance_embeds=True``): the scale is a model input,
   one forward per step, ``rollout.guidance_mode: embedded`` (the default this adapter sets). FLUX.1-schnell
   has no guidance embedding: no guidance (``guidance_scale: 1``), or true CFG with ``cfg``.
@@ -22,10 +23,10 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.schedules import FlowSchedule
+from ..samplers.schedules import FLOW_GRIDS, sampling_grid
 from ..types import Condition
 from .diffusers_base import DiffusersAdapter
-from .sd3 import batch_timestep, decode_latents, flow_shift
+from .sd3 import batch_timestep, decode_latents, flow_schedule
 
 
 def pack_latents(x: Tensor) -> Tensor:
@@ -97,8 +98,10 @@ class FluxAdapter(DiffusersAdapter):
         _, h, w = self.latent_shape()
         self.img_ids = latent_image_ids(h, w).to(self.device)
         self.txt_ids = torch.zeros(self.max_sequence_length, 3, device=self.device)
-        # FluxPipeline computes mu for every scheduler; the scheduler uses it only with use_dynamic_shifting
-        self.schedule = FlowSchedule(shift=flow_shift(scheduler.config, (h // 2) * (w // 2), default_max_shift=1.15))
+        # FluxPipeline's default: sigmas linspace(1, 1/K, K) given to the scheduler, shifted there (mu from the token
+        # count: FluxPipeline computes it for every scheduler, which uses it only with use_dynamic_shifting)
+        grid = sampling_grid(self.config, "flux", FLOW_GRIDS)
+        self.schedule = flow_schedule(scheduler.config, (h // 2) * (w // 2), grid, default_max_shift=1.15)
 
     # -- conditioning ---------------------------------------------------------------------------
     def _encode_prompts(self, prompts: list[str]) -> Condition:

@@ -1,7 +1,10 @@
 """Stable Diffusion 3 / 3.5: SD3Transformer2DModel (MMDiT) + two CLIPs + T5 + AutoencoderKL (16 channels).
 
 Rectified flow (``prediction_type="flow"``): the transformer predicts the velocity ``noise - x0``, the
-convention of diffusers' FlowMatchEulerDiscreteScheduler. The text encoding follows
+convention of diffusers' FlowMatchEulerDiscreteScheduler. The default sampling grid is the pipeline's:
+``FlowMatchEulerDiscreteScheduler.set_timesteps(K)`` with the checkpoint's shift (3.0 for SD3.5), whose last
+nonzero sigma is 0.0089 at K = 10 (``pipeline.sampling_grid=linspace`` gives ``shift(linspace(1, 0, K + 1))``,
+last nonzero sigma 0.25 at K = 10). The text encoding follows
 ``StableDiffusion3Pipeline.encode_prompt`` exactly (two CLIP penultimate hidden states concatenated on
 the feature axis, padded to the T5 width and concatenated with the T5 tokens on the sequence axis;
 pooled = both CLIP projections concatenated; a checkpoint saved without T5 gets zeros in its place).
@@ -16,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.schedules import FlowSchedule
+from ..samplers.schedules import FLOW_GRIDS, FlowGrid, FlowSchedule, sampling_grid
 from ..types import Condition
 from .diffusers_base import DiffusersAdapter
 
@@ -25,9 +28,11 @@ def flow_shift(scheduler_config, image_seq_len: int, default_max_shift: float = 
     """The resolution shift a FlowMatchEulerDiscreteScheduler applies, as FlowSchedule's ``shift``.
 
     Static: ``config.shift``. Dynamic (``use_dynamic_shifting``, FLUX): ``exp(mu)`` with mu linear in the
-    image token count between (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), which
-    is exactly diffusers' exponential ``time_shift``. Options that change the sigma grid in other ways
-    (terminal stretch, Karras / exponential / beta sigmas, inverted sigmas, linear time shift) are refused.
+    image token count between (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), computed
+    as the pipelines' ``calculate_shift`` does; diffusers' exponential ``time_shift`` with that mu is
+    FlowSchedule's shift with ``dynamic=True`` (its "linear" time shift is the same with shift = mu). Options
+    that change the sigma grid in other ways (terminal stretch, Karras / exponential / beta sigmas, inverted
+    sigmas) are refused.
     """
     get = scheduler_config.get
     for option in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas"):
@@ -35,13 +40,21 @@ def flow_shift(scheduler_config, image_seq_len: int, default_max_shift: float = 
             raise FlowRLError(f"the scheduler option {option}={get(option)!r} is not supported (flowrl samples on its own shifted sigma grid).")
     if not get("use_dynamic_shifting", False):
         return float(get("shift", 1.0))
-    if get("time_shift_type", "exponential") != "exponential":
-        raise FlowRLError(f"the scheduler's time_shift_type {get('time_shift_type')!r} is not supported (only 'exponential').")
+    kind = get("time_shift_type", "exponential")
+    if kind not in ("exponential", "linear"):
+        raise FlowRLError(f"the scheduler's time_shift_type {kind!r} is not supported (only 'exponential' or 'linear').")
     base_len, max_len = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
     base_shift, max_shift = get("base_shift", 0.5), get("max_shift", default_max_shift)
     m = (max_shift - base_shift) / (max_len - base_len)
     mu = image_seq_len * m + (base_shift - m * base_len)
-    return math.exp(mu)
+    return math.exp(mu) if kind == "exponential" else mu
+
+
+def flow_schedule(scheduler_config, image_seq_len: int, grid: FlowGrid, default_max_shift: float = 1.16) -> FlowSchedule:
+    """The checkpoint scheduler's shift (static or from the image size) on the sampling grid ``grid``."""
+    return FlowSchedule(shift=flow_shift(scheduler_config, image_seq_len, default_max_shift), grid=grid,
+                        dynamic=bool(scheduler_config.get("use_dynamic_shifting", False)),
+                        num_train_timesteps=int(scheduler_config.get("num_train_timesteps", 1000)))
 
 
 def batch_timestep(sigma: Tensor, batch: int, device: torch.device) -> Tensor:
@@ -91,7 +104,10 @@ class SD3Adapter(DiffusersAdapter):
         self.clip_max_length = self.tokenizer.model_max_length  # diffusers' tokenizer_max_length, used for both CLIPs
         self.max_sequence_length = self.config.max_sequence_length or self.default_max_sequence_length
         h, w = self.latent_shape()[1:]
-        self.schedule = FlowSchedule(shift=flow_shift(scheduler.config, (h // self.patch_size) * (w // self.patch_size)))
+        # StableDiffusion3Pipeline's default: FlowMatchEulerDiscreteScheduler.set_timesteps(K) (mu from the token count
+        # when the config shifts dynamically), which is what Flow-GRPO samples on
+        grid = sampling_grid(self.config, "flow_match", FLOW_GRIDS)
+        self.schedule = flow_schedule(scheduler.config, (h // self.patch_size) * (w // self.patch_size), grid)
 
     @property
     def default_lora_targets(self) -> tuple[str, ...]:

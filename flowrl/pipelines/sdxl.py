@@ -18,9 +18,8 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.schedules import DiscreteSchedule
 from ..types import Condition
-from .stable_diffusion import StableDiffusionAdapter
+from .stable_diffusion import StableDiffusionAdapter, discrete_schedule
 
 
 class SDXLAdapter(StableDiffusionAdapter):
@@ -55,7 +54,7 @@ class SDXLAdapter(StableDiffusionAdapter):
         self.prediction_type = scheduler.config.prediction_type  # "epsilon" or "v_prediction"
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise FlowRLError(f"SDXL scheduler prediction_type {self.prediction_type!r} is not supported (epsilon or v_prediction).")
-        self.schedule = DiscreteSchedule.from_diffusers(scheduler)
+        self.schedule = discrete_schedule(self, scheduler)  # SDXL base: "leading" + 1, as its EulerDiscreteScheduler
 
         unet = self.denoiser.config
         if unet.addition_embed_type != "text_time":

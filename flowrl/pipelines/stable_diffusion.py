@@ -1,7 +1,9 @@
 """Stable Diffusion 1.x / 2.x: UNet2DConditionModel + CLIP text encoder + AutoencoderKL.
 
 Epsilon- and v-prediction checkpoints both work (the scheduler config says which); the DDIM/DDPM
-sampler does the step math from the scheduler's alpha-bar table. Load any diffusers-layout checkpoint:
+sampler does the step math from the scheduler's alpha-bar table, on the grid of the checkpoint's scheduler
+config (``timestep_spacing`` and ``steps_offset``: 981, 961, ..., 1 at 50 steps for SD1.5, as diffusers' DDIM
+gives it and DDPO samples on it). Load any diffusers-layout checkpoint:
 ``pipeline.name=stable_diffusion pipeline.pretrained=stable-diffusion-v1-5/stable-diffusion-v1-5``.
 """
 
@@ -10,9 +12,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..samplers.schedules import DiscreteSchedule
+from ..errors import FlowRLError
+from ..samplers.schedules import SPACINGS, DiscreteSchedule, config_default, sampling_grid
 from ..types import Condition
 from .diffusers_base import DiffusersAdapter
+
+
+def discrete_schedule(adapter: DiffusersAdapter, scheduler) -> DiscreteSchedule:
+    """``scheduler``'s alpha-bar table on the grid the checkpoint's pipeline samples on: the ``timestep_spacing``
+    and ``steps_offset`` of its scheduler_config.json as its own scheduler class reads them (a missing key takes
+    that class's default). Stable Diffusion 1.x/2.x and SDXL say "leading" with offset 1: 981, 961, ..., 1 at
+    K = 50, what DDPO samples on; CogVideoX says "trailing". ``pipeline.sampling_grid`` (trailing, leading,
+    linspace) picks another spacing, keeping the checkpoint's offset."""
+    from diffusers import DDPMScheduler
+
+    try:  # the file as written: its class name and only the keys it sets
+        written = dict(DDPMScheduler.load_config(adapter.source, subfolder="scheduler", revision=adapter.config.revision))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FlowRLError(f"could not read the scheduler config of '{adapter.source}': {first[:200]}") from None
+    spacing = sampling_grid(adapter.config, config_default(written, "timestep_spacing", "leading"), SPACINGS)
+    if spacing not in SPACINGS:
+        raise FlowRLError(f"the scheduler's timestep_spacing {spacing!r} is not supported (one of {', '.join(SPACINGS)}).")
+    return DiscreteSchedule.from_diffusers(scheduler, spacing=spacing, steps_offset=int(config_default(written, "steps_offset", 0)))
 
 
 class StableDiffusionAdapter(DiffusersAdapter):
@@ -33,7 +55,7 @@ class StableDiffusionAdapter(DiffusersAdapter):
         self.prediction_type = scheduler.config.prediction_type  # "epsilon" or "v_prediction"
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"unsupported prediction_type {self.prediction_type!r}")
-        self.schedule = DiscreteSchedule.from_diffusers(scheduler)
+        self.schedule = discrete_schedule(self, scheduler)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         size = self.denoiser.config.sample_size * self.vae_scale_factor
         self.default_size = (size, size)

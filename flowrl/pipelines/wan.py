@@ -1,8 +1,12 @@
 """Wan2.1 text-to-video and image-to-video: WanTransformer3DModel + UMT5 + AutoencoderKLWan.
 
 Rectified flow (velocity = noise - x0, the FlowMatchEulerDiscreteScheduler convention), timestep =
-sigma * num_train_timesteps, flowrl's time grid shifted by the checkpoint scheduler's shift (``flow_shift``
-of the UniPC config on the hub: 3.0 for the 480p checkpoints; 5.0 is Wan's advice for 720p). Latents are
+sigma * num_train_timesteps. The default sampling grid is WanPipeline's for the checkpoint's scheduler: the
+hub's UniPCMultistepScheduler (``flow_shift``: 3.0 for the 480p checkpoints, 5.0 is Wan's advice for 720p)
+samples on ``shift(linspace(1, 1/T, K + 1)[:-1])`` (FlowSchedule's "unipc" grid; UniPC's 1 - 1e-6 first
+sigma is kept at 1), a FlowMatchEulerDiscreteScheduler on its own ``set_timesteps(K)`` grid ("flow_match").
+UniPC feeds the transformer ``int(sigma * 1000)`` (its timesteps are int64); flowrl feeds the float
+``sigma * 1000``, which every flow sampler's step and re-scoring share. Latents are
 (B, C, T_lat, H/8, W/8) with T_lat = (num_frames - 1) // 4 + 1; ``decode`` gives (B, 3, T, H, W) in [0, 1].
 
 ``pipeline.name=wan pipeline.pretrained=Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` (T2V) or
@@ -18,9 +22,10 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.schedules import FlowSchedule
+from ..samplers.schedules import FLOW_GRIDS, FlowSchedule, config_default, sampling_grid
 from ..types import Condition, cat_conditions
 from .diffusers_base import DiffusersAdapter
+from .sd3 import flow_shift
 
 
 class WanAdapter(DiffusersAdapter):
@@ -73,10 +78,8 @@ class WanAdapter(DiffusersAdapter):
             raise FlowRLError(f"could not load the scheduler config of '{self.source}': {str(e).strip().splitlines()[0][:200]}") from None
         if scheduler.get("use_dynamic_shifting"):
             raise FlowRLError(f"the scheduler of '{self.source}' uses dynamic shifting, which the Wan adapter does not implement.")
-        # UniPCMultistepScheduler (hub checkpoints) calls it flow_shift, FlowMatchEulerDiscreteScheduler shift
-        self.shift = float(scheduler.get("flow_shift") or scheduler.get("shift") or 3.0)
         self.num_train_timesteps = int(scheduler.get("num_train_timesteps", 1000))
-        self.schedule = FlowSchedule(shift=self.shift)
+        self.schedule = self._schedule(scheduler)
         self.prediction_type = "flow"
         self.vae_scale_factor_temporal = int(self.vae.config.scale_factor_temporal)
         self.vae_scale_factor_spatial = int(self.vae.config.scale_factor_spatial)
@@ -88,6 +91,29 @@ class WanAdapter(DiffusersAdapter):
         self._latents_std = torch.tensor(self.vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
         self._check_sizes()
         self._check_channels()
+
+    def _schedule(self, scheduler: dict[str, Any]) -> FlowSchedule:
+        """WanPipeline's default grid for the checkpoint's scheduler: the hub's UniPCMultistepScheduler (flow sigmas,
+        ``flow_shift``) or a FlowMatchEulerDiscreteScheduler (``shift``); another scheduler needs an explicit
+        ``pipeline.sampling_grid``, since flowrl cannot promise to reproduce its grid."""
+        kind = scheduler.get("_class_name")
+        if kind == "UniPCMultistepScheduler":
+            if not config_default(scheduler, "use_flow_sigmas", False):
+                raise FlowRLError(f"the UniPC scheduler of '{self.source}' does not use flow sigmas (use_flow_sigmas), so it does not "
+                                  "describe a rectified-flow Wan model.")
+            for option in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "shift_terminal"):
+                if scheduler.get(option):
+                    raise FlowRLError(f"the scheduler option {option}={scheduler[option]!r} is not supported (flowrl samples on its own shifted sigma grid).")
+            self.shift = float(config_default(scheduler, "flow_shift", 1.0))
+            grid = sampling_grid(self.config, "unipc", FLOW_GRIDS)
+        else:
+            self.shift = flow_shift(scheduler, 0)  # refuses the options that reshape the grid
+            default = "flow_match" if kind == "FlowMatchEulerDiscreteScheduler" else None
+            grid = sampling_grid(self.config, default, FLOW_GRIDS)
+            if grid is None:
+                raise FlowRLError(f"the scheduler of '{self.source}' is a {kind}, whose sampling grid flowrl does not reproduce; "
+                                  "set pipeline.sampling_grid (unipc, flow_match, linspace or flux).")
+        return FlowSchedule(shift=self.shift, grid=grid, num_train_timesteps=self.num_train_timesteps)
 
     def _check_channels(self) -> None:
         if self.denoiser.config.in_channels != self.latent_channels:
