@@ -52,7 +52,10 @@ def test_extract_boxed_forms():
     assert extract_answer("\\fbox{7}") == "7"
     assert extract_answer("$\\boxed 5$") == "5"
     assert extract_answer("\\boxed{\\{1, 2\\}}") == "\\{1, 2\\}"  # escaped braces do not count
-    assert extract_answer("\\boxed{3} and then \\boxed{4") == "3"  # cut-off box skipped
+    # the final box cut off by the length limit: unreadable, and no earlier box is taken in its place
+    assert extract_answer("\\boxed{3} and then \\boxed{4") is None
+    assert extract_answer("\\boxed{3} and then \\boxed{4<|eot_id|>") == "4"  # the model stopped there: readable
+    assert extract_answer("\\boxed{5 is my guess\n\nNext we check \\boxed{3}") == "3"  # unclosed mid-text: not a final answer
     assert extract_answer("no answer here") is None
     assert extract_answer("") is None
 
@@ -303,16 +306,137 @@ def test_loaders():
 @needs_data
 @needs_math_verify
 def test_grader_on_recorded_llada_generations(capsys):
-    """d1 reports LLaDA-8B-Instruct at 256 tokens at ~77% (GSM8K) and ~32% (MATH500)."""
-    gsm = grade_recorded(DATA / GSM8K_FILE, limit=200)
+    """d1 reports LLaDA-8B-Instruct at 256 tokens at 76.7% (GSM8K) and 32.4% (MATH500); its own grader reads 0.7651
+    on this GSM8K file. flowrl's read 871/1128 and 179/500 before the reading rules of issue 15, 884 and 180 after
+    (docs/rewards_video_and_rules.md lists the 14 newly accepted rows; each was read and is right)."""
+    gsm = grade_recorded(DATA / GSM8K_FILE)
     math500 = grade_recorded(DATA / MATH500_FILE)
     with capsys.disabled():
         print("\n" + format_report(gsm) + "\n" + format_report(math500))
-    assert gsm["n"] == 200 and math500["n"] == 500
-    assert gsm["accuracy"] > 0.6
-    assert 0.2 < math500["accuracy"] < 0.5
+    assert gsm["n"] == 1128 and math500["n"] == 500
+    assert sum(r["correct"] for r in gsm["rows"]) == 884 and sum(r["correct"] for r in math500["rows"]) == 180
     assert gsm["extracted_fraction"] > 0.95 and math500["extracted_fraction"] > 0.95
     # the reward agrees with the batch grader
     rows = read_jsonl(DATA / GSM8K_FILE, limit=20)
     out = MathAnswerReward()([r["llada_generation_256"] for r in rows], [""] * 20, [{"answer": r["ground_truth"]} for r in rows])
     assert out.scores.tolist() == [float(r["correct"]) for r in gsm["rows"][:20]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the final answer as a careful person does: one test per rule, from real rows of the shared
+# LLaDA-8B-Instruct generations (line numbers are 1-based lines of the .jsonl files)
+# ---------------------------------------------------------------------------------------------
+
+
+def recorded(line: int, file: str = GSM8K_FILE) -> tuple[str, str]:
+    """(generation with its end-of-text tokens, gold) of one line of a shared data file."""
+    from flowrl.evaluation.text_data import format_gold
+
+    row = read_jsonl(DATA / file, limit=line)[line - 1]
+    return row["llada_generation_256"], format_gold(row["ground_truth"])
+
+
+def graded(line: int, file: str = GSM8K_FILE) -> tuple[str | None, bool]:
+    text, gold = recorded(line, file)
+    answer = extract_answer(text)
+    return answer, grade(answer, gold)
+
+
+@needs_data
+@needs_math_verify
+def test_rule_unclosed_box_ending_the_generation():
+    """"\\boxed{34<|eot_id|>": the model stopped without closing the brace; the box is read to the end of its line.
+    The same text cut by the length limit (no end-of-text token) cannot be read."""
+    assert graded(560) == ("34", True)  # "...\\boxed{34<|eot_id|><|endoftext|>", gold 34
+    assert graded(1077) == ("70\\text{ minutes", True)  # "\\boxed{70\\text{ minutes><|eot_id|>", a mangled tag's ">"
+    assert graded(514) == ("360\\text{ hours} hours", True)  # "\\boxed{360\\text{ hours} hours.\n</answer>"
+    assert graded(519) == ("95", False)  # "\\boxed{95\n</answer>", gold 145: read, and wrong
+    text, _ = recorded(560)
+    assert extract_answer(text.replace("<|eot_id|>", "").replace("<|endoftext|>", "")) is None
+
+
+@needs_data
+@needs_math_verify
+def test_rule_boxed_phrase_holding_the_number():
+    """"\\boxed{Juice Box C is 2 dollars more than Juice Box B.}" (gold 2) is the number it holds; a phrase with
+    two numbers, a negation or a value-changing word is not read as a number."""
+    assert graded(1084) == ("Juice Box C is 2 dollars more than Juice Box B", True)
+    text, gold = recorded(1)  # "\\boxed{18}", gold 18
+    assert grade(extract_answer(text.replace("\\boxed{18}", "\\boxed{The answer is 18}")), gold)
+    assert grade(extract_answer(text.replace("\\boxed{18}", "\\boxed{\\text{The answer is } 18}")), gold)
+    for phrase in ("No, 18 is not enough", "about 18 dollars", "18 dozen eggs", "18 and 9 dollars"):
+        assert not grade(extract_answer(text.replace("\\boxed{18}", "\\boxed{" + phrase + "}")), gold), phrase
+
+
+@needs_data
+@needs_math_verify
+def test_rule_time_on_the_hour():
+    """"\\boxed{2:00 pm}" answers "what is the latest time..." whose gold is 2."""
+    assert graded(567) == ("2:00 pm", True)
+    text, gold = recorded(567)
+    assert grade(extract_answer(text.replace("2:00 pm}", "2:00 \\text{ PM}}")), gold)
+    assert not grade(extract_answer(text.replace("2:00 pm}", "2:30 pm}")), gold)  # not on the hour: not the hour
+
+
+@needs_data
+@needs_math_verify
+def test_rule_thousands_separators():
+    assert graded(128) == ("6,250", True)  # gold 6250
+    assert graded(973) == ("17,500", True)  # "Thus, James made \\(\\boxed{17,500}\\).", gold 17500
+    assert graded(305) == ("252,000", False)  # gold 262500
+
+
+@needs_data
+@needs_math_verify
+def test_rule_units():
+    assert graded(224) == ("72 \\text{ cubic inches}", True)
+    assert graded(481) == ("50 mph", True)
+    assert graded(194) == ("20 white hats", True)
+    assert graded(122) == ("330 miles", False)  # gold 255
+
+
+@needs_data
+@needs_math_verify
+def test_rule_percentages():
+    assert graded(1027) == ("35\\%", True)  # "what percentage", gold 35
+    assert graded(1042) == ("50\\%", True)
+    assert graded(111) == ("20\\%", False)  # gold 8
+
+
+@needs_data
+@needs_math_verify
+def test_rule_text_wrappers():
+    assert graded(436) == ("4 \\text{ minutes}", True)
+    text, gold = recorded(436)
+    assert grade(extract_answer(text.replace("\\boxed{4 \\text{ minutes}}", "\\boxed{\\text{4 minutes}}")), gold)
+    assert grade(extract_answer(text.replace("\\boxed{4 \\text{ minutes}}", "\\boxed{\\text{4}}")), gold)
+
+
+@needs_data
+@needs_math_verify
+def test_rule_final_answer_marked_in_words_when_nothing_is_boxed():
+    """No box and no answer in an answer block (or only a \\boxed{} / \\boxed{...} placeholder): the closing
+    statement, when it concludes, is the final answer."""
+    assert graded(292) == ("81", True)  # "We, therefore, conclude that the number ... is 81.\n</reasoning>"
+    assert graded(488) == ("40", True)  # "Therefore, the number of Greek orange pies they can make is 40."
+    assert graded(743) == ("1260", True)  # "Therefore, the total ... is \\( 1050 \\times 1.20 = 1260 \\).\n</ing>"
+    assert graded(443) == ("$34", True)  # "So, each friend paid $102 / 3 = $34." then \\boxed{...}
+    assert graded(589) == ("50 miles per hour", True)  # "Therefore, ... is 50 miles per hour." then \\boxed{}
+    assert graded(24, MATH500_FILE) == ("\\pi", True)  # "Thus, the smallest possible value of \\( c \\) is \\( \\pi \\)."
+    assert graded(960) == ("9 kids in the park", False)  # gold 18: read, and wrong
+    # a "Therefore" in the middle is not a final answer: row 840 goes on ("Next, let's assume...") and is cut off
+    assert graded(840) == (None, False)
+    # a closing statement that does not conclude is not read (row 761: "- Average distance = 820 / 2 = 410 feet.")
+    assert graded(761) == (None, False)
+
+
+@needs_data
+@needs_math_verify
+def test_rule_never_a_number_from_the_reasoning_when_a_final_answer_is_marked():
+    """The gold appears in the reasoning, the marked final answer is something else: wrong, whatever the reasoning."""
+    assert graded(112) == ("5", False)  # "75 - 65 = 10" then \\boxed{5}, gold 10
+    assert graded(190) == ("10", False)  # "80 + 20 = 100 dollars" then \\boxed{10}, gold 100
+    assert graded(1015) == ("9", False)  # "54 - 33 = 21." then \\boxed{9}, gold 21
+    text, gold = recorded(112)  # a final box cut off by the length limit is not replaced by an earlier number
+    cut = text.split("<answer>")[0].replace("\\[ 75 - 65 = 10 \\]", "\\[ \\boxed{10} \\]") + "<answer>\n\\boxed{5"
+    assert extract_answer(cut) is None and not grade(extract_answer(cut), gold)
