@@ -8,8 +8,8 @@ Three pieces, each usable on its own:
 * ``MathAnswerReward`` and ``FormatReward`` score a batch of completions (``samples`` is a list of
   strings for text, where image rewards get a tensor).
 
-How the final answer is read (docs/rewards_video_and_rules.md lists the rules with their effect on the
-shared LLaDA-8B-Instruct generations; tests/test_math_rewards.py has one test per rule, from real rows):
+How the final answer is read (docs/math_grading.md lists the rules with their effect on the shared
+LLaDA-8B-Instruct generations; tests/test_math_rewards.py has one test per rule, from real rows):
 
 * the last ``\\boxed{}`` inside the last ``<answer>`` block, else the last one anywhere, else the answer
   block's text; placeholders (``\\boxed{}``, ``\\boxed{...}``) count as nothing boxed;
@@ -136,6 +136,7 @@ def readings(answer: str) -> list[str]:
         if reading:
             out.append(reading)
     return list(dict.fromkeys(out))
+
 
 # Answers longer than this are not handed to sympy: a policy that learns to emit huge expressions must
 # not be able to stall the reward (math-verify's own timeout only works in the main thread).
