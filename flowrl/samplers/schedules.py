@@ -62,7 +62,7 @@ class FlowSchedule:
              * ``"unipc"``: ``UniPCMultistepScheduler(use_flow_sigmas=True).set_timesteps(K)`` (the scheduler
                Wan's hub checkpoints ship): ``shift(linspace(1, 1/T, K + 1)[:-1])``. UniPC then lowers its first
                sigma by 1e-6 (its multistep update takes log(1 - sigma)); flowrl keeps 1, where every sampler
-               treats the start as pure noise (at 1 - 1e-6 the Flow-GRPO SDE's std would be ~1000 a).
+               treats the start as pure noise (at 1 - 1e-6 the Flow-GRPO diffusion coefficient would be ~1000 a).
     num_train_timesteps: T of the scheduler config (the "flow_match" and "unipc" grids depend on it).
     """
 
@@ -89,8 +89,7 @@ class FlowSchedule:
         if self.grid == "flux":
             # FluxPipeline: np.linspace(1, 1/K, K); set_timesteps casts the given sigmas to float32 and shifts them
             # in float32 (numpy keeps float32 against Python scalars), then appends 0
-            with np.errstate(divide="ignore"):
-                s = self._shift(np.linspace(1.0, 1 / K, K).astype(np.float32))
+            s = self._shift(np.linspace(1.0, 1 / K, K).astype(np.float32))
         elif self.grid == "flow_match":
             # the scheduler's __init__ table in float32 torch arithmetic: t = T..1, s = t / T, shifted unless dynamic
             table = torch.from_numpy(np.linspace(1, T, T, dtype=np.float32)[::-1].copy()) / T
