@@ -18,7 +18,8 @@ at the end. Near t = 0, 1 - a_t and 1 - a_t / a_prev are differences of numbers 
 float32 alpha-bar they lost up to 1e-4 of the std and 1e-5 of the log-prob; and with a float32 mean the
 log-prob of a step whose std is ~1e-2 still moves by ~1e-6 (the mean's rounding over the std).
 tests/test_sampler_math.py holds std and log-prob within 1e-6 of a float64 reference at every timestep.
-The cost is float64 arithmetic on the latents, small next to one denoiser call.
+The cost is float64 arithmetic on the latents, small next to one denoiser call. Apple's MPS has no float64:
+there the coefficients still come from the float64 table (on the CPU) and the step runs in float32.
 
 ``sigma`` / ``sigma_next`` are scalars or one value per sample, shape (B,); a per-sample step equals, row by
 row, the scalar step on that row.
@@ -57,19 +58,27 @@ class DDIMSampler:
     def stochastic(self) -> bool:
         return self.eta > 0
 
+    @staticmethod
+    def step_dtype(x: Tensor) -> torch.dtype:
+        return torch.float32 if x.device.type == "mps" else torch.float64  # MPS has no float64
+
     def coefficients(self, sigma, sigma_next, eta: float, x: Tensor) -> dict[str, Tensor]:
-        """The step's float64 coefficients, shaped to broadcast against x (0-dim, or (B, 1, ..., 1) per sample)."""
-        a_t = self.schedule.alpha_bar64(as_sigma(sigma, x, torch.float64))
-        a_prev = self.schedule.alpha_bar64(as_sigma(sigma_next, x, torch.float64))
+        """The step's coefficients from the float64 table, shaped to broadcast against x (0-dim, or (B, 1, ..., 1)
+        per sample), in ``step_dtype(x)`` on x's device."""
+        dtype = self.step_dtype(x)
+        where = x.device if dtype == torch.float64 else torch.device("cpu")
+        a_t = self.schedule.alpha_bar64(as_sigma(sigma, x, torch.float64, where))
+        a_prev = self.schedule.alpha_bar64(as_sigma(sigma_next, x, torch.float64, where))
         var = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
         std = eta * var.clamp(min=0).sqrt()
         coefficients = {"sqrt_a": a_t.sqrt(), "sqrt_one_minus_a": (1 - a_t).sqrt(), "sqrt_a_prev": a_prev.sqrt(),
                         "direction": (1 - a_prev - std**2).clamp(min=0).sqrt(), "std": std}
-        return {k: v.to(x.device) for k, v in coefficients.items()}
+        return {k: v.to(device=x.device, dtype=dtype) for k, v in coefficients.items()}
 
     def _mean_std(self, model_output, x, sigma, sigma_next, eta: float) -> tuple[Tensor, Tensor]:
-        """float64 mean and std (bf16 / fp32 inputs are upcast exactly)."""
-        out, x = model_output.double(), x.double()
+        """float64 mean and std (bf16 / fp32 inputs are upcast exactly; float32 on MPS)."""
+        dtype = self.step_dtype(x)
+        out, x = model_output.to(dtype), x.to(dtype)
         c = self.coefficients(sigma, sigma_next, eta, x)
         if self.prediction_type == "v_prediction":
             eps = c["sqrt_a"] * out + c["sqrt_one_minus_a"] * x

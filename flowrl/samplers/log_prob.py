@@ -38,11 +38,12 @@ def standard_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device)
 
 
-def as_sigma(sigma, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+def as_sigma(sigma, x: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> Tensor:
     """sigma as a tensor that broadcasts against the state ``x`` (B, *S): 0-dim for a scalar (a float or a
     0-dim / one-element tensor), (B, 1, ..., 1) for a per-sample (B,) sigma, as objectives that draw a
-    timestep per sample pass it. ``dtype`` float64 keeps the caller's precision (the DDIM table lookup)."""
-    t = torch.as_tensor(sigma, dtype=dtype, device=x.device)
+    timestep per sample pass it. ``dtype`` float64 keeps the caller's precision (the DDIM table lookup);
+    ``device`` (default x's) lets that lookup run on the CPU for a device without float64 (Apple MPS)."""
+    t = torch.as_tensor(sigma, dtype=dtype, device=x.device if device is None else device)
     if t.ndim == 0 or (t.shape == (1,) and x.shape[0] != 1):
         return t.reshape(())
     if t.ndim == 1 and t.shape[0] == x.shape[0]:
@@ -54,7 +55,8 @@ def finish_step(mean: Tensor, std: Tensor, x_next: Tensor | None, generator, red
     """Sample x_next ~ N(mean, std^2) if not given, then score it; everything returned is float32.
 
     ``mean`` / ``std`` are float32 (flow samplers) or float64 (DDIM): a float64 step is rounded once, at the
-    end, and its log-prob is the float64 density of the float32 x_next. ``std`` is 0-dim or (B, 1, ..., 1). A row whose std is 0 is a deterministic step: with a scalar std the
+    end, and its log-prob is the float64 density of the float32 x_next. ``std`` is 0-dim or (B, 1, ..., 1).
+    A row whose std is 0 is a deterministic step: with a scalar std the
     log-prob is None (as before); with per-sample stds the rows with std 0 get NaN (the trajectory's mark
     for "not stochastic") and the log-prob is None only when every row is deterministic.
     """
