@@ -28,13 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iterations=10")
     s = sub.add_parser("sample", help="sample a grid of images from a checkpoint or a pretrained model")
     s.add_argument("source", help="checkpoint directory, or an embedded model name / model directory")
-    s.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    s.add_argument("--prompt", action="append", default=None,
+                   help="prompt text (repeat for several); default for a checkpoint: its first held-out prompt")
     s.add_argument("-n", "--num-samples", type=int, default=8, help="samples per prompt")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the checkpoint's)")
     s.add_argument("--guidance-scale", type=float, default=None)
     s.add_argument("--image", default=None, help="first frame for image-to-video models (wan_i2v)")
-    s.add_argument("--out", type=Path, default=Path("samples.png"))
+    s.add_argument("--out", type=Path, default=Path("samples.png"),
+                   help="a .png grid (images; videos also as MP4 / GIF), or a .npy file: the final samples as a float32 array (N, ...)")
     e = sub.add_parser("eval", help="held-out evaluation reward of a checkpoint or a config's starting model; "
                        "or grade the generations recorded in a .jsonl file")
     e.add_argument("source", help="checkpoint directory, YAML config, or .jsonl of recorded generations")
@@ -221,6 +223,8 @@ def _sample(args) -> int:
     from .samplers.rollout import rollout
     from .visualize import save_grid
 
+    if args.num_samples < 1:
+        raise FlowRLError(f"-n must be at least 1, got {args.num_samples}.")
     source = Path(args.source)
     if source.is_dir() and (source / "config.yaml").is_file():
         config, _ = _config_for_source(args.source, [])
@@ -234,6 +238,12 @@ def _sample(args) -> int:
         _load_checkpoint_weights(pipeline, source)
         pipeline.guidance_mode = config.rollout.guidance_mode
     pipeline.denoiser.eval()
+    if args.prompt is None:
+        if config is None:
+            raise FlowRLError(f"--prompt is required when sampling from '{args.source}' (it is not a run checkpoint).")
+        from .evaluation.held_out import eval_pool
+
+        args.prompt = [eval_pool(config)[0][0]]
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     gen = torch.Generator().manual_seed(args.seed)
     if args.image is not None and not Path(args.image).is_file():
@@ -242,6 +252,15 @@ def _sample(args) -> int:
     traj = rollout(pipeline, build_sampler(ODEConfig(), pipeline), prompts, metadata, torch.arange(len(prompts)),
                    pipeline.schedule.sigmas(args.steps or steps).to(device), gen,
                    guidance if args.guidance_scale is None else args.guidance_scale, same_noise_in_group=False)
+    if args.out.suffix == ".npy":  # the raw final samples, for analysis (e.g. the 2-D toy's (N, 2) points)
+        import numpy as np
+
+        from .checkpoint import atomic_path
+
+        with atomic_path(args.out) as tmp, open(tmp, "wb") as f:
+            np.save(f, traj.samples.detach().float().cpu().numpy())
+        print(f"wrote {args.out} (array {tuple(traj.samples.shape)}, {len(args.prompt)} prompt(s) x {args.num_samples} samples)")
+        return 0
     save_grid(traj.samples, args.out, ncol=args.num_samples)
     written = [args.out]
     if traj.samples.ndim == 5:  # videos: the PNG is a filmstrip; the clips themselves as MP4 and GIF

@@ -294,7 +294,7 @@ class RewardConfig(Section):
 
 
 class PromptsConfig(Section):
-    dataset: Literal["digits", "digits_video", "arith", "gsm8k", "math500", "countdown", "sudoku", "file"] = "digits"
+    dataset: Literal["digits", "digits_video", "arith", "gsm8k", "math500", "countdown", "sudoku", "file", "toy2d"] = "digits"
     eval_size: int = Field(200, ge=1)  # held-out prompts for text datasets
     train_split: str = "train"
     eval_split: str = "eval"

@@ -44,6 +44,8 @@ def prompt_pool(dataset: str, split: str, size: int = 2000, file: str | None = N
             return video_prompt_set(split)
         except KeyError:
             raise FlowRLError(f"prompt split '{split}' does not exist for dataset 'digits_video' (use train or eval).") from None
+    if dataset == "toy2d":  # the unconditional 2-D toy: one empty prompt
+        return [("", {})]
     raise FlowRLError(f"unknown prompt dataset '{dataset}'.")
 
 

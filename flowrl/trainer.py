@@ -33,6 +33,7 @@ from .config import Config, to_yaml
 from .errors import FlowRLError
 from .modalities import build_modality
 from .reward_models import build_reward_from_config
+from .reward_models.gradients import require_differentiable
 from .run_logger import RunLogger, nanmean
 from .visualize import save_reward_curve
 
@@ -53,6 +54,8 @@ class Trainer:
         self.modality = build_modality(config, self.accelerator.device)
         self.pipeline, self.sampler, self.objective = self.modality.pipeline, self.modality.sampler, self.modality.objective
         self.modality.check()
+        if self.objective.trains_on == "reward_gradient_rollouts":  # refused before anything runs or is written
+            require_differentiable(self.reward, self.objective.name)
         if self.objective.reference == "initial":
             self.pipeline.enable_reference()
         optimizer = torch.optim.AdamW(self._parameter_groups(), lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),

@@ -23,6 +23,28 @@ def save_grid(samples: torch.Tensor, path: Path, ncol: int, scale: int = 6, pad:
         Image.fromarray(grid_array(samples, ncol, scale, pad)).save(tmp, format="PNG")
 
 
+def save_points(points: torch.Tensor, path: Path, title: str = "") -> None:
+    """Save 2-D samples (N, 2) as a scatter plot PNG (the toy models' "sample grid")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xy = points.detach().float().cpu().numpy()
+    fig, ax = plt.subplots(figsize=(5, 4), dpi=100)
+    ax.scatter(xy[:, 0], xy[:, 1], s=3, alpha=0.4)
+    ax.set_xlim(-4.5, 4.5)
+    ax.set_ylim(-3, 3)
+    ax.set_aspect("equal")
+    ax.set_xlabel("x1")
+    ax.set_ylabel("x2")
+    ax.set_title(title or f"{len(xy)} samples")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
 def grid_array(samples: torch.Tensor, ncol: int, scale: int = 1, pad: int = 2) -> np.ndarray:
     """Images (N, C, H, W) in [0, 1] -> one uint8 (H', W', 3) grid, rows of ``ncol``."""
     n, c, h, w = samples.shape

@@ -18,11 +18,12 @@ from ..pipelines import build_pipeline
 from ..pipelines.guidance import training_guidance_scale
 from ..preference_pairs import PreferencePairs, read_pairs
 from ..prompts import prompt_pool, sample_prompts
+from ..reward_models.gradients import reward_and_gradient
 from ..samplers import build_sampler
 from ..samplers.rollout import group_noise, rollout, sde_window
 from ..types import Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..run_logger import nanmean
-from ..visualize import save_grid, save_videos
+from ..visualize import save_grid, save_points, save_videos
 
 
 @dataclass
@@ -121,8 +122,11 @@ class ImageModality:
 
     # -- score --------------------------------------------------------------------------------------
     def score(self, batch: Trajectory, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, torch.Tensor | None]:
+        """The reward of the decoded samples; with ``with_gradient`` also d reward / d final latents, through
+        the decoder (the VAE of latent models), ``rollout.batch_size`` samples per graph."""
         if with_gradient:
-            raise FlowRLError("reward gradients are not wired into the image modality yet.")
+            return reward_and_gradient(reward, self.pipeline.decode, batch.latents[:, -1], batch.prompts, batch.metadata,
+                                       chunk_size=self.config.rollout.batch_size)
         with torch.no_grad():
             return reward(batch.samples, batch.prompts, batch.metadata), None
 
@@ -148,6 +152,10 @@ class ImageModality:
         return metrics, grid
 
     def save_eval_samples(self, grid: torch.Tensor, run_dir: Path, step: int, tag: str | None) -> None:
+        if grid.ndim == 2:  # points (the 2-D toy): a scatter plot
+            for path in [run_dir / "samples" / f"step_{step:06d}.png"] + ([run_dir / f"samples_{tag}.png"] if tag else []):
+                save_points(grid, path, title=f"step {step}: {len(grid)} held-out samples")
+            return
         ncol = self.config.eval.samples_per_prompt
         save_grid(grid, run_dir / "samples" / f"step_{step:06d}.png", ncol=ncol)
         if tag:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import FlowRLError
 from ..types import Objective
+from .adjoint_matching import build_adjoint_matching
 from .d3po import build_d3po
 from .ddpo import build_ddpo
 from .diffusion_dpo import DiffusionDPOObjective
@@ -24,4 +25,6 @@ def build_objective(config, reward_weights: dict[str, float] | None = None) -> O
         return build_d3po(**kwargs)
     if config.name == "diffusion_dpo":
         return DiffusionDPOObjective(**kwargs)
+    if config.name == "adjoint_matching":
+        return build_adjoint_matching(**kwargs)
     return build_ddpo(**kwargs)
