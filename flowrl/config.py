@@ -51,6 +51,8 @@ class PipelineConfig(Section):
     num_frames: int | None = Field(None, ge=1)  # video families
     max_sequence_length: int | None = Field(None, ge=1)  # text-encoder tokens (T5 families)
     flow_shift: float | None = Field(None, gt=0)  # rectified-flow families: override the checkpoint's sigma shift
+    # the sampling grid; default: the family's diffusers pipeline grid for the checkpoint (docs/samplers.md)
+    sampling_grid: Literal["default", "linspace", "flux", "flow_match", "unipc", "trailing", "leading"] = "default"
 
 
 class DLLMPipelineConfig(Section):

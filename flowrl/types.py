@@ -36,7 +36,8 @@ class StepOutput:
     log_prob: (B,) log p(x_next | x) reduced over non-batch dims by the sampler's reduction;
               None for a deterministic step.
     mean:     (B, *S) the transition mean.
-    std:      scalar tensor, the transition std (0 for a deterministic step).
+    std:      the transition std: a 0-dim tensor, or (B, 1, ..., 1) for a per-sample sigma (0 for a
+              deterministic step; a per-sample step's log_prob is NaN on the rows whose std is 0).
     """
 
     x_next: Tensor

@@ -76,9 +76,10 @@ class DiffusersAdapter:
         if config.flow_shift is not None:  # override the checkpoint's (e.g. Wan 720p: 5.0, DanceGRPO's static 3.0)
             if self.prediction_type != "flow":
                 raise FlowRLError(f"pipeline.flow_shift applies to rectified-flow models; '{config.name}' is a {self.prediction_type} model.")
-            from ..samplers.schedules import FlowSchedule
+            import dataclasses
 
-            self.schedule = FlowSchedule(shift=config.flow_shift)
+            # keep the grid the family chose (and pipeline.sampling_grid); only the shift is overridden
+            self.schedule = dataclasses.replace(self.schedule, shift=config.flow_shift, dynamic=False)
         for module in self.frozen_modules():
             module.requires_grad_(False).eval()
             module.to("cpu" if config.offload_frozen else self.device)

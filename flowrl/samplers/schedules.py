@@ -205,8 +205,8 @@ def config_default(config: dict, key: str, fallback):
 def sampling_grid(pipeline_config, default, allowed: tuple[str, ...]):
     """``pipeline.sampling_grid`` when set to something other than "default", checked against the family's
     grids (``allowed``); else ``default``, the grid of the family's diffusers pipeline for the checkpoint."""
-    requested = getattr(pipeline_config, "sampling_grid", None)  # read leniently: older configs have no such field
-    if requested in (None, "default"):
+    requested = pipeline_config.sampling_grid
+    if requested == "default":
         return default
     if requested not in allowed:
         raise FlowRLError(f"pipeline.sampling_grid '{requested}' does not apply to {getattr(pipeline_config, 'name', 'this model')} "
