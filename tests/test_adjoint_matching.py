@@ -33,6 +33,15 @@ from flowrl.types import Trajectory
 GAUSSIAN = GaussianMixture(weights=(1.0,), means=((0.3, -0.2),), stds=(0.7,))
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every tensor here is tiny: a second intra-op thread only adds synchronisation (10x slower on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class TiltedVelocity(nn.Module):
     """The exact optimal fine-tuned part of a toy model: velocity of the tilted target minus the base's."""
 
@@ -315,17 +324,24 @@ def test_tilted_targets_match_numerical_integration(reward, lam):
 
 
 def test_toy_adjoint_matching_moves_the_mode_weights_toward_the_tilted_target():
-    """Reduced convergence: 150 iterations of 256 rollouts (10 memoryless steps). The right mode's weight moves from
-    0.5 toward the target 0.881 and the mean reward toward E_p*[r] = 0.887."""
+    """Reduced convergence (about 5 CPU seconds): 60 iterations of 256 rollouts on 8 memoryless steps. The right
+    mode's weight moves from the base's 0.5 to near the target 0.881 and the mean reward from ~0 toward
+    E_p*[r] = 0.887 (seeds 0-3 give 0.84-0.88 and 0.83-0.94). The full-size settings are in the docs."""
     torch.manual_seed(0)
     reward, lam = LinearReward2D((0.5, 0.5)), 1.0
     target = tilted_target(TWO_MODES, reward, lam)
     pipeline, sampler = Toy2DPipeline(), FlowMemorylessSampler()
     objective = AdjointMatchingObjective(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None)
-    optimizer = torch.optim.AdamW(pipeline.trainable_parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(pipeline.trainable_parameters(), lr=5e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
-    sigmas = pipeline.schedule.sigmas(10)
-    for _ in range(150):
+    sigmas = pipeline.schedule.sigmas(8)
+
+    def right_mode_weight_and_reward() -> tuple[float, float]:
+        final = _rollout(pipeline, sampler, 4000, 40, seed=123).latents[:, -1]
+        return float(mode_statistics(final, target).weights[1]), float(reward(final, [], []).scores.mean())
+
+    weight_before, reward_before = right_mode_weight_and_reward()
+    for _ in range(60):
         batch = rollout(pipeline, sampler, [""] * 256, [{}] * 256, torch.arange(256), sigmas, g, same_noise_in_group=False)
         out, grads = reward_and_gradient(reward, pipeline.decode, batch.latents[:, -1], batch.prompts, batch.metadata)
         batch.rewards, batch.reward_grads = out.scores, grads
@@ -333,10 +349,10 @@ def test_toy_adjoint_matching_moves_the_mode_weights_toward_the_tilted_target():
         for loss in objective.losses(pipeline, sampler, batch, g):
             loss.loss.backward()
         optimizer.step()
-    final = _rollout(pipeline, sampler, 4000, 40, seed=123).latents[:, -1]
-    stats = mode_statistics(final, target)
-    assert 0.75 < float(stats.weights[1]) < 0.95
-    assert 0.7 < float(reward(final, [], []).scores.mean()) < 1.0
+    weight_after, reward_after = right_mode_weight_and_reward()
+    assert abs(weight_before - 0.5) < 0.03 and abs(reward_before) < 0.1
+    assert 0.78 < weight_after < 0.95
+    assert 0.7 < reward_after < 1.0
 
 
 # ---------------------------------------------------------------------------------------------
