@@ -1,21 +1,32 @@
-"""Checkpoints: safetensors weights + optimizer state, JSON trainer state, written atomically.
+"""Checkpoints: safetensors weights + optimizer state, JSON trainer state, written atomically and durably,
+verified by checksum when read.
 
 Layout of ``<run>/checkpoints/step_000020/``: ``denoiser.safetensors`` (trainable weights),
-``optimizer.safetensors`` (every optimizer tensor, keyed ``<param index>.<name>``), ``trainer_state.json``
-(step, param-group hyper-parameters, per-process objective state), ``config.yaml``. A checkpoint is
-written into a hidden temporary directory and renamed into place, so a crash never leaves a partial one;
-``checkpoints/latest`` names the newest complete checkpoint.
+``optimizer.safetensors`` (every optimizer tensor, keyed ``<param index>.<name>``), ``config.yaml``,
+optional extra files (a diffusers LoRA), and ``trainer_state.json`` (step, param-group hyper-parameters,
+per-process objective state, ``files``: the sha256 of every other file, and ``state_sha256``: the
+sha256 of the state itself). A checkpoint is written into a hidden temporary directory, every file and
+directory is fsynced, and only then is it renamed into place, so neither a crash nor a power loss leaves
+a partial one; ``checkpoints/latest`` names the newest complete checkpoint. Reading a checkpoint checks
+the checksums of the files it reads and names the first one that does not match.
+
+Every operating-system failure while writing (permission, not a directory, disk full, read-only file
+system) becomes one FlowRLError sentence naming the path (``writing``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError
@@ -23,38 +34,130 @@ from safetensors.torch import load_file, save_file
 
 from .errors import FlowRLError
 
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+# Plain-language reasons for the failures a user can fix; anything else falls back to strerror.
+_REASONS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EISDIR: "it is a directory",
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.ENAMETOOLONG: "the file name is too long",
+    errno.EFBIG: "the file is too large",
+}
+
+
+def os_error_reason(error: BaseException) -> str:
+    """A short lower-case reason for an OSError, or for safetensors' wrapped I/O error (it reports the errno
+    only in its message: ``I/O error: No space left on device (os error 28)``)."""
+    code = getattr(error, "errno", None)
+    if code is None and isinstance(error, SafetensorError):
+        match = re.search(r"os error (\d+)|code: (\d+)", str(error))
+        code = int(match.group(1) or match.group(2)) if match else None
+    if code in _REASONS:
+        return _REASONS[code]
+    text = getattr(error, "strerror", None) or (os.strerror(code) if code else "") or str(error) or type(error).__name__
+    return " ".join(text.split()).rstrip(".").lower()
+
+
+def _is_io_error(error: BaseException) -> bool:
+    return isinstance(error, OSError) or (isinstance(error, SafetensorError) and re.search(r"I/O error|IoError|os error", str(error)) is not None)
+
+
+def write_error(path: Path | str, error: BaseException) -> FlowRLError:
+    return FlowRLError(f"could not write '{path}': {os_error_reason(error)}.")
+
+
+@contextlib.contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """Turn an operating-system failure inside the block into one sentence naming ``path`` (what the user
+    asked to write, not a temporary name)."""
+    try:
+        yield
+    except FlowRLError:
+        raise
+    except (OSError, SafetensorError) as e:
+        if not _is_io_error(e):
+            raise
+        raise write_error(path, e) from None
+
+
+def _fsync(path: Path | str) -> None:
+    """Flush a file's or a directory's data and metadata to the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # some file systems cannot fsync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up (a file's name lives in its directory)."""
+    paths = [root, *root.rglob("*")]
+    for p in paths:
+        if p.is_file() and not p.is_symlink():
+            _fsync(p)
+    for p in sorted((p for p in paths if p.is_dir() and not p.is_symlink()), key=lambda p: len(p.parts), reverse=True):
+        _fsync(p)
+
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary file path beside ``path``; move it into place only if the block succeeds."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    os.close(fd)
+    """Yield a temporary file path beside ``path``; move it into place only if the block succeeds.
+
+    The file is fsynced before the rename and the directory after it, so after a power loss ``path`` holds
+    either its old content or the whole new one. OS errors are one sentence naming ``path``."""
+    path = Path(path)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+        os.close(fd)
     try:
-        yield Path(tmp)
-        os.replace(tmp, path)
+        with writing(path):
+            yield Path(tmp)
+            _fsync(tmp)
+            os.replace(tmp, path)
+            _fsync(path.parent)
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
 
 
 @contextlib.contextmanager
 def atomic_directory(path: Path, world_readable: bool = True) -> Iterator[Path]:
     """Yield a temporary directory beside ``path``; replace ``path`` with it only if the block succeeds.
-    ``world_readable``: mkdtemp makes the folder private, shipped assets must be readable by everyone."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    ``world_readable``: mkdtemp makes the folder private, shipped assets must be readable by everyone.
+
+    Every file and directory is fsynced before the rename, the parent after it. An existing ``path`` is
+    moved aside first and removed only once the new one is in place."""
+    path = Path(path)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    old = None
     try:
-        yield tmp
-        if world_readable:
-            for p in [tmp, *tmp.rglob("*")]:
-                p.chmod(0o755 if p.is_dir() else 0o644)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        with writing(path):
+            yield tmp
+            if world_readable:
+                for p in [tmp, *tmp.rglob("*")]:
+                    p.chmod(0o755 if p.is_dir() else 0o644)
+            _fsync_tree(tmp)
+            if path.exists():
+                old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-old-"))
+                os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            _fsync(path.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for leftover in (tmp, old):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -71,9 +174,25 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
     optimizer.load_state_dict({"state": state, "param_groups": groups["param_groups"]})
 
 
+# -- checksums ----------------------------------------------------------------------------------------
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _state_digest(state: dict[str, Any]) -> str:
+    """The checksum of the state file's content (everything but this checksum), independent of layout."""
+    body = {k: v for k, v in state.items() if k != "state_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], config_yaml: str, extra: Callable[[Path], Any] | None = None) -> Path:
-    """Write a checkpoint directory atomically; ``extra(tmp_dir)`` may add files (e.g. a diffusers LoRA)."""
+    """Write a checkpoint directory atomically and durably; ``extra(tmp_dir)`` may add files (e.g. a
+    diffusers LoRA). The state file, written last, records the sha256 of every other file."""
     with atomic_directory(directory, world_readable=False) as tmp:
         if extra is not None:
             extra(tmp)
@@ -81,35 +200,106 @@ def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, str(tmp / "denoiser.safetensors"))
         opt_tensors, groups = optimizer_tensors(optimizer)
         save_file({k: v.cpu() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
-        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "optimizer": groups}, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
+        files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        state = {**trainer_state, "optimizer": groups, "files": files}
+        state["state_sha256"] = _state_digest(state)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     with atomic_path(directory.parent / "latest") as pointer:
         pointer.write_text(directory.name + "\n")
     return directory
 
 
+def _read_state(directory: Path) -> dict[str, Any]:
+    if not directory.is_dir():
+        raise FlowRLError(f"checkpoint directory '{directory}' does not exist.")
+    try:
+        state = json.loads((directory / STATE_FILE).read_text())
+        if not isinstance(state, dict):
+            raise ValueError
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise FlowRLError(f"checkpoint '{directory}' has a missing or corrupt {STATE_FILE}.") from None
+    return state
+
+
+def verify_checkpoint(directory: Path, names: Iterable[str] | None = None) -> dict[str, Any]:
+    """Check the state file's own checksum and the sha256 of ``names`` (None: every recorded file) against
+    those recorded when the checkpoint was written; return the state or raise one sentence naming the file."""
+    directory = Path(directory)
+    state = _read_state(directory)
+    files = state.get("files")
+    if files is None:  # written before checksums existed: readable, but nothing can be verified
+        warnings.warn(f"checkpoint '{directory}' carries no checksums (written by an older flowrl); its files are not verified.", stacklevel=2)
+        return state
+    if not isinstance(files, dict) or state.get("state_sha256") != _state_digest(state):
+        raise FlowRLError(f"checkpoint file '{directory / STATE_FILE}' is corrupt (its checksum does not match its content).")
+    for name in files if names is None else names:
+        file = directory / name
+        if not file.is_file():
+            raise FlowRLError(f"checkpoint '{directory}' is incomplete: '{name}' is missing.")
+        if name not in files:
+            continue  # not written by flowrl's checkpoint writer (e.g. added by hand): nothing to compare
+        try:
+            actual = sha256_file(file)
+        except OSError as e:
+            raise FlowRLError(f"could not read checkpoint file '{file}': {os_error_reason(e)}.") from None
+        if actual != files[name]:
+            raise FlowRLError(f"checkpoint file '{file}' is corrupt (its sha256 differs from the one recorded when it was written).")
+    return state
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def find_latest(output_dir: Path) -> tuple[Path, str]:
+    """The newest checkpoint of ``output_dir`` that verifies, and a sentence saying which it is and why.
+
+    The ``latest`` pointer is only a hint: a crash between writing a checkpoint and the pointer, a deleted
+    pointer or a corrupt newest checkpoint must not hide an older valid one."""
+    root = Path(output_dir) / "checkpoints"
+    candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None),
+                        key=checkpoint_step, reverse=True) if root.is_dir() else []
+    if not candidates:
+        raise FlowRLError(f"resume_from=latest but '{output_dir}' has no checkpoint yet.")
+    pointer_file = root / "latest"
+    pointer = pointer_file.read_text().strip() if pointer_file.is_file() else None
+    skipped: list[str] = []
+    for candidate in candidates:
+        try:
+            verify_checkpoint(candidate)
+        except FlowRLError as e:
+            skipped.append(f"{candidate.name}: {str(e).rstrip('.')}")
+            continue
+        if skipped:
+            why = f"; skipped {len(skipped)} newer one(s) that failed verification ({skipped[0]})"
+        elif pointer != candidate.name:
+            why = " (the 'latest' pointer is missing)" if pointer is None else f" (the 'latest' pointer names '{pointer}')"
+        else:
+            why = ""
+        return candidate, f"resuming from '{candidate}', the newest valid checkpoint{why}."
+    raise FlowRLError(f"resume_from=latest but none of the {len(candidates)} checkpoint(s) in '{root}' is valid (newest: {skipped[0]}).")
+
+
 def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
-    """``latest`` -> the newest checkpoint of ``output_dir``; otherwise a checkpoint directory."""
-    if spec == "latest":
-        pointer = output_dir / "checkpoints" / "latest"
-        if not pointer.is_file():
-            raise FlowRLError(f"resume_from=latest but '{output_dir}' has no checkpoint yet.")
-        return output_dir / "checkpoints" / pointer.read_text().strip()
-    return Path(spec)
+    """``latest`` -> the newest valid checkpoint of ``output_dir``; otherwise a checkpoint directory."""
+    return find_latest(output_dir)[0] if spec == "latest" else Path(spec)
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def read_weights(directory: Path, verify: bool = True) -> dict[str, torch.Tensor]:
+    if verify:
+        verify_checkpoint(directory, ["denoiser.safetensors"])
     return _load(directory / "denoiser.safetensors")
 
 
-def read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """Return (weights, optimizer tensors, trainer state), or raise one clear sentence."""
-    weights = read_weights(directory)
+def read_checkpoint(directory: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """Return (weights, optimizer tensors, trainer state), or raise one clear sentence. ``verify``: check every
+    recorded file's checksum first (False only for a directory that was just verified)."""
+    directory = Path(directory)
+    state = verify_checkpoint(directory) if verify else _read_state(directory)
+    weights = _load(directory / "denoiser.safetensors")
     optim = _load(directory / "optimizer.safetensors")
-    try:
-        state = json.loads((directory / "trainer_state.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        raise FlowRLError(f"checkpoint '{directory}' has a missing or corrupt trainer_state.json.") from None
     return weights, optim, state
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -12,16 +11,23 @@ from .errors import FlowRLError
 EPILOG = """examples:
   flowrl train configs/digits/grpo.yaml
   flowrl train configs/digits/grpo.yaml train.iterations=10 output_dir=runs/quick
-  flowrl sample runs/digits_grpo/checkpoints/step_000040 --prompt "a handwritten seven" -n 8
-  flowrl eval runs/digits_grpo/checkpoints/step_000040
+  flowrl sample runs/digits_grpo/checkpoints/step_000030 --prompt "a handwritten seven" -n 8
+  flowrl eval runs/digits_grpo/checkpoints/step_000030
   flowrl eval configs/digits/grpo.yaml --best-of 16      (or --svdd 16: inference-time scaling)
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line like every other flowrl error (exit 2), not usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"flowrl: error: {self.prog}: {message.rstrip('.')} (see {self.prog} --help).\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of diffusion and flow models.", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="flowrl", description="RL alignment of diffusion and flow models.", epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train with a YAML config and key=value overrides")
     t.add_argument("config", help="YAML preset, e.g. configs/digits/grpo.yaml")
@@ -52,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, default=Path("best_of_n.png"), help="(--best-of, --svdd) grid of the chosen samples")
     x = sub.add_parser("export", help="write a run checkpoint as a standalone diffusers model directory (merged weights) "
                        "or as a diffusers LoRA file")
-    x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000040")
+    x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000030")
     x.add_argument("out", type=Path, help="output directory (must not exist)")
     x.add_argument("--lora-only", action="store_true", help="write only pytorch_lora_weights.safetensors (LoRA runs)")
     r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
@@ -74,13 +80,64 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_library_progress()
     try:
+        _check_arguments(args)
         return {"train": _train, "sample": _sample, "eval": _eval, "export": _export, "serve-reward": _serve_reward}[args.command](args)
     except FlowRLError as e:
         print(f"flowrl: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file operation not wrapped where it happens: still one sentence naming the path
+        from .checkpoint import os_error_reason
+
+        where = f"'{e.filename}'" if e.filename else "a file"
+        print(f"flowrl: error: could not access {where}: {os_error_reason(e)}.", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("flowrl: interrupted.", file=sys.stderr)
         return 130
+
+
+def _check_arguments(args) -> None:
+    """Out-of-range arguments are refused before any model is loaded, in one sentence naming the argument."""
+    import math
+
+    def at_least_one(flag: str, value) -> None:
+        if value is not None and value < 1:
+            raise FlowRLError(f"{flag} must be at least 1, got {value}.")
+
+    if args.command == "sample":
+        at_least_one("-n/--num-samples", args.num_samples)
+        at_least_one("--steps", args.steps)
+        if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
+            raise FlowRLError(f"--guidance-scale must be a finite number, got {args.guidance_scale}.")
+        if args.seed < 0:
+            raise FlowRLError(f"--seed must be non-negative, got {args.seed}.")
+    if args.command == "eval":
+        at_least_one("--best-of", args.best_of)
+        at_least_one("--svdd", args.svdd)
+    if args.command == "serve-reward" and args.port is not None and not 0 <= args.port <= 65535:
+        raise FlowRLError(f"--port must be in 0-65535, got {args.port}.")
+    if args.command == "sample" or (args.command == "eval" and (args.best_of is not None or args.svdd is not None)):
+        _check_writable(args.out)
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse an output path that cannot be written before minutes of sampling, not after (the write itself
+    still reports any later failure in one sentence)."""
+    import errno
+    import os
+
+    from .checkpoint import os_error_reason
+
+    if path.is_dir():
+        raise FlowRLError(f"could not write '{path}': it is a directory.")
+    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), None)  # the nearest existing ancestor
+    if parent is None:
+        return
+    if not parent.is_dir():
+        raise FlowRLError(f"could not write '{path}': '{parent}' is a file, not a directory.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        code = errno.EROFS if os.statvfs(parent).f_flag & os.ST_RDONLY else errno.EACCES
+        raise FlowRLError(f"could not write '{path}': {os_error_reason(OSError(code, os.strerror(code)))}.")
 
 
 def _serve_reward(args) -> int:
@@ -91,40 +148,49 @@ def _serve_reward(args) -> int:
 
 def _train(args) -> int:
     from .config import load_config
+    from .run_logger import json_line
     from .trainer import Trainer
 
     config = load_config(args.config, args.overrides)
     summary = Trainer(config).fit()
-    print(json.dumps(summary))
+    print(json_line(summary))
     return 0
 
 
 def _config_for_source(source: str, overrides: list[str]):
-    """A checkpoint directory carries its config.yaml; anything else is a YAML config file."""
+    """A checkpoint directory carries its config.yaml (verified against the checkpoint's checksums before it is
+    read); anything else is a YAML config file."""
+    from .checkpoint import STATE_FILE, verify_checkpoint
     from .config import load_config
 
     path = Path(source)
     if path.is_dir():
+        if (path / "checkpoints").is_dir() and not (path / STATE_FILE).exists():
+            steps = sorted(p.name for p in (path / "checkpoints").glob("step_*") if p.is_dir())
+            example = path / "checkpoints" / (steps[-1] if steps else "step_...")
+            raise FlowRLError(f"'{path}' is a run directory, not a checkpoint; pass one of its checkpoints, e.g. '{example}'.")
         if not (path / "config.yaml").is_file():
             raise FlowRLError(f"'{path}' is not a flowrl checkpoint (no config.yaml inside).")
+        verify_checkpoint(path, ["config.yaml"])
         return load_config(path / "config.yaml", overrides), path
     return load_config(path, overrides), None
 
 
 def _eval(args) -> int:
     from .checkpoint import read_weights
+    from .run_logger import json_line
 
     if args.source.endswith(".jsonl"):
         from .evaluation.text_data import format_report, grade_recorded
 
         result = grade_recorded(args.source, field=args.field, gold_field=args.gold_field)
         print(format_report(result))
-        print(json.dumps({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
+        print(json_line({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
         return 0
     config, checkpoint = _config_for_source(args.source, args.overrides)
     for flag, value in (("--best-of", args.best_of), ("--svdd", args.svdd)):
-        if value is not None and (value < 1 or config.pipeline.name == "dllm"):
-            raise FlowRLError(f"{flag} needs a count >= 1 and an image or video model.")
+        if value is not None and config.pipeline.name == "dllm":
+            raise FlowRLError(f"{flag} needs an image or video model.")
     if args.best_of is not None:
         return _best_of_n(config, checkpoint, args.best_of, args.out)
     if args.svdd is not None:
@@ -135,7 +201,7 @@ def _eval(args) -> int:
     if checkpoint is not None:
         trainer.load_weights(read_weights(checkpoint))
     metrics, _ = trainer.evaluate()
-    print(json.dumps({**{k: round(v, 6) for k, v in metrics.items()}, "settings": _eval_settings(config)}))
+    print(json_line({**{k: round(v, 6) for k, v in metrics.items()}, "settings": _eval_settings(config)}))  # NaN -> null
     return 0
 
 
@@ -157,14 +223,12 @@ def _eval_settings(config) -> dict:
 def _image_model(config, checkpoint: Path | None):
     """The config's image / video model (a checkpoint's weights loaded), its samplers, its reward and its
     held-out setting: what the inference-time scaling methods use, with no trainer or optimizer."""
-    import torch
-
     from . import seeding
     from .evaluation.held_out import held_out_images
     from .modalities.images import build_image_components
     from .reward_models import build_reward_from_config
 
-    device = "cuda" if torch.cuda.is_available() and config.pipeline.device != "cpu" else "cpu"
+    device = _device(config.pipeline.device)
     reward = build_reward_from_config(config.reward)
     seeding.seed_initialisation(config.seed)
     parts = build_image_components(config, device)
@@ -178,6 +242,7 @@ def _best_of_n(config, checkpoint: Path | None, n: int, out: Path) -> int:
     import torch
 
     from .inference.best_of_n import best_of_n
+    from .run_logger import json_line
     from .visualize import save_grid
 
     parts, reward, held = _image_model(config, checkpoint)
@@ -189,8 +254,8 @@ def _best_of_n(config, checkpoint: Path | None, n: int, out: Path) -> int:
         print(f"  N = {k:4d}   eval reward {v:.4f}")
     save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
     components = {f"eval/reward/{k}@{n}": round(float(v[torch.isfinite(v)].mean()), 6) for k, v in result.components.items()}
-    print(json.dumps({**{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()}, **components, "grid": str(out),
-                      "settings": _eval_settings(config)}))
+    print(json_line({**{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()}, **components, "grid": str(out),
+                     "settings": _eval_settings(config)}))
     return 0
 
 
@@ -198,6 +263,7 @@ def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> int:
     import torch
 
     from .inference.svdd import svdd_in_batches
+    from .run_logger import json_line
     from .visualize import save_grid
 
     parts, reward, held = _image_model(config, checkpoint)
@@ -209,7 +275,7 @@ def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> int:
     finite = result.scores[torch.isfinite(result.scores)]
     components = {f"eval/reward/{k}@svdd{m}": round(float(v.nanmean()), 6) for k, v in result.components.items()}
     settings = {**_eval_settings(config), "sampler": parts.sampler.name}  # SVDD draws from the rollout sampler
-    print(json.dumps({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "grid": str(out), "settings": settings}))
+    print(json_line({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "grid": str(out), "settings": settings}))
     return 0
 
 
@@ -232,7 +298,7 @@ def _sample(args) -> int:
     else:
         family = "digits_video" if args.source == "digits_video" else "digits"  # the embedded models by name
         pipe_cfg, steps, guidance, config = PipelineConfig(name=family, pretrained=args.source), 10, 1.0, None
-    device = "cuda" if torch.cuda.is_available() and pipe_cfg.device != "cpu" else "cpu"
+    device = _device(pipe_cfg.device)
     pipeline = build_pipeline(pipe_cfg, device)
     if config is not None:
         _load_checkpoint_weights(pipeline, source)
@@ -271,6 +337,16 @@ def _sample(args) -> int:
     return 0
 
 
+def _device(spec: str):
+    """pipeline.device honoured exactly (refused when this machine lacks it); auto: a GPU when present."""
+    import torch
+
+    from .config import resolve_device
+
+    device = resolve_device(spec)
+    return device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _load_checkpoint_weights(pipeline, checkpoint: Path) -> None:
     from .checkpoint import read_weights
 
@@ -295,6 +371,7 @@ def _export(args) -> int:
         raise FlowRLError(f"'{source}' is not a run checkpoint directory (it has no config.yaml).")
     if args.out.exists():
         raise FlowRLError(f"export target '{args.out}' already exists; choose a new directory.")
+    _check_writable(args.out)
     config, _ = _config_for_source(str(source), [])
     pipeline = build_pipeline(config.pipeline, "cpu")
     _load_checkpoint_weights(pipeline, source)

@@ -12,13 +12,46 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from .errors import FlowRLError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a NaN or infinite number (a reward weight, a learning rate) can only train nothing
+    # or garbage, so it is refused at load time like any other invalid value.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _device_spec(v: str) -> str:
+    import re
+
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v):  # what resolve_device() can check exists
+        raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps, got {v!r}")
+    return v
+
+
+DeviceSpec = Annotated[str, AfterValidator(_device_spec)]
+
+
+def resolve_device(spec: str, key: str = "pipeline.device"):
+    """The torch device ``spec`` names, or None for "auto" (accelerate's choice: a GPU when present). A device
+    this machine does not have is refused in one sentence instead of silently running elsewhere."""
+    import torch
+
+    if spec == "auto":
+        return None
+    device = torch.device(spec)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FlowRLError(f"{key} is '{spec}' but this machine has no CUDA device (torch.cuda.is_available() is False); "
+                              f"use {key}=cpu or {key}=auto.")
+        if device.index is not None and device.index >= count:
+            raise FlowRLError(f"{key} is '{spec}' but this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1}).")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise FlowRLError(f"{key} is '{spec}' but MPS is not available on this machine; use {key}=cpu or {key}=auto.")
+    return device
 
 
 class LoraConfig(Section):
@@ -40,7 +73,7 @@ class PipelineConfig(Section):
     pretrained: str = "digits_flow"  # an embedded model name, a local directory, or a hub id
     revision: str | None = None  # hub revision (branch, tag or commit)
     variant: str | None = None  # diffusers weight variant, e.g. "fp16"
-    device: str = "auto"  # "auto" lets accelerate place it (GPU when present)
+    device: DeviceSpec = "auto"  # "auto" lets accelerate place it (GPU when present); else exactly this one
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of the frozen parts and the base model
     lora: LoraConfig | None = None  # None: full fine-tuning of the denoiser
     gradient_checkpointing: bool = False
@@ -62,7 +95,7 @@ class DLLMPipelineConfig(Section):
     pretrained: str = "arith_mdlm"  # embedded name, local directory, or hub id
     family: Literal["auto", "llada", "mmada", "dream"] = "auto"
     trust_remote_code: bool = False  # LLaDA/MMaDA/Dream ship their modelling code: opt in explicitly
-    device: str = "auto"
+    device: DeviceSpec = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig | None = None
     prompt_length: int | None = Field(None, ge=1)  # pad prompts (left) to this length; None = longest in batch
@@ -326,6 +359,10 @@ class TrainConfig(Section):
     max_grad_norm: float | None = 1.0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     stop_after: int | None = Field(None, ge=1)  # end this process after N iterations (a planned interruption)
+    # A run that cannot learn stops (docs/failure_behaviour.md): at once when every reward of an iteration is
+    # NaN or infinite, and when more than this fraction of the last nonfinite_window iterations' rewards are.
+    max_nonfinite_fraction: float = Field(0.5, ge=0, le=1)
+    nonfinite_window: int = Field(10, ge=1)
 
 
 class EvalConfig(Section):

@@ -87,14 +87,15 @@ def build_pairs(config, num_prompts: int, generator: torch.Generator) -> tuple[P
     left out.
     """
     from . import seeding
-    from .config import ODEConfig
+    from .config import ODEConfig, resolve_device
     from .pipelines import build_pipeline
     from .prompts import prompt_pool, sample_prompts
     from .reward_models import build_reward_from_config
     from .samplers import build_sampler
     from .samplers.rollout import rollout
 
-    device = "cuda" if torch.cuda.is_available() and config.pipeline.device != "cpu" else "cpu"
+    device = resolve_device(config.pipeline.device)  # exactly pipeline.device, refused if this machine lacks it
+    device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")  # auto
     pipeline = build_pipeline(config.pipeline, device)
     sampler, reward, rc = build_sampler(ODEConfig(), pipeline), build_reward_from_config(config.reward), config.rollout
     pool = prompt_pool(config.prompts.dataset, config.prompts.train_split, file=config.prompts.train_file)

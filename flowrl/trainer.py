@@ -16,9 +16,12 @@ declare in the ``Objective`` protocol (``flowrl/types.py``).
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 import warnings
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +31,13 @@ from accelerate.utils import gather_object
 from tqdm import tqdm
 
 from . import seeding
-from .checkpoint import load_optimizer, read_checkpoint, resolve_checkpoint, save_checkpoint
-from .config import Config, to_yaml
+from .checkpoint import atomic_path, find_latest, load_optimizer, read_checkpoint, save_checkpoint, writing
+from .config import Config, resolve_device, to_yaml
 from .errors import FlowRLError
 from .modalities import build_modality
 from .reward_models import build_reward_from_config
 from .reward_models.gradients import require_differentiable
-from .run_logger import RunLogger, nanmean
+from .run_logger import RunLogger, json_line, nanmean
 from .visualize import save_reward_curve
 
 
@@ -44,7 +47,7 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = config
-        self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=config.pipeline.device == "cpu")
+        self.accelerator = _accelerator(config)
         self.is_main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self._check_divisibility()
@@ -54,6 +57,7 @@ class Trainer:
         self.modality = build_modality(config, self.accelerator.device)
         self.pipeline, self.sampler, self.objective = self.modality.pipeline, self.modality.sampler, self.modality.objective
         self.modality.check()
+        self._check_reward_can_score()
         if self.objective.trains_on == "reward_gradient_rollouts":  # refused before anything runs or is written
             require_differentiable(self.reward, self.objective.name)
         if self.objective.reference == "initial":
@@ -65,6 +69,9 @@ class Trainer:
         self.iteration = 0
         self.logger = RunLogger(self.run_dir, enabled=self.is_main)
         self._stop_requested = False
+        self._updating = False  # True while the optimizer may have changed the weights of an unfinished iteration
+        self._saving = False  # True while a checkpoint is being written
+        self._nonfinite: deque[tuple[int, int]] = deque(maxlen=config.train.nonfinite_window)  # (non-finite, all) per iteration
 
     @property
     def module(self) -> torch.nn.Module:
@@ -89,6 +96,28 @@ class Trainer:
             groups.append({"params": extra, "lr": self.config.train.learning_rate * self.objective.extra_lr_scale})
         return groups
 
+    def _check_reward_can_score(self) -> None:
+        """Refuse, before anything runs, a reward that cannot score the configured prompts: a reward declares the
+        metadata it needs (``required_metadata``, e.g. the digit classifier's "digit"), and a prompt without it
+        would score NaN in every iteration. Components weighted 0 are only watched, so they are not checked."""
+        needs = sorted(_required_metadata(self.reward))
+        if not needs:
+            return
+        from .evaluation.held_out import eval_pool
+
+        pc = self.config.prompts
+        pools = [("held-out", eval_pool(self.config), pc.eval_file)]
+        if self.objective.trains_on != "offline_pairs":  # offline pairs carry their own prompts and labels
+            pools.insert(0, ("training", getattr(self.modality, "train_pool", []), pc.train_file))
+        for what, pool, file in pools:
+            for i, (prompt, metadata) in enumerate(pool):
+                for reward_name, key in needs:
+                    if metadata.get(key) is None:
+                        where = f" of '{file}'" if pc.dataset == "file" and file else ""
+                        raise FlowRLError(f"reward '{reward_name}' needs '{key}' in every prompt's metadata, but {what} prompt {i + 1}{where} "
+                                          f"({prompt[:60]!r}) has none, so it would score NaN and never train; give the prompts a "
+                                          f"'{key}' (a .jsonl prompt file) or choose another reward.")
+
     def _check_divisibility(self) -> None:
         if self.config.train.prompts_per_iteration % self.world:
             raise FlowRLError(f"train.prompts_per_iteration ({self.config.train.prompts_per_iteration}) must be divisible by the number of processes ({self.world}).")
@@ -101,9 +130,12 @@ class Trainer:
         t1 = time.perf_counter()
         batch = self.score(batch)
         reward_metrics = self._reward_metrics(batch)  # of everything collected, before prepare() reorders or subsets
+        self._check_learnable(iteration)  # before the update: a batch with nothing to learn from never reaches the optimizer
         t2 = time.perf_counter()
         batch = self.advantages(batch)
+        self._updating = True
         metrics = self.update(batch, iteration)
+        self._updating = False
         t3 = time.perf_counter()
         return {**metrics, **reward_metrics, "perf/rollout_s": t1 - t0, "perf/score_s": t2 - t1, "perf/update_s": t3 - t2}
 
@@ -114,12 +146,9 @@ class Trainer:
     def score(self, batch):
         """Attach rewards (and, for objectives that train on reward gradients, their gradients); non-finite
         rewards stay NaN and are left out of the update (and counted). A reward that fails for good (a
-        server that stayed down) stops the run with the last completed iteration on disk."""
-        try:
-            with_gradient = self.objective.trains_on == "reward_gradient_rollouts"
-            out, grads = self.modality.score(batch, self.reward, with_gradient)
-        except FlowRLError as e:
-            raise FlowRLError(f"{str(e).rstrip('.')}; {self._save_after_failure()}.") from None
+        server that stayed down) raises; fit() then stops the run with the last completed iteration on disk."""
+        with_gradient = self.objective.trains_on == "reward_gradient_rollouts"
+        out, grads = self.modality.score(batch, self.reward, with_gradient)
         scores = out.scores.float()  # on the reward's device: the samples' for images, the CPU for text
         bad = ~torch.isfinite(scores)
         if bad.any():
@@ -174,12 +203,14 @@ class Trainer:
         states = gather_object([self.objective.state_dict()])
         self.accelerator.wait_for_everyone()
         path = None
+        self._saving = True
         if self.is_main:
             weights = self._weights_to_save()
             state = {"iteration": self.iteration, "objective": states}
             path = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.iteration:06d}", weights, self.optimizer.optimizer,
                                    state, to_yaml(self.config),
                                    extra=self.pipeline.save_lora if self.pipeline.has_lora else None)  # + the LoRA in its library's format
+        self._saving = False
         self.accelerator.wait_for_everyone()
         return path
 
@@ -198,8 +229,14 @@ class Trainer:
         self.pipeline.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
 
     def load(self, spec: str) -> None:
-        directory = resolve_checkpoint(spec, self.run_dir)
-        weights, optim, state = read_checkpoint(directory)
+        if spec == "latest":  # the newest checkpoint that verifies, said out loud
+            directory, notice = find_latest(self.run_dir)
+            if self.is_main:
+                print(f"flowrl: {notice}", file=sys.stderr, flush=True)
+            weights, optim, state = read_checkpoint(directory, verify=False)  # find_latest verified every file
+        else:
+            directory = Path(spec)
+            weights, optim, state = read_checkpoint(directory)
         try:
             self.load_weights(weights)
             load_optimizer(self.optimizer.optimizer, optim, state["optimizer"])
@@ -220,26 +257,53 @@ class Trainer:
         else:
             self._claim_output_dir()
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            self._write_config()
         if self.iteration == 0:
             self._evaluate_and_log(0, tag="before")
         previous = signal.signal(signal.SIGINT, self._request_stop)
         started, first = time.time(), self.iteration
         bar = tqdm(range(self.iteration, cfg.train.iterations), initial=self.iteration, total=cfg.train.iterations,
                    desc="flowrl train", disable=not (self.is_main and cfg.log.progress), dynamic_ncols=True)
+        status, reason = "completed", None
         try:
             for iteration in bar:
                 metrics = self.train_iteration(iteration)  # collect -> score -> advantages -> update
                 self.iteration = iteration + 1
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 self._after_iteration(metrics)  # log -> evaluate -> checkpoint
-                if self._stop_requested or (cfg.train.stop_after and self.iteration - first >= cfg.train.stop_after):
+                if self._stop_requested:
+                    status, reason = "interrupted", f"stopped by Ctrl-C after iteration {self.iteration}."
                     break
+                if cfg.train.stop_after and self.iteration - first >= cfg.train.stop_after:
+                    status, reason = "stopped", f"train.stop_after={cfg.train.stop_after} iterations were done."
+                    break
+        except FlowRLError as e:
+            # Any failure of an iteration (a reward that cannot learn or stayed down, a full disk): keep what was
+            # trained, say so in summary.json, and end with one sentence.
+            message = f"{str(e).rstrip('.')}; {self._save_after_failure()}."
+            self._finish(time.time() - started, "failed", message, quiet=True)
+            raise FlowRLError(message) from None
         finally:
             signal.signal(signal.SIGINT, previous)
             bar.close()
-        return self._finish(time.time() - started)
+        if self.iteration >= cfg.train.iterations:  # a stop requested during the last iteration stopped nothing
+            status, reason = "completed", None
+        return self._finish(time.time() - started, status, reason)
+
+    def _write_config(self) -> None:
+        """The resolved config, first thing in the run directory; a directory this created is removed again
+        when the write fails, so an unwritable or full disk leaves nothing behind."""
+        created = [d for d in [self.run_dir, *self.run_dir.parents] if not d.exists()]  # innermost first
+        try:
+            with atomic_path(self.run_dir / "config.yaml") as tmp:
+                tmp.write_text(to_yaml(self.config))
+        except FlowRLError:
+            for d in created:
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+            raise
 
     def _claim_output_dir(self) -> None:
         """A fresh run never mixes its metrics or checkpoints with an earlier run's."""
@@ -253,15 +317,18 @@ class Trainer:
         if self.is_main:
             import shutil
 
-            for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
-                (self.run_dir / name).unlink(missing_ok=True)
-            for name in ("checkpoints", "samples", "tensorboard"):
-                shutil.rmtree(self.run_dir / name, ignore_errors=True)
+            with writing(self.run_dir):
+                for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
+                    (self.run_dir / name).unlink(missing_ok=True)
+                for name in ("checkpoints", "samples", "tensorboard"):
+                    if (self.run_dir / name).exists():
+                        shutil.rmtree(self.run_dir / name)
         self.accelerator.wait_for_everyone()
 
     def _reward_metrics(self, batch) -> dict[str, float]:
         rewards = torch.cat(gather_object([batch.rewards.cpu()]))
         finite = torch.isfinite(rewards)
+        self._nonfinite.append((int((~finite).sum()), len(rewards)))  # every process sees the same gathered counts
         metrics = {"reward/mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
                    "reward/std": float(rewards[finite].std(unbiased=False)) if finite.any() else float("nan"),
                    "reward/nonfinite_count": int((~finite).sum())}
@@ -269,15 +336,34 @@ class Trainer:
             metrics[f"reward/{name}"] = nanmean(torch.cat(gather_object([values.cpu()])).tolist())
         return metrics
 
+    def _check_learnable(self, iteration: int) -> None:
+        """Stop a run that cannot learn instead of training on nothing: every reward of this iteration non-finite,
+        or more than train.max_nonfinite_fraction of the last train.nonfinite_window iterations' rewards. Offline
+        pairs are labelled already (their rewards are only logged), so they are exempt."""
+        if self.objective.trains_on == "offline_pairs" or not self._nonfinite:
+            return
+        tc = self.config.train
+        bad, total = self._nonfinite[-1]
+        if total and bad == total:
+            raise FlowRLError(f"all {total} rewards of iteration {iteration + 1} were NaN or infinite (reward components: "
+                              f"{', '.join(self.config.reward.components)}), so the run cannot learn")
+        if len(self._nonfinite) == tc.nonfinite_window:
+            bad, total = (sum(x) for x in zip(*self._nonfinite))
+            if total and bad / total > tc.max_nonfinite_fraction:
+                raise FlowRLError(f"{bad} of {total} rewards of the last {tc.nonfinite_window} iterations were NaN or infinite, more than "
+                                  f"train.max_nonfinite_fraction={tc.max_nonfinite_fraction:g}, so the run is not learning")
+
     def _after_iteration(self, metrics: dict[str, float]) -> None:
         cfg, it = self.config, self.iteration
         last = it == cfg.train.iterations
-        if (cfg.eval.every and it % cfg.eval.every == 0) or last:
-            metrics.update(self._evaluate_and_log(it, tag="after" if last else None, log=False))
+        # After Ctrl-C the stopped weights are evaluated too, so summary.json's final reward is theirs.
+        evaluate = (cfg.eval.every and it % cfg.eval.every == 0) or last or self._stop_requested
+        if evaluate:
+            metrics.update(self._evaluate_and_log(it, tag="after" if last or self._stop_requested else None, log=False))
         self.logger.log(it, metrics)
         if (cfg.log.checkpoint_every and it % cfg.log.checkpoint_every == 0) or last or self._stop_requested:
             self.save()
-        if self.is_main and ((cfg.eval.every and it % cfg.eval.every == 0) or last):
+        if self.is_main and evaluate:
             save_reward_curve(self.logger.records(), self.run_dir / "reward_curve.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
 
     def _evaluate_and_log(self, step: int, tag: str | None, log: bool = True) -> dict[str, float]:
@@ -290,43 +376,106 @@ class Trainer:
             self.logger.log(step, metrics)
         return metrics
 
-    def _finish(self, seconds: float) -> dict[str, Any]:
+    def _finish(self, seconds: float, status: str = "completed", reason: str | None = None, quiet: bool = False) -> dict[str, Any]:
+        """Write summary.json: what was done and, when the run did not complete, why (``status``: completed,
+        interrupted, stopped or failed; ``reason``: the sentence). ``quiet``: on the failure path, where a
+        second error (a full disk) must not hide the first."""
         records = self.logger.records() if self.is_main else []
         evals = [r for r in records if r.get("eval/reward/mean") is not None]
         summary = {
+            "status": status,
+            "reason": reason,
             "iterations_completed": self.iteration,
             "iterations_planned": self.config.train.iterations,
             "eval_reward_initial": evals[0]["eval/reward/mean"] if evals else None,
             "eval_reward_final": evals[-1]["eval/reward/mean"] if evals else None,
+            "eval_reward_final_step": evals[-1]["step"] if evals else None,  # the weights the final reward measured
             "samples_per_iteration": self.config.train.prompts_per_iteration * (2 if self.objective.trains_on == "offline_pairs" else self.config.train.num_generations),
             "wall_seconds_this_process": round(seconds, 1),
             "stopped_early": self.iteration < self.config.train.iterations,
         }
-        if self.is_main:
-            import json
-
-            from .checkpoint import atomic_path
-
-            with atomic_path(self.run_dir / "summary.json") as tmp:
-                tmp.write_text(json.dumps(summary, indent=2) + "\n")
-            save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{self.config.objective.name} on {self.config.pipeline.pretrained}")
-        self.logger.close()
-        self.accelerator.wait_for_everyone()
+        try:
+            if self.is_main and (self.run_dir / "config.yaml").is_file():
+                with atomic_path(self.run_dir / "summary.json") as tmp:
+                    tmp.write_text(json_line(summary, indent=2) + "\n")
+                save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{self.config.objective.name} on {self.config.pipeline.pretrained}")
+        except FlowRLError:
+            if not quiet:
+                raise
+        finally:
+            self.logger.close()
+        if not quiet:
+            self.accelerator.wait_for_everyone()
         return summary
 
     def _save_after_failure(self) -> str:
-        """Make sure the last completed iteration is on disk (the weights are untouched: scoring
-        precedes the update) and say where. Every process must fail alike: saving is collective."""
+        """Make sure the last completed iteration is on disk and say where. Weights changed by an unfinished
+        update are not saved (they belong to no iteration). Every process must fail alike: saving is collective."""
         if self.iteration == 0:
             return "no iteration had completed, so there is nothing to resume"
         directory = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
         if not directory.is_dir():
-            self.save()
+            if self._saving or self._updating:  # the checkpoint write itself failed, or the weights are half-updated
+                earlier = sorted(p.name for p in (self.run_dir / "checkpoints").glob("step_*") if p.is_dir())
+                resume = f"resume_from=latest continues from {earlier[-1]}" if earlier else "there is no checkpoint to resume from"
+                what = "could not be saved" if self._saving else "was not saved (the failure came during the next update)"
+                return f"iteration {self.iteration} {what}, so {resume}"
+            try:
+                self.save()
+            except FlowRLError as e:
+                return f"iteration {self.iteration} could not be saved either ({str(e).rstrip('.')})"
         return f"the run stopped with iteration {self.iteration} saved in {directory} (resume with resume_from=latest)"
 
     def _request_stop(self, signum, frame) -> None:
         if self._stop_requested:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
         self._stop_requested = True
-        tqdm.write("flowrl: stopping after this iteration and saving a checkpoint (Ctrl-C again to abort now).")
+        tqdm.write("flowrl: stopping after this iteration, evaluating and saving a checkpoint (Ctrl-C again to abort now).")
 
+
+def _required_metadata(reward, weight: float = 1.0) -> set[tuple[str, str]]:
+    """(reward name, metadata key) pairs a reward needs, through weighted sums, ensembles and per-frame wrappers."""
+    if weight == 0:
+        return set()
+    found = {(getattr(reward, "name", "reward"), key) for key in getattr(reward, "required_metadata", ())}
+    components = getattr(reward, "components", None)
+    if isinstance(components, dict):
+        weights = getattr(reward, "weights", None) or {}
+        for name, part in components.items():
+            found |= _required_metadata(part, weights.get(name, 1.0))
+    for part in [*(getattr(reward, "members", None) or []), getattr(reward, "inner", None)]:
+        if part is not None:
+            found |= _required_metadata(part)
+    return found
+
+
+def _accelerator(config: Config) -> Accelerator:
+    """accelerate puts a single process on its default device (a GPU when there is one, whatever was asked);
+    pipeline.device is honoured exactly, or refused in one sentence when this machine lacks that device."""
+    spec = config.pipeline.device
+    device = resolve_device(spec)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device is not None and device.type == "cuda" and device.index is not None and world > 1:
+        raise FlowRLError(f"pipeline.device is '{spec}', one GPU, but {world} processes run; use pipeline.device=cuda "
+                          "(each process takes its own GPU) or auto.")
+    if world == 1 and device is not None and device.type != "cpu":
+        from accelerate.state import AcceleratorState, PartialState
+
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if PartialState._shared_state and PartialState().device != device:
+            AcceleratorState._reset_state(reset_partial_state=True)  # an earlier Trainer in this process chose another device
+        before = os.environ.get("ACCELERATE_TORCH_DEVICE")
+        os.environ["ACCELERATE_TORCH_DEVICE"] = str(device)  # read by accelerate when it first sets up its state
+        try:
+            accelerator = Accelerator(mixed_precision=config.train.mixed_precision)
+        finally:
+            if before is None:
+                os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
+            else:
+                os.environ["ACCELERATE_TORCH_DEVICE"] = before
+    else:
+        accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=device is not None and device.type == "cpu")
+    if device is not None and (accelerator.device.type, accelerator.device.index or 0) != (device.type, device.index or 0) and world == 1:
+        raise FlowRLError(f"pipeline.device is '{spec}' but accelerate placed the run on '{accelerator.device}'.")
+    return accelerator

@@ -51,6 +51,10 @@ def test_overrides_apply_with_types():
     ("reward.components.clip_magic=1.0", "unknown reward 'clip_magic'"),
     ("rollout.num_inference_steps=0", "rollout.num_inference_steps"),
     ("train.iterations", "key.sub=value"),
+    # a NaN or infinite weight (or any number) can only train nothing or garbage
+    ("reward.components.ink=.nan", "config key 'reward.components.ink' is invalid: input should be a finite number (got nan)."),
+    ("train.learning_rate=.inf", "config key 'train.learning_rate' is invalid: input should be a finite number (got inf)."),
+    ("train.max_nonfinite_fraction=1.5", "config key 'train.max_nonfinite_fraction'"),
 ])
 def test_bad_config_is_one_sentence_and_writes_nothing(tmp_path, capsys, override, needle):
     out = tmp_path / "run"

@@ -133,5 +133,11 @@ def test_ctrl_c_finishes_the_iteration_and_saves(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stopped_early"] and 1 <= summary["iterations_completed"] < 200
     done = summary["iterations_completed"]
+    assert summary["status"] == "interrupted" and summary["reason"] == f"stopped by Ctrl-C after iteration {done}."
     assert (tmp_path / "checkpoints" / f"step_{done:06d}" / "denoiser.safetensors").is_file()
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"
+    # The final eval reward is that of the stopped weights (evaluated at the stop), not the one before training.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == done and summary["eval_reward_final_step"] == done
+    assert summary["eval_reward_final"] == rows[-1]["eval/reward/mean"] != summary["eval_reward_initial"]
+    assert (tmp_path / "samples_after.png").is_file()

@@ -93,6 +93,8 @@ class DigitClassifierReward:
 
     name = "digit_classifier"
     differentiable = True
+    # Metadata every prompt must carry for a score (checked when a run starts: a prompt without it scores NaN forever).
+    required_metadata = ("digit",)
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = path
