@@ -13,8 +13,9 @@ docs/reward_server.md:
   ``application/json``. Nothing is ever unpickled: NPZ members are read with ``allow_pickle=False``
   after their headers were checked to hold plain float32/uint8/unicode arrays.
 * ``200 {"scores": [...], "extras": {name: [...]}}``; NaN is ``null`` and +-inf is ``"inf"``/``"-inf"``.
-* Errors answer ``{"error": "<one sentence>"}`` with 400 (malformed request), 401 (token), 404, 411 (no
-  Content-Length), 413 (body over ``max_request_bytes``), 500 (the reward raised) or 503 (too busy).
+* Errors answer ``{"error": "<one sentence>"}`` with 400 (malformed request, float32 samples outside [0, 1]),
+  401 (token), 404, 411 (no Content-Length), 413 (body over ``max_request_bytes``), 500 (the reward raised)
+  or 503 with ``Retry-After`` (every connection slot or the scoring queue is full).
 * ``GET /health`` (no token needed) answers ``{"status": "ok", "reward": [component names], ...}``.
 
 One model serves many connections: HTTP requests are parsed on their own threads, but scoring runs on a
@@ -31,6 +32,7 @@ import hmac
 import json
 import os
 import queue
+import selectors
 import signal
 import socket
 import sys
@@ -53,6 +55,8 @@ from flowrl.reward_models.wire import BadRequest, _Job, decode_request, encode_l
 DEFAULT_TOKEN_ENV = "FLOWRL_REWARD_TOKEN"
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _DRAIN_SECONDS = 2.0  # how long a rejected request's unread body is drained before the socket closes
+RETRY_AFTER_S = 1  # the Retry-After of a 503: a busy server frees a slot within about one scoring call
+_BUSY = "the reward server is busy; retry later."
 
 
 class ServerConfig(Section):
@@ -67,7 +71,7 @@ class ServerConfig(Section):
     max_batch: int = Field(256, ge=1)  # samples per request (and per coalesced batch)
     device: str = "auto"  # "auto": CUDA when present, else CPU
     coalesce: bool = False  # score queued requests of the same shape as one batch
-    max_connections: int = Field(64, ge=1)  # open connections at once; more are closed at once
+    max_connections: int = Field(64, ge=1)  # open connections at once; more get 503 + Retry-After at once
 
     @field_validator("host", "token_env")
     @classmethod
@@ -315,7 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             state.scorer.submit(job)
         except queue.Full:
-            self._reject(503, "the reward server is busy; retry later.", drain=False)
+            self._reject(503, _BUSY, {"Retry-After": str(RETRY_AFTER_S)}, drain=False)
             return
         job.done.wait()
         if job.error is not None:
@@ -339,6 +343,77 @@ class _State:
     scorer: _Scorer
 
 
+def _busy_response() -> bytes:
+    body = json.dumps({"error": _BUSY}).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class _Drainer:
+    """Closes refused connections only after reading what their client still sends, for at most
+    _DRAIN_SECONDS: closing a socket with unread data makes the kernel reset the connection, and the client
+    would lose the 503 it was sent. One thread and at most ``limit`` sockets, so a flood stays bounded."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self._count = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flowrl-reward-drainer", daemon=True)
+        self._thread.start()
+
+    def add(self, sock: socket.socket) -> None:
+        with self._lock:
+            full = self._count >= self.limit
+            self._count += not full
+        if full:
+            sock.close()
+        else:
+            self._incoming.put(sock)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _close(self, selector: selectors.BaseSelector, deadlines: dict, sock: socket.socket) -> None:
+        selector.unregister(sock)
+        del deadlines[sock]
+        sock.close()
+        with self._lock:
+            self._count -= 1
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        deadlines: dict[socket.socket, float] = {}
+        while not self._stop.is_set():
+            while True:
+                try:
+                    sock = self._incoming.get_nowait()
+                except queue.Empty:
+                    break
+                sock.setblocking(False)
+                selector.register(sock, selectors.EVENT_READ)
+                deadlines[sock] = time.monotonic() + _DRAIN_SECONDS
+            for key, _ in selector.select(timeout=0.05) if deadlines else ():
+                try:
+                    if key.fileobj.recv(65536):
+                        continue
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self._close(selector, deadlines, key.fileobj)
+            now = time.monotonic()
+            for sock in [s for s, t in deadlines.items() if t < now]:
+                self._close(selector, deadlines, sock)
+            if not deadlines:
+                self._stop.wait(0.05)
+        for sock in list(deadlines):
+            self._close(selector, deadlines, sock)
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64
@@ -348,12 +423,25 @@ class _HTTPServer(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._drainer = _Drainer()
         super().__init__(address, handler)
 
+    def server_close(self) -> None:
+        super().server_close()
+        self._drainer.stop()
+
     def process_request(self, request, client_address) -> None:
-        # Past max_connections a connection is closed at once: a flood cannot spawn unbounded threads.
+        # Past max_connections a connection gets 503 + Retry-After from this (the accepting) thread without a
+        # handler thread: a flood cannot spawn unbounded threads, and a client learns to come back later.
         if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
+            try:
+                request.setblocking(False)
+                request.send(_busy_response())  # ~200 bytes: fits in an empty socket buffer, never blocks
+                request.shutdown(socket.SHUT_WR)
+            except OSError:
+                request.close()
+                return
+            self._drainer.add(request)
             return
         try:
             super().process_request(request, client_address)
@@ -376,8 +464,11 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 def _resolve_device(device: str) -> str:
+    """"auto": CUDA when present; any other device must exist here (refused in one sentence, not at the first request)."""
     if device != "auto":
-        return device
+        from flowrl.config import resolve_device
+
+        return str(resolve_device(device, key="device"))  # the server config's key
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -255,6 +255,12 @@ class _Pickled:
         return (open, (str(self.marker), "w"))
 
 
+def with_pixel(x: np.ndarray, value: float) -> np.ndarray:
+    out = x.copy()
+    out[0, 0, 0, 0] = value
+    return out
+
+
 def _bad_requests(marker: Path) -> dict[str, tuple[dict, int, str]]:
     images, prompts, meta = digits(3)
     good_meta = {"prompts": prompts, "metadata": meta}
@@ -270,6 +276,10 @@ def _bad_requests(marker: Path) -> dict[str, tuple[dict, int, str]]:
         "pickled_meta": (dict(body=npz(x, None, meta=objects)), 400, "Python objects"),
         "extra_member": (dict(body=npz(x, good_meta, other=x)), 400, "exactly the arrays"),
         "float64": (dict(body=npz(x.astype(np.float64), good_meta)), 400, "expected float32 or uint8"),
+        # value ranges per input type: float32 pixels in [0, 1] (uint8 and PNG are in range by construction)
+        "float_out_of_range": (dict(body=npz(with_pixel(x, 1e6), good_meta)), 400, "to 1e+06; clamp them or send uint8 in [0, 255]."),
+        "float_negative": (dict(body=npz(with_pixel(x, -0.5), good_meta)), 400, "got values from -0.5 to"),
+        "float_nan": (dict(body=npz(np.where(x > 0.5, np.nan, x).astype(np.float32), good_meta)), 400, "NaN or infinite values"),
         "three_dims": (dict(body=npz(x[:, 0], good_meta)), 400, "(B, C, H, W)"),
         "meta_not_json": (dict(body=npz(x, "{not json")), 400, "not valid JSON"),
         "prompt_count": (dict(body=npz(x, {"prompts": prompts[:2], "metadata": meta})), 400, "3 samples but 2 prompts"),
@@ -302,6 +312,19 @@ def test_bad_requests_are_refused_and_server_keeps_serving(server, tmp_path, cas
 # ----------------------------------------------------------------------------------------- failures
 
 
+def test_non_finite_samples_score_nan_without_being_sent(server, reference):
+    # The server refuses NaN pixels (400); the client scores such a sample NaN itself, as the in-process
+    # reward would, and sends only the others.
+    images, prompts, meta = digits(5)
+    images[1, 0, 3, 3] = float("nan")
+    out = RemoteReward(server.url, token=TOKEN, batch_size=2)(images, prompts, meta)
+    ref = reference(images, prompts, meta)
+    assert out.scores[1].isnan() and out.extras["ink"][1].isnan()
+    keep = [0, 2, 3]  # 4 has no digit: NaN from the server, as in process
+    torch.testing.assert_close(out.scores[keep], ref.scores[keep], atol=1e-6, rtol=0)
+    assert out.scores[4].isnan()
+
+
 def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path):
     proc = ServerProcess(write_config(tmp_path / "server.yaml", device="cpu"), tmp_path / "server.log")
     try:
@@ -316,6 +339,11 @@ def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path):
         assert time.monotonic() - start < 5
         assert str(info.value) == f"reward server {proc.url} did not answer after 2 attempts (connection refused)."
         assert isinstance(info.value, FlowRLError)
+        # Without an attempt limit the client keeps trying for retry_for seconds, then gives up with the same sentence.
+        start = time.monotonic()
+        with pytest.raises(RewardServerError, match=r"did not answer after \d+ attempts \(connection refused\)\.$"):
+            RemoteReward(proc.url, token=TOKEN, retry_for=1.5, backoff=0.1, timeout=5)(images, prompts, meta)
+        assert 1.5 <= time.monotonic() - start < 3
     finally:
         proc.stop()
 
@@ -347,6 +375,114 @@ class _Fixed(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class _Timed(BaseHTTPRequestHandler):
+    """Answers every POST with ``status`` (and ``retry_after`` when set), recording when each attempt arrived."""
+
+    status, retry_after, arrivals = 500, None, []
+
+    def do_POST(self):  # noqa: N802
+        type(self).arrivals.append(time.monotonic())
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"error": "busy."}).encode()
+        self.send_response(self.status)
+        if self.retry_after is not None:
+            self.send_header("Retry-After", str(self.retry_after))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(handler):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    return httpd, thread, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def test_the_client_backs_off_with_jitter_for_retry_for_seconds():
+    handler = type("Handler", (_Timed,), {"status": 500, "retry_after": None, "arrivals": []})
+    httpd, thread, url = _serve(handler)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardServerError, match=r"did not answer after \d+ attempts \(HTTP 500: busy\)\.$"):
+            RemoteReward(url, retry_for=2.0, backoff=0.2, timeout=5)(*digits(2))
+        elapsed = time.monotonic() - start
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+    assert 2.0 <= elapsed < 3.0  # the last attempt starts when retry_for is used up, not later
+    gaps = np.diff(handler.arrivals)
+    assert len(gaps) >= 3
+    # The k-th wait is 0.2 * 2**(k-1) s times a random factor in [0.5, 1.5] (the last one cut at retry_for).
+    ladder = 0.2 * 2.0 ** np.arange(len(gaps))
+    ratios = gaps[:-1] / ladder[:-1]
+    assert (ratios >= 0.5 - 0.02).all() and (gaps[:-1] <= 1.5 * ladder[:-1] + 0.3).all(), gaps
+    assert (np.abs(ratios - 1) > 0.05).any(), "no jitter"  # all within 5% of the ladder by chance: p = 0.1**len
+
+
+def test_the_client_waits_at_least_retry_after_on_503():
+    handler = type("Handler", (_Timed,), {"status": 503, "retry_after": 1, "arrivals": []})
+    httpd, thread, url = _serve(handler)
+    try:
+        with pytest.raises(RewardServerError, match=r"\(HTTP 503: busy\)\.$"):
+            RemoteReward(url, retry_for=2.5, backoff=0.01, timeout=5)(*digits(2))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+    gaps = np.diff(handler.arrivals)
+    assert len(gaps) >= 1 and (gaps[:-1] >= 1.0).all(), gaps  # backoff 0.01 s, but the server asked for 1 s
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, headers, JSON body) of one request."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_a_saturated_server_answers_503_with_retry_after_and_the_client_comes_back(tmp_path):
+    proc = ServerProcess(write_config(tmp_path / "server.yaml", device="cpu", max_connections=2), tmp_path / "server.log")
+    parts = urlsplit(proc.url)
+    held: list[socket.socket] = []
+    try:
+        held = [socket.create_connection((parts.hostname, parts.port), timeout=10) for _ in range(2)]  # idle: each holds a slot
+        deadline = time.monotonic() + 10
+        while raw(proc.url, "GET", "/health")[0] != 503:  # the server has taken both slots
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        images, prompts, meta = digits(3)
+        status, headers, answer = raw(proc.url, "POST", "/score", npz(images.numpy(), {"prompts": prompts, "metadata": meta}), auth())
+        assert status == 503 and headers["Retry-After"] == "1" and answer == {"error": "the reward server is busy; retry later."}
+        start = time.monotonic()
+        with pytest.raises(RewardServerError) as info:
+            RemoteReward(proc.url, token=TOKEN, retry_for=1.5, backoff=0.1, timeout=5)(images, prompts, meta)
+        assert 1.5 <= time.monotonic() - start < 3.5
+        assert re.fullmatch(rf"reward server {re.escape(proc.url)} did not answer after \d+ attempts \(HTTP 503: the reward server is "
+                            r"busy; retry later\)\.", str(info.value)), str(info.value)
+        # Slots free up while the client waits: it gets its scores.
+        release = threading.Timer(1.0, lambda: [s.close() for s in held])
+        release.start()
+        start = time.monotonic()
+        out = RemoteReward(proc.url, token=TOKEN, retry_for=20, backoff=0.1, timeout=5)(images, prompts, meta)
+        assert out.scores.shape == (3,) and time.monotonic() - start >= 1.0
+        release.join()
+        assert_healthy(proc.url)
+    finally:
+        for s in held:
+            s.close()
+        assert proc.stop() == 0
 
 
 @pytest.mark.parametrize("status, attempts", [(500, 3), (503, 3), (400, 1), (403, 1)])

@@ -6,8 +6,9 @@
 
 The samples travel as an NPZ archive (never pickle), the prompts and metadata as JSON inside it; see
 ``flowrl.reward_server`` and docs/reward_server.md for the wire format. Connection errors,
-timeouts and 5xx answers are retried with exponential backoff; 4xx answers (a wrong token, a request the
-server refuses) are not, since sending the same request again cannot help.
+timeouts and 5xx answers (503 "busy" included, after at least its Retry-After) are retried with jittered
+exponential backoff for up to ``retry_for`` seconds; 4xx answers (a wrong token, a request the server
+refuses) are not, since sending the same request again cannot help.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import http.client
 import io
 import ipaddress
 import json
+import math
 import os
+import random
 import socket
 import ssl
 import time
@@ -64,6 +67,15 @@ def _jsonable(value: Any) -> Any:
 
 
 
+def _retry_after(value: str | None) -> float | None:
+    """A Retry-After header in seconds (the HTTP-date form is not used by flowrl's server: ignored)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
+
+
 class RemoteReward:
     """Score samples on a flowrl reward server (``flowrl serve-reward``).
 
@@ -72,8 +84,13 @@ class RemoteReward:
     token:       the shared secret; None reads it from the environment variable ``token_env`` (no
                  Authorization header is sent when neither is set).
     timeout:     seconds each socket operation of one attempt may take.
-    retries:     how many attempts in all (at least 1); connection errors, timeouts and 5xx answers are
-                 retried after ``backoff * 2**k`` seconds (k = 0, 1, ...; each wait at most 30 s).
+    retry_for:   seconds from the first attempt during which connection errors, timeouts and 5xx answers
+                 are retried; the last attempt starts at the latest then (a server restarting must not end
+                 a long run, a dead one must end it in bounded time).
+    backoff:     the k-th wait is ``backoff * 2**(k-1)`` seconds (at most 30 s) times a random factor in
+                 [0.5, 1.5], so clients that failed together do not come back together; at least the
+                 server's Retry-After on a 503.
+    retries:     at most this many attempts in all (None: as many as ``retry_for`` allows).
     batch_size:  samples per request (None: the whole batch in one request); keep it at or below the
                  server's ``max_batch`` and the body under its ``max_request_bytes``.
     encoding:    "float32" (NPZ, exact), "uint8" (NPZ, 4x smaller, pixels rounded to 1/255) or "png"
@@ -87,8 +104,9 @@ class RemoteReward:
         token: str | None = None,
         token_env: str = "FLOWRL_REWARD_TOKEN",
         timeout: float = 60.0,
-        retries: int = 3,
+        retries: int | None = None,
         backoff: float = 1.0,
+        retry_for: float = 120.0,
         name: str = "remote",
         differentiable: bool = False,
         batch_size: int | None = None,
@@ -96,10 +114,12 @@ class RemoteReward:
     ) -> None:
         if differentiable:
             raise FlowRLError("a remote reward cannot be differentiable: gradients do not cross the network.")
-        if not (isinstance(retries, int) and retries >= 1):
-            raise FlowRLError(f"remote reward retries must be a positive integer (attempts in all), got {retries!r}.")
-        if not (timeout > 0 and backoff >= 0):
+        if retries is not None and not (isinstance(retries, int) and retries >= 1):
+            raise FlowRLError(f"remote reward retries must be a positive integer (attempts in all) or null, got {retries!r}.")
+        if not (math.isfinite(timeout) and timeout > 0 and math.isfinite(backoff) and backoff >= 0):
             raise FlowRLError(f"remote reward timeout must be positive and backoff non-negative, got {timeout} and {backoff}.")
+        if not (isinstance(retry_for, (int, float)) and math.isfinite(retry_for) and retry_for >= 0):
+            raise FlowRLError(f"remote reward retry_for must be a non-negative number of seconds, got {retry_for!r}.")
         if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
             raise FlowRLError(f"remote reward batch_size must be a positive integer or null, got {batch_size!r}.")
         if encoding not in ENCODINGS:
@@ -110,6 +130,8 @@ class RemoteReward:
         self.timeout = float(timeout)
         self.retries = retries
         self.backoff = float(backoff)
+        self.retry_for = float(retry_for)
+        self._jitter = random.Random()  # seeded by the OS: processes that failed together must not retry in step
         self.batch_size = batch_size
         self.encoding = encoding
         self.url: str | None = None
@@ -175,7 +197,7 @@ class RemoteReward:
             raise FlowRLError(f"the metadata holds {what} that cannot be sent to the reward server as JSON.") from None
 
     # ------------------------------------------------------------------ transport
-    def _attempt(self, body: bytes, content_type: str) -> tuple[int, bytes]:
+    def _attempt(self, body: bytes, content_type: str) -> tuple[int, bytes, float | None]:
         if self.scheme == "https":
             conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
                                                context=ssl.create_default_context())
@@ -194,17 +216,31 @@ class RemoteReward:
                     raise
             response = conn.getresponse()
             data = response.read(MAX_RESPONSE_BYTES + 1)
-            return response.status, data
+            return response.status, data, _retry_after(response.getheader("Retry-After"))
         finally:
             conn.close()
 
+    def _wait(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds before attempt ``attempt + 1``: jittered exponential backoff, at least the server's Retry-After."""
+        wait = min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S) * self._jitter.uniform(0.5, 1.5)
+        if retry_after is not None:
+            wait = max(wait, min(retry_after, MAX_BACKOFF_S) * self._jitter.uniform(1.0, 1.2))
+        return wait
+
     def _post(self, body: bytes, content_type: str) -> dict:
-        cause = ""
-        for attempt in range(self.retries):
+        cause, attempt, start, retry_after = "", 0, time.monotonic(), None
+        while True:
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                if self.retries is not None and attempt >= self.retries:
+                    break
+                left = self.retry_for - (time.monotonic() - start)
+                if left <= 0:
+                    break
+                time.sleep(min(self._wait(attempt, retry_after), left))  # the last attempt starts at retry_for
+            attempt += 1
+            retry_after = None
             try:
-                status, data = self._attempt(body, content_type)
+                status, data, retry_after = self._attempt(body, content_type)
             except ssl.SSLError as e:
                 raise RewardServerError(f"reward server {self.url} failed the TLS handshake ({e.reason or e}).") from None
             except ConnectionRefusedError:
@@ -237,8 +273,7 @@ class RemoteReward:
                 return json.loads(data)
             except (ValueError, RecursionError):
                 raise RewardServerError(f"reward server {self.url} sent an answer that is not JSON.") from None
-        n = self.retries
-        raise RewardServerError(f"reward server {self.url} did not answer after {n} attempt{'s' * (n != 1)} ({cause}).")
+        raise RewardServerError(f"reward server {self.url} did not answer after {attempt} attempt{'s' * (attempt != 1)} ({cause}).")
 
     @staticmethod
     def _error_message(data: bytes) -> str:
@@ -273,19 +308,26 @@ class RemoteReward:
             raise FlowRLError(f"a remote reward sends (B, C, H, W) images or (B, C, T, H, W) videos, got shape {tuple(samples.shape)}.")
         if len(prompts) != n or len(metadata) != n:
             raise FlowRLError(f"a remote reward got {n} samples but {len(prompts)} prompts and {len(metadata)} metadata entries.")
+        # The server refuses non-finite float samples (it validates [0, 1]); such a sample (a diverged rollout)
+        # scores NaN without being sent, as an in-process reward would score it, and is dropped by the trainer.
+        finite = torch.isfinite(samples.detach().reshape(n, -1)).all(dim=1).cpu() if n else torch.ones(0, dtype=torch.bool)
+        rows = finite.nonzero().flatten().tolist()
         scores: list[float] = []
         extras: dict[str, list[float]] | None = None
-        step = self.batch_size or max(n, 1)
-        for start in range(0, n, step):
-            end = min(start + step, n)
-            chunk_scores, chunk_extras = self._score_chunk(samples[start:end], prompts[start:end], metadata[start:end])
+        step = self.batch_size or max(len(rows), 1)
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            chunk_scores, chunk_extras = self._score_chunk(samples[chunk], [prompts[i] for i in chunk], [metadata[i] for i in chunk])
             scores += chunk_scores
             if extras is None:
                 extras = chunk_extras
             else:  # keep the extras every chunk reported
                 extras = {k: v + chunk_extras[k] for k, v in extras.items() if k in chunk_extras}
         device = samples.device
-        return RewardOutput(
-            scores=torch.tensor(scores, dtype=torch.float32, device=device),
-            extras={k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in (extras or {}).items()},
-        )
+
+        def spread(values: list[float]) -> Tensor:
+            out = torch.full((n,), math.nan, dtype=torch.float32)
+            out[finite] = torch.tensor(values, dtype=torch.float32)
+            return out.to(device)
+
+        return RewardOutput(scores=spread(scores), extras={k: spread(v) for k, v in (extras or {}).items()})

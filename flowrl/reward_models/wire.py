@@ -153,11 +153,22 @@ def decode_request(body: bytes, content_type: str, max_bytes: int, max_batch: in
         raise BadRequest(
             f"the batch has {batch} samples but {len(prompts)} prompts and {len(metadata)} metadata entries."
         )
-    if samples.dtype.kind == "u":
+    if samples.dtype.kind == "u":  # uint8: every value is a pixel in [0, 255]
         tensor = torch.from_numpy(samples.astype(np.float32)) / 255.0
     else:
+        _check_float_range(samples)
         tensor = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))
     return _Job(tensor, prompts, metadata)
+
+
+def _check_float_range(samples: np.ndarray) -> None:
+    """float32 samples are images or videos as the pipelines decode them, in [0, 1]; anything else (1e6, NaN)
+    is a client bug that a reward model would score without complaint, so it is refused."""
+    if not np.isfinite(samples).all():
+        raise BadRequest("float32 samples hold NaN or infinite values; send finite values in [0, 1].")
+    lo, hi = float(samples.min()), float(samples.max())
+    if lo < 0.0 or hi > 1.0:
+        raise BadRequest(f"float32 samples must lie in [0, 1], got values from {lo:g} to {hi:g}; clamp them or send uint8 in [0, 255].")
 
 
 def encode_value(v: float) -> float | str | None:
