@@ -60,9 +60,8 @@ def test_noised_inputs_and_targets_invert_like_the_samplers(pipelines):
             x_t, target = noised_and_target(ddpm, x0, noise, sigma)
             sampler = build_sampler(DDIMConfig(eta=0.0, clip_sample=None), ddpm)
             for i in range(5):  # the DDIM sampler's conversion of a model output to x0, one sigma at a time
-                a = ddpm.schedule.alpha_bar(sigma[i : i + 1])
-                x0_hat, _ = sampler._x0_eps(target[i : i + 1], x_t[i : i + 1], a)
-                torch.testing.assert_close(x0_hat, x0[i : i + 1], atol=2e-5, rtol=1e-4)
+                x0_hat = sampler.predicted_x0(target[i : i + 1], x_t[i : i + 1], sigma[i])
+                torch.testing.assert_close(x0_hat.float(), x0[i : i + 1], atol=2e-5, rtol=1e-4)
         finally:
             ddpm.prediction_type = "epsilon"
 

@@ -75,11 +75,8 @@ class DDIMSampler:
                         "direction": (1 - a_prev - std**2).clamp(min=0).sqrt(), "std": std}
         return {k: v.to(device=x.device, dtype=dtype) for k, v in coefficients.items()}
 
-    def _mean_std(self, model_output, x, sigma, sigma_next, eta: float) -> tuple[Tensor, Tensor]:
-        """float64 mean and std (bf16 / fp32 inputs are upcast exactly; float32 on MPS)."""
-        dtype = self.step_dtype(x)
-        out, x = model_output.to(dtype), x.to(dtype)
-        c = self.coefficients(sigma, sigma_next, eta, x)
+    def _x0_eps(self, out: Tensor, x: Tensor, c: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The model output as (x0_hat, eps), with ``c`` = :meth:`coefficients` at the step's sigma (x0_hat clipped if asked)."""
         if self.prediction_type == "v_prediction":
             eps = c["sqrt_a"] * out + c["sqrt_one_minus_a"] * x
             x0 = c["sqrt_a"] * x - c["sqrt_one_minus_a"] * out
@@ -88,6 +85,20 @@ class DDIMSampler:
             x0 = (x - c["sqrt_one_minus_a"] * eps) / c["sqrt_a"]
         if self.clip_sample is not None:
             x0 = x0.clamp(-self.clip_sample, self.clip_sample)
+        return x0, eps
+
+    def predicted_x0(self, model_output: Tensor, x: Tensor, sigma) -> Tensor:
+        """x0_hat of the model output at ``sigma``, as the step computes it (float64; float32 on MPS)."""
+        dtype = self.step_dtype(x)
+        out, x = model_output.to(dtype), x.to(dtype)
+        return self._x0_eps(out, x, self.coefficients(sigma, sigma, 0.0, x))[0]
+
+    def _mean_std(self, model_output, x, sigma, sigma_next, eta: float) -> tuple[Tensor, Tensor]:
+        """float64 mean and std (bf16 / fp32 inputs are upcast exactly; float32 on MPS)."""
+        dtype = self.step_dtype(x)
+        out, x = model_output.to(dtype), x.to(dtype)
+        c = self.coefficients(sigma, sigma_next, eta, x)
+        x0, eps = self._x0_eps(out, x, c)
         return c["sqrt_a_prev"] * x0 + c["direction"] * eps, c["std"]
 
     def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
