@@ -14,6 +14,7 @@ EPILOG = """examples:
   flowrl sample runs/digits_grpo/checkpoints/step_000030 --prompt "a handwritten seven" -n 8
   flowrl eval runs/digits_grpo/checkpoints/step_000030
   flowrl eval configs/digits/grpo.yaml --best-of 16      (or --svdd 16: inference-time scaling)
+  flowrl eval configs/dllm/diffu_grpo.yaml sampler.eval_temperature=1 --best-of 16 --select majority,likelihood
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
 """
 
@@ -55,7 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--svdd", type=int, default=None, metavar="M",
                    help="SVDD-PM: sample the held-out items keeping, at every step, the best of M candidates from the "
                    "rollout sampler by the reward of their predicted x0; writes the grid to --out")
-    e.add_argument("--out", type=Path, default=Path("best_of_n.png"), help="(--best-of, --svdd) grid of the chosen samples")
+    e.add_argument("--select", default=None, metavar="RULES",
+                   help="(diffusion LMs) how --best-of / --svdd choose without the gold answer, comma-separated: majority "
+                   "(self-consistency over the extracted answers; --best-of only), likelihood (the model's own), a reward's name "
+                   "(e.g. format), or reward (the run's reward, if it does not read the gold answer); default majority,likelihood "
+                   "for --best-of, likelihood for --svdd")
+    e.add_argument("--out", type=Path, default=Path("best_of_n.png"),
+                   help="(--best-of, --svdd) grid of the chosen samples; for diffusion LMs the accuracy-vs-N plot, "
+                   "the chosen completions going to the same name with .jsonl")
     x = sub.add_parser("export", help="write a run checkpoint as a standalone diffusers model directory (merged weights) "
                        "or as a diffusers LoRA file")
     x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000030")
@@ -188,9 +196,12 @@ def _eval(args) -> int:
         print(json_line({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
         return 0
     config, checkpoint = _config_for_source(args.source, args.overrides)
-    for flag, value in (("--best-of", args.best_of), ("--svdd", args.svdd)):
-        if value is not None and config.pipeline.name == "dllm":
-            raise FlowRLError(f"{flag} needs an image or video model.")
+    if config.pipeline.name == "dllm" and args.best_of is not None:
+        return _text_best_of_n(config, checkpoint, args.best_of, args.select, args.out)
+    if config.pipeline.name == "dllm" and args.svdd is not None:
+        return _text_svdd(config, checkpoint, args.svdd, args.select, args.out)
+    if args.select is not None:
+        raise FlowRLError("--select chooses among a diffusion LM's completions; image best-of-N and SVDD select by the run's reward.")
     if args.best_of is not None:
         return _best_of_n(config, checkpoint, args.best_of, args.out)
     if args.svdd is not None:
@@ -276,6 +287,110 @@ def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> int:
     components = {f"eval/reward/{k}@svdd{m}": round(float(v.nanmean()), 6) for k, v in result.components.items()}
     settings = {**_eval_settings(config), "sampler": parts.sampler.name}  # SVDD draws from the rollout sampler
     print(json_line({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "grid": str(out), "settings": settings}))
+    return 0
+
+
+def _text_model(config, checkpoint: Path | None):
+    """The config's diffusion LM (a checkpoint's weights loaded, DCoLT's unmasking head included) and the run's
+    reward, which grades the held-out items: what text best-of-N and SVDD use, with no trainer or optimizer."""
+    from . import seeding
+    from .checkpoint import read_weights
+    from .modalities.text import TextModality
+    from .reward_models import build_reward_from_config
+
+    seeding.seed_initialisation(config.seed)  # DCoLT's head is created fresh before its weights are loaded
+    modality = TextModality(config, _device(config.pipeline.device))
+    modality.check()
+    if checkpoint is not None:
+        extra = modality.objective.extra_module
+        if extra is not None:
+            extra.load_state_dict({k[len("objective."):]: v for k, v in read_weights(checkpoint).items() if k.startswith("objective.")})
+        _load_checkpoint_weights(modality.pipeline, checkpoint)
+    modality.pipeline.model.eval()
+    return modality, build_reward_from_config(config.reward)
+
+
+def _text_rules(select: str | None, default: str) -> list[str]:
+    rules = [r.strip() for r in (select or default).split(",") if r.strip()]
+    if not rules:
+        raise FlowRLError(f"--select needs at least one rule, got '{select}'.")
+    return list(dict.fromkeys(rules))
+
+
+def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None, out: Path) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from .checkpoint import atomic_path
+    from .inference.plots import save_scaling_plot
+    from .inference.text_best_of_n import ORACLE, text_best_of_n
+    from .inference.text_candidates import build_scorers, check_candidates_differ
+    from .run_logger import json_line
+
+    rules = _text_rules(select, "majority,likelihood")
+    check_candidates_differ("--best-of", n, config.sampler.eval_temperature, config.sampler.remasking)  # before minutes of loading
+    scorers = build_scorers(rules, config.reward)  # refuses a gold grader before any model is loaded
+    modality, grader = _text_model(config, checkpoint)
+    prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
+    temperature = config.sampler.eval_temperature
+    with tqdm(total=n * len(prompts), desc=f"best-of-{n}", unit="completion", disable=None) as bar:
+        result = text_best_of_n(modality.pipeline, config.sampler, config.pipeline.prompt_length, grader, scorers, prompts, metadata, n,
+                                temperature, config.eval.seed, config.rollout.batch_size, modality.position_scorer, progress=bar.update)
+    curves = result.curves(rules)
+    print(f"best-of-N on {len(prompts)} held-out items, candidates at temperature {temperature:g}; accuracy of each rule's choice "
+          f"(the run's reward), and pass@N: any candidate right, an oracle upper bound, not an accuracy:")
+    print("  " + f"{'N':>4}" + "".join(f"{r:>14}" for r in rules) + f"{'pass@N oracle':>16}")
+    for k in result.ks():
+        print("  " + f"{k:>4}" + "".join(f"{curves[r][k]:>14.4f}" for r in rules) + f"{curves[ORACLE][k]:>16.4f}")
+    single = result.sample_accuracy()
+    print(f"  single-sample accuracy over all {n * len(prompts)} candidates: {single:.4f}")
+    save_scaling_plot({f"{config.pipeline.pretrained}{' (' + checkpoint.name + ')' if checkpoint else ''}, T = {temperature:g}": curves},
+                      out, "held-out accuracy (run's reward)")
+    rows_path = out.with_suffix(".jsonl")
+    with atomic_path(rows_path) as tmp, open(tmp, "w") as f:
+        for i, prompt in enumerate(prompts):  # every rule's choice at N, with the candidates' answers it chose from
+            chosen = {r: int(result.choose(r, n)[i]) for r in rules}
+            f.write(json.dumps({"prompt": prompt, "answers": result.answers[i], "graded": result.graded[i].tolist(),
+                                "chosen": {r: {"index": j, "completion": result.completions[i][j]} for r, j in chosen.items()}}) + "\n")
+    print(json_line({**{f"eval/reward/mean@{k}/{r}": round(curves[r][k], 6) for r in rules for k in result.ks()},
+                     **{f"eval/oracle_pass@{k}": round(curves[ORACLE][k], 6) for k in result.ks()},
+                     "eval/reward/mean/single_sample": round(single, 6), "plot": str(out), "completions": str(rows_path),
+                     "settings": {**_eval_settings(config), "n": n, "select": rules}}))
+    return 0
+
+
+def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out: Path) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from .checkpoint import atomic_path
+    from .inference.masked_svdd import masked_svdd_in_batches
+    from .inference.text_candidates import build_scorers, check_candidates_differ
+    from .run_logger import json_line
+
+    rules = _text_rules(select, "likelihood")
+    if len(rules) != 1 or rules[0] == "majority":
+        raise FlowRLError(f"--svdd values each candidate by one score (likelihood, a reward's name or reward), got --select {select}.")
+    check_candidates_differ("--svdd", m, config.sampler.eval_temperature, config.sampler.remasking)
+    scorer = build_scorers(rules, config.reward)[0]
+    modality, grader = _text_model(config, checkpoint)
+    prompts, metadata = [p for p, _ in modality.eval_pool], [m_ for _, m_ in modality.eval_pool]
+    with tqdm(total=len(prompts), desc=f"svdd-{m}", unit="item", disable=None) as bar:
+        result = masked_svdd_in_batches(modality.pipeline, config.sampler, config.pipeline.prompt_length, scorer, prompts, m,
+                                        config.sampler.eval_temperature, config.eval.seed, config.rollout.batch_size, modality.position_scorer,
+                                        progress=bar.update)
+    graded = grader(result.completions, prompts, metadata)
+    rows_path = out.with_suffix(".jsonl")
+    with atomic_path(rows_path) as tmp, open(tmp, "w") as f:
+        for i, prompt in enumerate(prompts):
+            f.write(json.dumps({"prompt": prompt, "completion": result.completions[i], "score": float(graded.scores[i]),
+                                "value": float(result.scores[i])}) + "\n")
+    components = {f"eval/reward/{k}@svdd{m}": round(float(v.float().nanmean()), 6) for k, v in graded.extras.items()}
+    print(json_line({f"eval/reward/mean@svdd{m}/{rules[0]}": round(float(graded.scores.float().nanmean()), 6), **components,
+                     "denoiser_forwards_per_item": round(result.forwards / len(prompts), 3), "completions": str(rows_path),
+                     "settings": {**_eval_settings(config), "svdd": m, "select": rules[0]}}))
     return 0
 
 

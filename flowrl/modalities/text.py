@@ -15,11 +15,11 @@ from ..checkpoint import atomic_path
 from ..config import Config
 from ..errors import FlowRLError
 from ..evaluation.held_out import eval_pool
+from ..inference.text_candidates import generate_texts
 from ..objectives.dllm.policy import build_dllm_objective
 from ..pipelines.dllm import load_masked_lm
 from ..prompts import prompt_pool, sample_prompts
 from ..run_logger import nanmean
-from ..samplers.masked import decode_completions, generate
 from ..types import Reward, RewardOutput, TokenTrajectory
 
 EMBEDDED_LMS = {"arith_mdlm": Path(__file__).resolve().parents[1] / "assets" / "arith_mdlm"}
@@ -66,17 +66,15 @@ class TextModality:
             raise FlowRLError(f"sampler.remasking=policy needs an objective with an unmasking policy (dcolt), not '{self.objective.name}'.")
 
     # -- generation -----------------------------------------------------------------------------
+    @property
+    def position_scorer(self):
+        """DCoLT's unmasking policy when the sampler remasks by it, else None."""
+        return self.objective.position_scorer if self.config.sampler.remasking == "policy" else None
+
     def _generate(self, prompts: list[str], temperature: float, gen: torch.Generator) -> TokenTrajectory:
-        tok, sc, pc = self.pipeline.tokenizer, self.config.sampler, self.config.pipeline
-        tok.padding_side = "left"
-        enc = tok(prompts, padding="max_length" if pc.prompt_length else "longest", max_length=pc.prompt_length,
-                  truncation=pc.prompt_length is not None, return_tensors="pt")
-        scorer = self.objective.position_scorer if sc.remasking == "policy" else None
-        traj = generate(self.pipeline, enc.input_ids.to(self.device), enc.attention_mask.bool().to(self.device), sc.gen_length, sc.steps,
-                        sc.block_length, temperature=temperature, remasking=sc.remasking, threshold=sc.threshold,
-                        position_scorer=scorer, logit_shift=sc.logit_shift, generator=gen)
-        traj.completions = decode_completions(tok, traj.completion_ids, self.pipeline.eos_token_id)
-        return traj
+        # one generation path for rollouts, evaluation and inference-time scaling (best-of-1 = the evaluation)
+        return generate_texts(self.pipeline, prompts, self.config.sampler, self.config.pipeline.prompt_length, temperature, gen,
+                              self.position_scorer)
 
     @torch.no_grad()
     def collect(self, iteration: int, rank: int, world: int) -> TokenTrajectory:
