@@ -108,7 +108,7 @@ class Trainer:
         pc = self.config.prompts
         pools = [("held-out", eval_pool(self.config), pc.eval_file)]
         if self.objective.trains_on != "offline_pairs":  # offline pairs carry their own prompts and labels
-            pools.insert(0, ("training", getattr(self.modality, "train_pool", []), pc.train_file))
+            pools.insert(0, ("training", self.modality.train_pool, pc.train_file))
         for what, pool, file in pools:
             for i, (prompt, metadata) in enumerate(pool):
                 for reward_name, key in needs:

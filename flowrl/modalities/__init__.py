@@ -20,6 +20,7 @@ class Modality(Protocol):
     sampler: Any  # the rollout sampler (text: the masked-sampler config section)
     objective: Any  # types.Objective (text: types.TokenObjective)
     module_attr: str  # the pipeline attribute holding the trained module ("denoiser" / "model")
+    train_pool: list  # the training (prompt, metadata) pairs
 
     def check(self) -> None:
         """Refuse, in one sentence, an objective / sampler / batch combination this modality cannot train."""
