@@ -1,0 +1,161 @@
+"""Inference-time scaling on the embedded masked-diffusion LM (arith_mdlm), measured in one run per model:
+greedy decoding, best-of-N at the sampling temperature with every verifier-free selection rule (and
+pass@N, the oracle upper bound), and SVDD with M candidates per unmasking step valued by the model's
+likelihood of a one-shot completion; denoiser work counted (rows through ``lm.logits``), not assumed.
+
+    python bench/text_inference_scaling.py measure [--checkpoint DIR] [--label base] [--n 16] [--svdd 4 16] \\
+        [--select majority,likelihood,format] --json OUT.json [key=value overrides]
+    python bench/text_inference_scaling.py plot base.json after.json --out runs/x/inference_scaling.png
+
+``measure`` prints a table and writes the numbers as JSON after every phase (greedy, best-of-N, each SVDD M); run
+again on the same JSON it runs only the phases missing there. ``plot`` draws one panel per JSON (accuracy
+against N for each rule, pass@N dashed, greedy and SVDD as references).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flowrl import seeding  # noqa: E402
+from flowrl.checkpoint import read_weights  # noqa: E402
+from flowrl.config import load_config  # noqa: E402
+from flowrl.inference.masked_svdd import masked_svdd_in_batches  # noqa: E402
+from flowrl.inference.plots import save_scaling_plot  # noqa: E402
+from flowrl.inference.text_best_of_n import ORACLE, text_best_of_n  # noqa: E402
+from flowrl.inference.text_candidates import build_scorer, build_scorers  # noqa: E402
+from flowrl.modalities.text import TextModality  # noqa: E402
+from flowrl.reward_models import build_reward_from_config  # noqa: E402
+
+
+class RowCounter:
+    """Counts the rows the masked LM is run on (one row = one sequence through the model once)."""
+
+    def __init__(self, lm):
+        self.rows, self._logits = 0, lm.logits
+        lm.logits = self
+
+    def __call__(self, input_ids, attention_mask=None):
+        self.rows += input_ids.shape[0]
+        return self._logits(input_ids, attention_mask=attention_mask)
+
+
+def measure(args) -> None:
+    config_path = Path(args.checkpoint) / "config.yaml" if args.checkpoint else Path(args.config)
+    config = load_config(config_path, args.overrides)
+    seeding.seed_initialisation(config.seed)
+    modality = TextModality(config, torch.device("cpu"))
+    if args.checkpoint:
+        weights = read_weights(Path(args.checkpoint))
+        if modality.objective.extra_module is not None:
+            modality.objective.extra_module.load_state_dict({k[10:]: v for k, v in weights.items() if k.startswith("objective.")})
+        modality.pipeline.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
+    lm, sc, plen = modality.pipeline, config.sampler, config.pipeline.prompt_length
+    lm.model.eval()
+    grader = build_reward_from_config(config.reward)
+    prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
+    counter, batch, seed, temp = RowCounter(lm), config.rollout.batch_size, config.eval.seed, args.temperature
+    rules = [r for r in args.select.split(",") if r]
+    out_path = Path(args.json)
+    # a file from an earlier run of the same measurement keeps its finished phases: only the missing ones run
+    result: dict = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    result.update({"label": args.label, "checkpoint": args.checkpoint, "items": len(prompts), "temperature": temp, "n": args.n,
+                   "settings": {"gen_length": sc.gen_length, "steps": sc.steps, "block_length": sc.block_length, "remasking": sc.remasking}})
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every phase: a killed run loses only the phase it was in
+        out_path.write_text(json.dumps(result, indent=1))
+
+    def timed(fn):
+        counter.rows, start = 0, time.perf_counter()
+        value = fn()
+        return value, counter.rows, time.perf_counter() - start
+
+    if "greedy" not in result:
+        greedy, rows, secs = timed(lambda: text_best_of_n(lm, sc, plen, grader, [], prompts, metadata, 1, 0.0, seed, batch, modality.position_scorer))
+        result["greedy"] = {"accuracy": greedy.accuracy("majority", 1), "forwards_per_item": rows / len(prompts), "seconds": secs}
+        save()
+    plain_rows = result["greedy"]["forwards_per_item"] * len(prompts)  # the plain sampler's work (greedy or not: same steps)
+    print(f"{args.label}: {len(prompts)} held-out items; greedy accuracy {result['greedy']['accuracy']:.4f} "
+          f"({plain_rows:.0f} forwards)", flush=True)
+    if "best_of_n" not in result:
+        best, rows, secs = timed(lambda: text_best_of_n(lm, sc, plen, grader, build_scorers(rules, config.reward), prompts, metadata, args.n,
+                                                        temp, seed, batch, modality.position_scorer))
+        result["best_of_n"] = {"curves": {r: {str(k): v for k, v in c.items()} for r, c in best.curves(rules).items()},
+                               "single_sample_accuracy": best.sample_accuracy(), "forwards_vs_plain": rows / plain_rows, "seconds": secs}
+        save()
+    b = result["best_of_n"]
+    print(f"best-of-{args.n} at T = {temp:g}, accuracy of each rule's choice; pass@N = oracle upper bound ({b['forwards_vs_plain']:.2f}x "
+          f"the plain forwards, {b['seconds']:.0f} s):")
+    shown = [r for r in b["curves"] if r != ORACLE]
+    print(f"{'N':>4}" + "".join(f"{r:>12}" for r in shown) + f"{'pass@N':>10}")
+    for k in b["curves"][ORACLE]:
+        print(f"{k:>4}" + "".join(f"{b['curves'][r][k]:>12.4f}" for r in shown) + f"{b['curves'][ORACLE][k]:>10.4f}")
+    print(f"single-sample accuracy at T = {temp:g} over all {args.n * len(prompts)} candidates: {b['single_sample_accuracy']:.4f}", flush=True)
+    result.setdefault("svdd", {})
+    for m in args.svdd:
+        if str(m) in result["svdd"]:
+            print(f"svdd M = {m:>2}: accuracy {result['svdd'][str(m)]['accuracy']:.4f} (earlier run)")
+            continue
+        out, rows, secs = timed(lambda: masked_svdd_in_batches(lm, sc, plen, build_scorer("likelihood"), prompts, m, temp, seed, batch,
+                                                              modality.position_scorer))
+        acc = float(grader(out.completions, prompts, metadata).scores.float().nanmean())
+        assert rows == out.forwards  # the function's own count is the counted work
+        result["svdd"][str(m)] = {"accuracy": acc, "forwards_vs_plain": rows / plain_rows, "seconds": secs}
+        print(f"svdd M = {m:>2} (value: likelihood of the one-shot completion): accuracy {acc:.4f}, {rows / plain_rows:.2f}x the plain "
+              f"forwards, {secs:.0f} s", flush=True)
+        save()
+
+
+def plot(args) -> None:
+    panels, references = {}, {}
+    for path in args.results:
+        r = json.loads(Path(path).read_text())
+        title = f"{r['label']} ({r['items']} held-out items, T = {r['temperature']:g})"
+        panels[title] = {("pass@N (oracle upper bound)" if rule == ORACLE else f"best-of-N, {rule}"): {int(k): v for k, v in c.items()}
+                         for rule, c in r["best_of_n"]["curves"].items()}
+        if r["svdd"]:
+            # M = 1 is the plain sample at the same seed (tested), which every rule's N = 1 point is too
+            svdd = {1: r["best_of_n"]["curves"][ORACLE]["1"], **{int(m): v["accuracy"] for m, v in r["svdd"].items()}}
+            panels[title]["SVDD, likelihood (M = N)"] = svdd
+        references[title] = {f"greedy decoding {r['greedy']['accuracy']:.3f}": r["greedy"]["accuracy"]}
+    save_scaling_plot(panels, Path(args.out), "held-out exact-match accuracy", references,
+                      title="arith_mdlm: accuracy against candidates per item")
+    print(f"wrote {args.out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--config", default=str(REPO / "configs" / "dllm" / "diffu_grpo.yaml"))
+    m.add_argument("--checkpoint", default=None, help="a run checkpoint (its config.yaml is used)")
+    m.add_argument("--label", default="base arith_mdlm")
+    m.add_argument("--n", type=int, default=16)
+    m.add_argument("--temperature", type=float, default=1.0)
+    m.add_argument("--svdd", type=int, nargs="*", default=[4, 16])
+    m.add_argument("--select", default="majority,likelihood,format")
+    m.add_argument("--json", required=True)
+    m.add_argument("--threads", type=int, default=1)
+    m.add_argument("overrides", nargs="*")
+    q = sub.add_parser("plot")
+    q.add_argument("results", nargs="+")
+    q.add_argument("--out", required=True)
+    args = p.parse_args()
+    if args.command == "measure":
+        torch.set_num_threads(args.threads)
+        measure(args)
+    else:
+        plot(args)
+
+
+if __name__ == "__main__":
+    main()
