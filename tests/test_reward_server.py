@@ -33,7 +33,9 @@ from flowrl.config import RewardConfig
 from flowrl.errors import FlowRLError
 from flowrl.reward_models import build_reward, build_reward_from_config
 from flowrl.reward_models.remote import RemoteReward, RewardServerError
-from flowrl.reward_server import ServerConfig, _Job, _Scorer, load_server_config, serve_main
+from flowrl.reward_models.wire import _Job
+from flowrl.reward_server import ServerConfig, load_server_config, serve_main
+from flowrl.reward_server.batcher import Batcher
 from flowrl.types import RewardOutput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -447,7 +449,7 @@ def raw(url: str, method: str, path: str, body: bytes | None = None, headers: di
     try:
         conn.request(method, path, body=body, headers=headers or {})
         response = conn.getresponse()
-        return response.status, dict(response.getheaders()), json.loads(response.read())
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(response.read())
     finally:
         conn.close()
 
@@ -457,14 +459,19 @@ def test_a_saturated_server_answers_503_with_retry_after_and_the_client_comes_ba
     parts = urlsplit(proc.url)
     held: list[socket.socket] = []
     try:
-        held = [socket.create_connection((parts.hostname, parts.port), timeout=10) for _ in range(2)]  # idle: each holds a slot
+        # Two requests in flight whose bodies never finish arriving: each holds one of the 2 scoring slots.
+        for _ in range(2):
+            s = socket.create_connection((parts.hostname, parts.port), timeout=10)
+            s.sendall(f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                      "Content-Type: application/x-npz\r\nContent-Length: 1000\r\n\r\nPK".encode())
+            held.append(s)
         deadline = time.monotonic() + 10
-        while raw(proc.url, "GET", "/health")[0] != 503:  # the server has taken both slots
+        while raw(proc.url, "GET", "/health")[2]["in_flight"] != 2:  # health answers while scoring is saturated
             assert time.monotonic() < deadline
             time.sleep(0.05)
         images, prompts, meta = digits(3)
         status, headers, answer = raw(proc.url, "POST", "/score", npz(images.numpy(), {"prompts": prompts, "metadata": meta}), auth())
-        assert status == 503 and headers["Retry-After"] == "1" and answer == {"error": "the reward server is busy; retry later."}
+        assert status == 503 and headers["retry-after"] == "1" and answer == {"error": "the reward server is busy; retry later."}
         start = time.monotonic()
         with pytest.raises(RewardServerError) as info:
             RemoteReward(proc.url, token=TOKEN, retry_for=1.5, backoff=0.1, timeout=5)(images, prompts, meta)
@@ -558,7 +565,7 @@ class _Gated:
 
 def test_queued_requests_are_coalesced_and_split_back():
     reward = _Gated()
-    scorer = _Scorer(reward, "cpu", max_batch=8, coalesce=True, max_queue=16)
+    scorer = Batcher(reward, "cpu", max_batch=8, coalesce=True, max_wait_s=0.0, max_queue=16)
     scorer.start()
     try:
         jobs = [_Job(torch.full((n, 1, 2, 2), float(n)), [""] * n, [{}] * n) for n in (1, 2, 3, 4)]

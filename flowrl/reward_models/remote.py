@@ -8,7 +8,10 @@ The samples travel as an NPZ archive (never pickle), the prompts and metadata as
 ``flowrl.reward_server`` and docs/reward_server.md for the wire format. Connection errors,
 timeouts and 5xx answers (503 "busy" included, after at least its Retry-After) are retried with jittered
 exponential backoff for up to ``retry_for`` seconds; 4xx answers (a wrong token, a request the server
-refuses) are not, since sending the same request again cannot help.
+refuses) are not, since sending the same request again cannot help. With several URLs (replicas of one
+server) requests go round-robin, chunks of one batch go to different replicas at once, and a failed
+attempt moves on to the next replica at once; the backoff waits only after every replica has failed.
+Only the standard library: a training process needs no HTTP package.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import os
 import random
 import socket
 import ssl
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -40,6 +46,7 @@ ENCODINGS = ("float32", "uint8", "png")
 MAX_BACKOFF_S = 30.0
 MAX_RESPONSE_BYTES = 64 * 2**20
 URL_ENV = "FLOWRL_REWARD_URL"
+DOWN_S = 10.0  # a replica that failed is tried after the others for this long
 
 
 class RewardServerError(FlowRLError):
@@ -76,23 +83,57 @@ def _retry_after(value: str | None) -> float | None:
     return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
 
 
+@dataclass
+class _Endpoint:
+    """One reward server replica."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str  # ".../score"
+    url: str  # as the errors name it, without "/score"
+    down_until: float = 0.0  # time.monotonic() before which it is tried last
+
+
+def parse_endpoint(url: str) -> _Endpoint:
+    parts = urlsplit(str(url).strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise FlowRLError(f"reward server url '{url}' must look like http://HOST:PORT.")
+    try:
+        port = parts.port
+    except ValueError:
+        raise FlowRLError(f"reward server url '{url}' has an invalid port.") from None
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise FlowRLError(f"reward server url '{url}' must not carry a query, fragment or user name.")
+    base = parts.path.rstrip("/")
+    return _Endpoint(
+        scheme=parts.scheme,
+        host=parts.hostname,
+        port=port or (443 if parts.scheme == "https" else 80),
+        path=(base if base.endswith("/score") else base + "/score") or "/score",
+        url=f"{parts.scheme}://{parts.netloc}{base.removesuffix('/score')}",
+    )
+
+
 class RemoteReward:
     """Score samples on a flowrl reward server (``flowrl serve-reward``).
 
-    url:         the server, e.g. ``http://127.0.0.1:8123`` (``/score`` is appended); None reads it from
-                 the environment variable FLOWRL_REWARD_URL when the reward is first called.
+    url:         the server, e.g. ``http://127.0.0.1:8123`` (``/score`` is appended), or several replicas as a
+                 list or a comma-separated string; None reads it from the environment variable
+                 FLOWRL_REWARD_URL (comma-separated for several) when the reward is first called.
     token:       the shared secret; None reads it from the environment variable ``token_env`` (no
                  Authorization header is sent when neither is set).
     timeout:     seconds each socket operation of one attempt may take.
     retry_for:   seconds from the first attempt during which connection errors, timeouts and 5xx answers
-                 are retried; the last attempt starts at the latest then (a server restarting must not end
+                 are retried (on the next replica at once, when there are several); the last attempt starts at the latest then (a server restarting must not end
                  a long run, a dead one must end it in bounded time).
-    backoff:     the k-th wait is ``backoff * 2**(k-1)`` seconds (at most 30 s) times a random factor in
+    backoff:     after the k-th round in which every replica failed, the wait is ``backoff * 2**(k-1)`` seconds (at most 30 s) times a random factor in
                  [0.5, 1.5], so clients that failed together do not come back together; at least the
                  server's Retry-After on a 503.
     retries:     at most this many attempts in all (None: as many as ``retry_for`` allows).
     batch_size:  samples per request (None: the whole batch in one request); keep it at or below the
-                 server's ``max_batch`` and the body under its ``max_request_bytes``.
+                 server's ``max_batch`` and the body under its ``max_request_bytes``. With several replicas
+                 the chunks are scored on them at the same time.
     encoding:    "float32" (NPZ, exact), "uint8" (NPZ, 4x smaller, pixels rounded to 1/255) or "png"
                  (JSON with base64 PNGs, rounded to 1/255; images with 1 or 3 channels only).
     The reward is never differentiable: gradients do not cross the network.
@@ -100,7 +141,7 @@ class RemoteReward:
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         token: str | None = None,
         token_env: str = "FLOWRL_REWARD_TOKEN",
         timeout: float = 60.0,
@@ -134,29 +175,27 @@ class RemoteReward:
         self._jitter = random.Random()  # seeded by the OS: processes that failed together must not retry in step
         self.batch_size = batch_size
         self.encoding = encoding
-        self.url: str | None = None
+        self.endpoints: list[_Endpoint] = []
+        self._turn = 0  # round-robin: the replica the next request starts on
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
         if url is not None:
-            self._set_url(url)
+            self._set_urls(url)
 
-    def _set_url(self, url: str) -> None:
-        parts = urlsplit(str(url))
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise FlowRLError(f"reward server url '{url}' must look like http://HOST:PORT.")
-        try:
-            port = parts.port
-        except ValueError:
-            raise FlowRLError(f"reward server url '{url}' has an invalid port.") from None
-        if parts.query or parts.fragment or parts.username or parts.password:
-            raise FlowRLError(f"reward server url '{url}' must not carry a query, fragment or user name.")
-        self.scheme = parts.scheme
-        self.host = parts.hostname
-        self.port = port or (443 if parts.scheme == "https" else 80)
-        base = parts.path.rstrip("/")
-        self.path = (base if base.endswith("/score") else base + "/score") or "/score"
-        self.url = f"{parts.scheme}://{parts.netloc}{base.removesuffix('/score')}"
-        if self.token and self.scheme == "http" and not _is_loopback(self.host):
+    @property
+    def url(self) -> str | None:
+        """The server's URL, or the replicas' URLs joined by ", " (as the errors name them)."""
+        return ", ".join(e.url for e in self.endpoints) or None
+
+    def _set_urls(self, url: str | Sequence[str]) -> None:
+        urls = [u for u in (url.split(",") if isinstance(url, str) else list(url)) if str(u).strip()]
+        if not urls:
+            raise FlowRLError("the remote reward's url list is empty.")
+        self.endpoints = [parse_endpoint(u) for u in urls]
+        exposed = [e.url for e in self.endpoints if e.scheme == "http" and not _is_loopback(e.host)]
+        if self.token and exposed:
             warnings.warn(
-                f"the reward server token is sent in clear text to {self.url}; use https (a TLS proxy) "
+                f"the reward server token is sent in clear text to {', '.join(exposed)}; use https (a TLS proxy) "
                 "or an SSH tunnel outside a trusted network.",
                 stacklevel=2,
             )
@@ -197,18 +236,18 @@ class RemoteReward:
             raise FlowRLError(f"the metadata holds {what} that cannot be sent to the reward server as JSON.") from None
 
     # ------------------------------------------------------------------ transport
-    def _attempt(self, body: bytes, content_type: str) -> tuple[int, bytes, float | None]:
-        if self.scheme == "https":
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+    def _attempt(self, endpoint: _Endpoint, body: bytes, content_type: str) -> tuple[int, bytes, float | None]:
+        if endpoint.scheme == "https":
+            conn = http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=self.timeout,
                                                context=ssl.create_default_context())
         else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.timeout)
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
             try:
-                conn.request("POST", self.path, body=body, headers=headers)
+                conn.request("POST", endpoint.path, body=body, headers=headers)
             except (BrokenPipeError, ConnectionResetError):
                 # The server may have refused the body early (401, 413) and closed; its answer is
                 # usually still readable.
@@ -227,8 +266,19 @@ class RemoteReward:
             wait = max(wait, min(retry_after, MAX_BACKOFF_S) * self._jitter.uniform(1.0, 1.2))
         return wait
 
+    def _order(self) -> list[_Endpoint]:
+        """This request's replicas in the order to try them: round-robin, the ones that failed lately last."""
+        with self._lock:
+            start = self._turn
+            self._turn += 1
+        n, now = len(self.endpoints), time.monotonic()
+        ranked = sorted(range(n), key=lambda i: (self.endpoints[i].down_until > now, (i - start) % n))
+        return [self.endpoints[i] for i in ranked]
+
     def _post(self, body: bytes, content_type: str) -> dict:
         cause, attempt, start, retry_after = "", 0, time.monotonic(), None
+        order = self._order()
+        n = len(order)
         while True:
             if attempt:
                 if self.retries is not None and attempt >= self.retries:
@@ -236,44 +286,50 @@ class RemoteReward:
                 left = self.retry_for - (time.monotonic() - start)
                 if left <= 0:
                     break
-                time.sleep(min(self._wait(attempt, retry_after), left))  # the last attempt starts at retry_for
+                if attempt % n == 0:  # every replica failed this round: back off (the last attempt starts at retry_for)
+                    time.sleep(min(self._wait(attempt // n, retry_after), left))
+                    retry_after = None
+            endpoint = order[attempt % n]
             attempt += 1
-            retry_after = None
             try:
-                status, data, retry_after = self._attempt(body, content_type)
+                status, data, answer_retry_after = self._attempt(endpoint, body, content_type)
+                failure = None
             except ssl.SSLError as e:
-                raise RewardServerError(f"reward server {self.url} failed the TLS handshake ({e.reason or e}).") from None
+                raise RewardServerError(f"reward server {endpoint.url} failed the TLS handshake ({e.reason or e}).") from None
             except ConnectionRefusedError:
-                cause = "connection refused"
-                continue
+                failure = "connection refused"
             except (socket.timeout, TimeoutError):
-                cause = f"timed out after {self.timeout:g} s"
-                continue
+                failure = f"timed out after {self.timeout:g} s"
             except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
-                cause = "connection closed without an answer"
-                continue
+                failure = "connection closed without an answer"
             except socket.gaierror as e:
-                cause = f"host not found: {e.strerror or e}"
-                continue
+                failure = f"host not found: {e.strerror or e}"
             except (OSError, http.client.HTTPException) as e:
-                cause = (getattr(e, "strerror", None) or str(e) or type(e).__name__).rstrip(".")
+                failure = (getattr(e, "strerror", None) or str(e) or type(e).__name__).rstrip(".")
+            if failure is None:
+                message = self._error_message(data)
+                if status >= 500:
+                    failure = f"HTTP {status}: {message}" if message else f"HTTP {status}"
+                    if answer_retry_after is not None:
+                        retry_after = max(retry_after or 0.0, answer_retry_after)
+            if failure is not None:
+                endpoint.down_until = time.monotonic() + DOWN_S
+                cause = failure if n == 1 else f"{endpoint.url}: {failure}"
                 continue
-            message = self._error_message(data)
-            if status >= 500:
-                cause = f"HTTP {status}: {message}" if message else f"HTTP {status}"
-                continue
+            endpoint.down_until = 0.0
             if status != 200:
                 raise RewardServerError(
-                    f"reward server {self.url} refused the request (HTTP {status}"
+                    f"reward server {endpoint.url} refused the request (HTTP {status}"
                     + (f": {message}" if message else "") + ")."
                 )
             if len(data) > MAX_RESPONSE_BYTES:
-                raise RewardServerError(f"reward server {self.url} sent an answer over {MAX_RESPONSE_BYTES} bytes.")
+                raise RewardServerError(f"reward server {endpoint.url} sent an answer over {MAX_RESPONSE_BYTES} bytes.")
             try:
                 return json.loads(data)
             except (ValueError, RecursionError):
-                raise RewardServerError(f"reward server {self.url} sent an answer that is not JSON.") from None
-        raise RewardServerError(f"reward server {self.url} did not answer after {attempt} attempt{'s' * (attempt != 1)} ({cause}).")
+                raise RewardServerError(f"reward server {endpoint.url} sent an answer that is not JSON.") from None
+        servers = f"reward server {self.url}" if n == 1 else f"reward servers {self.url}"
+        raise RewardServerError(f"{servers} did not answer after {attempt} attempt{'s' * (attempt != 1)} ({cause}).")
 
     @staticmethod
     def _error_message(data: bytes) -> str:
@@ -298,11 +354,11 @@ class RemoteReward:
         return scores, extras
 
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
-        if self.url is None:
+        if not self.endpoints:
             url = os.environ.get(URL_ENV)
             if not url:
                 raise FlowRLError(f"the remote reward has no url; set reward.kwargs.{self.name}.url or {URL_ENV}.")
-            self._set_url(url)
+            self._set_urls(url)
         n = samples.shape[0]
         if samples.ndim not in (4, 5):
             raise FlowRLError(f"a remote reward sends (B, C, H, W) images or (B, C, T, H, W) videos, got shape {tuple(samples.shape)}.")
@@ -312,12 +368,21 @@ class RemoteReward:
         # scores NaN without being sent, as an in-process reward would score it, and is dropped by the trainer.
         finite = torch.isfinite(samples.detach().reshape(n, -1)).all(dim=1).cpu() if n else torch.ones(0, dtype=torch.bool)
         rows = finite.nonzero().flatten().tolist()
+        step = self.batch_size or max(len(rows), 1)
+        chunks = [rows[start:start + step] for start in range(0, len(rows), step)]
+
+        def score(chunk: list[int]):
+            return self._score_chunk(samples[chunk], [prompts[i] for i in chunk], [metadata[i] for i in chunk])
+
+        if len(self.endpoints) > 1 and len(chunks) > 1:  # one chunk per replica at a time
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(len(self.endpoints), thread_name_prefix="flowrl-remote-reward")
+            answers = list(self._pool.map(score, chunks))
+        else:
+            answers = [score(chunk) for chunk in chunks]
         scores: list[float] = []
         extras: dict[str, list[float]] | None = None
-        step = self.batch_size or max(len(rows), 1)
-        for start in range(0, len(rows), step):
-            chunk = rows[start:start + step]
-            chunk_scores, chunk_extras = self._score_chunk(samples[chunk], [prompts[i] for i in chunk], [metadata[i] for i in chunk])
+        for chunk_scores, chunk_extras in answers:
             scores += chunk_scores
             if extras is None:
                 extras = chunk_extras

@@ -13,7 +13,7 @@ import math
 import threading
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple[list, dict[str, list]] | None = None
     error: BaseException | None = None
+    arrived: float = 0.0  # time.monotonic() when queued: the batcher's wait is bounded from it
+    on_done: Callable[[], None] | None = None  # called on the scoring thread once result or error is set
 
     def __len__(self) -> int:
         return int(self.samples.shape[0])
