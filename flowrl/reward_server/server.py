@@ -65,6 +65,7 @@ class RewardServer:
             raise FlowRLError(
                 f"the reward server could not listen on {config.host}:{config.port} ({e.strerror or e})."
             ) from None
+        self._address = self.socket.getsockname()
         self.uvicorn = uvicorn.Server(uvicorn.Config(
             build_app(self.state), log_config=None, access_log=False, lifespan="off",
             limit_concurrency=CONNECTIONS_PER_SLOT * config.max_connections,
@@ -74,11 +75,11 @@ class RewardServer:
 
     @property
     def port(self) -> int:
-        return int(self.socket.getsockname()[1])
+        return int(self._address[1])
 
     @property
     def url(self) -> str:
-        host = self.socket.getsockname()[0]
+        host = self._address[0]
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def start(self) -> "RewardServer":
