@@ -1,4 +1,5 @@
-# make install   create .venv with flowrl and its test dependencies (CPU torch unless a GPU is present)
+# make install   create .venv with flowrl and its test dependencies (CPU torch unless a GPU is present;
+#                as root on Debian also chromium + chromium-driver for the labelling page's browser test)
 # make test      install, then run the whole test suite (what CI runs)
 # make train     the README's main job: GRPO on the embedded digits model
 # make bench     framework-overhead benchmark
@@ -13,6 +14,7 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	PYTHON=$(BIN)/python bash scripts/install_torch.sh
+	bash scripts/install_browser.sh
 	$(BIN)/python -m pip install -q -e ".[test]"
 
 test: install

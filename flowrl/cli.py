@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
     r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
     r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
+    lb = sub.add_parser("label", help="label a pairs directory by hand in a browser (writes DIR/labels.jsonl; docs/labeling.md)")
+    lb.add_argument("directory", help="a pairs directory (python -m flowrl.preference_pairs)")
+    lb.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; any other needs the token, "
+                    "FLOWRL_LABEL_TOKEN or a random one printed in the address)")
+    lb.add_argument("--port", type=int, default=8765, help="port (0 = any free port)")
     return p
 
 
@@ -86,10 +91,12 @@ def _quiet_library_progress() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _quiet_library_progress()
+    if args.command != "label":  # the labelling page loads no model: no need to import diffusers for it
+        _quiet_library_progress()
     try:
         _check_arguments(args)
-        return {"train": _train, "sample": _sample, "eval": _eval, "export": _export, "serve-reward": _serve_reward}[args.command](args)
+        return {"train": _train, "sample": _sample, "eval": _eval, "export": _export, "serve-reward": _serve_reward,
+                "label": _label}[args.command](args)
     except FlowRLError as e:
         print(f"flowrl: error: {e}", file=sys.stderr)
         return 2
@@ -122,7 +129,7 @@ def _check_arguments(args) -> None:
     if args.command == "eval":
         at_least_one("--best-of", args.best_of)
         at_least_one("--svdd", args.svdd)
-    if args.command == "serve-reward" and args.port is not None and not 0 <= args.port <= 65535:
+    if args.command in ("serve-reward", "label") and args.port is not None and not 0 <= args.port <= 65535:
         raise FlowRLError(f"--port must be in 0-65535, got {args.port}.")
     if args.command == "sample" or (args.command == "eval" and (args.best_of is not None or args.svdd is not None)):
         _check_writable(args.out)
@@ -152,6 +159,12 @@ def _serve_reward(args) -> int:
     from .reward_server import serve_main
 
     return serve_main(args.config, port=args.port)
+
+
+def _label(args) -> int:
+    from .label_server import serve
+
+    return serve(args.directory, host=args.host, port=args.port)
 
 
 def _train(args) -> int:

@@ -213,7 +213,9 @@ class D3POConfig(Section):
     name: Literal["d3po"] = "d3po"
     beta: float = Field(0.1, gt=0)
     clip_range: float = Field(0.1, gt=0, lt=1)  # the ratio to the reference is clamped to [1 - c, 1 + c]
-    preference: Literal["reward", "pareto"] = "reward"  # pareto: over the reward components
+    # pareto: over the reward components; human: a person's labels of the pairs in prompts.pairs (flowrl label,
+    # labels.jsonl), trained on the trajectories stored with them (python -m flowrl.preference_pairs --trajectories)
+    preference: Literal["reward", "pareto", "human"] = "reward"
     timestep_fraction: float = Field(1.0, gt=0, le=1)
     timestep_order: Literal["random", "first"] = "random"
 
@@ -223,6 +225,7 @@ class DiffusionDPOConfig(Section):
 
     name: Literal["diffusion_dpo"] = "diffusion_dpo"
     beta: float = Field(5000.0, gt=0)  # the reference's value for SD1.5 / SDXL latents
+    preference: Literal["stored", "human"] = "stored"  # stored: the pairs' own order; human: their labels.jsonl (flowrl label)
 
 
 class AdjointMatchingConfig(Section):

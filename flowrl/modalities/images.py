@@ -3,6 +3,7 @@ offline preference pairs, decoded-sample rewards, and a held-out evaluation on t
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ..evaluation.held_out import HeldOut, held_out_images
 from ..objectives import build_objective
 from ..pipelines import build_pipeline
 from ..pipelines.guidance import training_guidance_scale
+from ..preference_labels import labelled_pairs
 from ..preference_pairs import PreferencePairs, read_pairs
 from ..prompts import prompt_pool, sample_prompts
 from ..reward_models.gradients import reward_and_gradient
@@ -99,11 +101,31 @@ class ImageModality:
         if self.config.prompts.pairs is None:
             raise FlowRLError(f"objective '{self.objective.name}' trains on offline preference pairs: set prompts.pairs to a pairs "
                               "directory (python -m flowrl.preference_pairs).")
-        pairs = read_pairs(self.config.prompts.pairs)
+        directory = self.config.prompts.pairs
+        # objective.preference (D3PO, Diffusion-DPO): "human" trains on a person's labels.jsonl of the pairs
+        if getattr(self.config.objective, "preference", None) == "human":
+            labelled = labelled_pairs(directory)
+            pairs, c = labelled.pairs, labelled.counts
+            print(f"flowrl: training on {c['preferences']} human preferences of the {c['total']} pairs in '{directory}' "
+                  f"({c['ties']} ties, {c['skips']} skips and {c['total'] - c['labelled']} unlabelled pairs left out).", file=sys.stderr, flush=True)
+        else:
+            pairs = read_pairs(directory)
         shape = tuple(self.pipeline.initial_noise(1, torch.Generator()).shape[1:])
         if tuple(pairs.winners.shape[1:]) != shape:
-            raise FlowRLError(f"the pairs in '{self.config.prompts.pairs}' have shape {tuple(pairs.winners.shape[1:])}, the model's samples {shape}.")
+            raise FlowRLError(f"the pairs in '{directory}' have shape {tuple(pairs.winners.shape[1:])}, the model's samples {shape}.")
+        if self.objective.needs_log_probs:  # D3PO re-scores every step of the stored trajectories
+            self._check_trajectories(pairs, directory)
         return pairs
+
+    def _check_trajectories(self, pairs: PreferencePairs, directory: str) -> None:
+        if pairs.trajectories is None:
+            raise FlowRLError(f"objective '{self.objective.name}' trains on the denoising trajectories of the pairs, and '{directory}' has "
+                              "none; build the pairs with python -m flowrl.preference_pairs CONFIG --trajectories.")
+        rc = self.config.rollout
+        grid = self.pipeline.schedule.sigmas(rc.num_inference_steps).cpu().float()
+        if pairs.trajectories.sigmas.shape != grid.shape or not torch.allclose(pairs.trajectories.sigmas, grid, atol=1e-6):
+            raise FlowRLError(f"the trajectories in '{directory}' were sampled on {pairs.trajectories.sigmas.shape[0] - 1} steps of another "
+                              f"time grid than this config's (rollout.num_inference_steps = {rc.num_inference_steps}); use the config they were built with.")
 
     @torch.no_grad()
     def _pair_batch(self, iteration: int, rank: int, world: int) -> Trajectory:
@@ -112,13 +134,20 @@ class ImageModality:
         per_process = self.config.train.prompts_per_iteration // world
         rng = seeding.python_rng(self.config.seed, iteration, rank, "pairs")
         idx = [rng.randrange(len(self.pairs)) for _ in range(per_process)]
-        x0 = torch.stack([t for i in idx for t in (self.pairs.winners[i], self.pairs.losers[i])]).to(self.device)
         prompts = [self.pairs.prompts[i] for i in idx for _ in range(2)]
         metadata = [dict(self.pairs.metadata[i]) for i in idx for _ in range(2)]
+        group_ids = torch.arange(per_process).repeat_interleave(2) + rank * per_process
+        traj = self.pairs.trajectories
+        if self.objective.needs_log_probs:  # every recorded state (D3PO on human labels), as the rollout recorded it
+            states = torch.stack([t for i in idx for t in (traj.winners[i], traj.losers[i])]).to(self.device)
+            x0, k = states[:, -1], states.shape[1] - 1
+            return Trajectory(latents=states, sigmas=traj.sigmas.to(self.device), log_probs=torch.full((len(prompts), k), float("nan")),
+                              stochastic=traj.stochastic.clone(), cond=self.pipeline.encode(prompts), prompts=prompts, metadata=metadata,
+                              group_ids=group_ids, samples=self.pipeline.decode(x0), guidance_scale=traj.guidance_scale)
+        x0 = torch.stack([t for i in idx for t in (self.pairs.winners[i], self.pairs.losers[i])]).to(self.device)
         return Trajectory(latents=x0[:, None], sigmas=torch.zeros(1), log_probs=x0.new_zeros(len(prompts), 0),
                           stochastic=torch.zeros(0, dtype=torch.bool), cond=self.pipeline.encode(prompts), prompts=prompts, metadata=metadata,
-                          group_ids=torch.arange(per_process).repeat_interleave(2) + rank * per_process,
-                          samples=self.pipeline.decode(x0), guidance_scale=1.0)
+                          group_ids=group_ids, samples=self.pipeline.decode(x0), guidance_scale=1.0)
 
     # -- score --------------------------------------------------------------------------------------
     def score(self, batch: Trajectory, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, torch.Tensor | None]:

@@ -11,7 +11,9 @@ the sampler's (per-dimension mean, as ddpo-pytorch and D3PO do). Before any upda
 the loss is exactly log 2.
 
 Differences from the reference implementation:
-- Labels come from any reward or reward mix (D3PO's code reads human labels or a fixed reward script).
+- Labels come from any reward or reward mix, or from a person (``preference: human``: the labels.jsonl that
+  ``flowrl label`` writes for a pairs directory built with ``--trajectories``; D3PO's code reads human labels
+  of stored trajectories the same way, or a fixed reward script).
 - Ties and pairs with a dropped (non-finite) reward have h = 0: their loss is the constant log 2 with no
   gradient, so they are masked out of the mean instead of diluting it, and kept in the batch so that
   every process has the same shapes.
@@ -36,7 +38,7 @@ class D3POObjective:
     name: str = "d3po"
     beta: float = 0.1
     clip_range: float = 0.1  # D3PO's eps: the ratio to the reference is clamped to [0.9, 1.1]
-    preference: Literal["reward", "pareto"] = "reward"
+    preference: Literal["reward", "pareto", "human"] = "reward"
     timestep_fraction: float = 1.0
     timestep_order: Literal["random", "first"] = "random"
     trains_on: TrainingData = field(default="rollouts", init=False)  # pairs: consecutive rows of a group
@@ -46,9 +48,17 @@ class D3POObjective:
     extra_module: None = field(default=None, init=False)
     extra_lr_scale: float = field(default=1.0, init=False)
 
+    def __post_init__(self) -> None:
+        if self.preference == "human":  # a person labelled stored pairs: train on their recorded trajectories
+            self.trains_on = "offline_pairs"
+
     def prepare(self, batch: Trajectory) -> Trajectory:
         """Pair consecutive samples of each group, winner first; ``advantages`` = 1 for the two samples of
-        a decisive pair, 0 for a tie (the mask of the loss)."""
+        a decisive pair, 0 for a tie (the mask of the loss). Human-labelled pairs arrive winner first and
+        decisive (ties and skips never reach training)."""
+        if self.preference == "human":
+            batch.advantages = torch.ones(len(batch), device=batch.latents.device)
+            return batch
         first, second = [], []
         for g in torch.unique(batch.group_ids):
             idx = torch.nonzero(batch.group_ids == g).flatten().tolist()

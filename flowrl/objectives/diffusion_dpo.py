@@ -22,7 +22,7 @@ only as far as it does there (beta ~ 5000 for SD1.5/SDXL latents).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 from torch import Tensor
@@ -55,6 +55,7 @@ def noised_and_target(pipeline: Pipeline, x0: Tensor, noise: Tensor, sigma: Tens
 class DiffusionDPOObjective:
     name: str = "diffusion_dpo"
     beta: float = 5000.0
+    preference: Literal["stored", "human"] = "stored"  # which order of the pairs is trained; the modality reads it
     trains_on: TrainingData = field(default="offline_pairs", init=False)
     needs_log_probs: bool = field(default=False, init=False)
     reference: ReferenceModel = field(default="initial", init=False)
