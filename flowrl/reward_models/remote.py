@@ -125,11 +125,13 @@ class RemoteReward:
                  Authorization header is sent when neither is set).
     timeout:     seconds each socket operation of one attempt may take.
     retry_for:   seconds from the first attempt during which connection errors, timeouts and 5xx answers
-                 are retried (on the next replica at once, when there are several); the last attempt starts at the latest then (a server restarting must not end
-                 a long run, a dead one must end it in bounded time).
-    backoff:     after the k-th round in which every replica failed, the wait is ``backoff * 2**(k-1)`` seconds (at most 30 s) times a random factor in
-                 [0.5, 1.5], so clients that failed together do not come back together; at least the
-                 server's Retry-After on a 503.
+                 are retried (on the next replica at once, when there are several); the last attempt starts
+                 at the latest then (a server restarting must not end a long run, a dead one must end it in
+                 bounded time).
+    backoff:     after the k-th round in which every replica failed (with one server: the k-th failure), the
+                 wait is ``backoff * 2**(k-1)`` seconds (at most 30 s) times a random factor in [0.5, 1.5],
+                 so clients that failed together do not come back together; at least the server's
+                 Retry-After on a 503.
     retries:     at most this many attempts in all (None: as many as ``retry_for`` allows).
     batch_size:  samples per request (None: the whole batch in one request); keep it at or below the
                  server's ``max_batch`` and the body under its ``max_request_bytes``. With several replicas

@@ -137,8 +137,7 @@ def serve_main(config_path: str, port: int | None = None) -> int:
         print(f"flowrl-reward: warning: serving on {config.host}, reachable from other hosts; the token "
               "travels in clear text unless a TLS proxy sits in front.", file=sys.stderr)
     server = RewardServer(config, token)
-    server.uvicorn.config.access_log = True
-    _log_requests()
+    _log_requests()  # after the server: uvicorn's Config clears the access logger's handlers when built
     stop = threading.Event()
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
