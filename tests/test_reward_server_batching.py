@@ -8,7 +8,10 @@ processes would be. Every number is compared with the in-process reward; every w
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +26,7 @@ from flowrl.reward_models import build_reward_from_config
 from flowrl.reward_models.remote import RemoteReward, RewardServerError
 from flowrl.reward_server import RewardServer, ServerConfig
 from flowrl.types import RewardOutput
-from test_reward_server import COMPONENTS, TOKEN, assert_same, digits, raw
+from test_reward_server import COMPONENTS, REPO, TOKEN, assert_same, digits, raw, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,7 +122,7 @@ def test_the_wait_for_company_is_bounded_from_the_first_arrival(reference):
             quick, quick_latency = run_clients(no_wait.url, [digits(5)])
     assert reward.calls == [7, 5], reward.calls
     assert 1.2 <= latency[0] < 1.2 + 1.0, latency  # bounded: the window, plus one tiny model call
-    assert 0.9 - 0.1 <= latency[1] < latency[0], latency  # B joined A's batch: it waited only A's remaining time
+    assert 0.5 <= latency[1] < latency[0], latency  # B joined A's batch: it waited only A's remaining time (~0.9 s)
     assert 1.2 <= lone_latency[0] < 1.2 + 1.0, lone_latency
     assert quick_latency[0] < 1.0, quick_latency  # max_wait_ms 0: no wait at all
     for out, batch in zip(results + lone + quick, batches + [digits(5), digits(5)]):
@@ -226,7 +229,7 @@ def test_failed_replicas_are_tried_in_turn_with_backoff_between_rounds_then_one_
     try:
         start = time.monotonic()
         with pytest.raises(RewardServerError) as info:
-            RemoteReward(urls + [dead], token=TOKEN, retries=9, backoff=0.3, timeout=5)(*digits(2))
+            RemoteReward(urls + [dead], token=TOKEN, retries=9, backoff=0.5, timeout=5)(*digits(2))
         elapsed = time.monotonic() - start
     finally:
         for s in servers:
@@ -237,14 +240,14 @@ def test_failed_replicas_are_tried_in_turn_with_backoff_between_rounds_then_one_
     assert message.endswith(": connection refused)." if message.count(dead) == 2 else ": HTTP 503: down).")
     assert "\n" not in message and isinstance(info.value, FlowRLError)
     # 3 rounds over the 3 replicas: within a round the next replica is tried at once, between rounds the
-    # client backs off 0.3 s then 0.6 s (x a random factor in [0.5, 1.5]).
+    # client backs off 0.5 s then 1 s (x a random factor in [0.5, 1.5]).
     times = np.array([t for t, _ in handler.arrivals])
     assert len(times) == 6 and [p for _, p in handler.arrivals].count(servers[0].server_address[1]) == 3
     gaps = np.diff(times)
     within = [gaps[0], gaps[2], gaps[4]]  # the two live replicas of one round
-    assert max(within) < 0.1, gaps
-    assert gaps[1] >= 0.15 and gaps[3] >= 0.3, gaps
-    assert 0.45 <= elapsed < 0.45 * 3 + 1.5
+    assert max(within) < 0.2, gaps
+    assert gaps[1] >= 0.25 and gaps[3] >= 0.5, gaps
+    assert 0.75 <= elapsed < 0.75 * 3 + 1.5
 
 
 def test_replica_urls_are_checked_and_can_come_from_the_environment(monkeypatch, reference):
@@ -258,3 +261,12 @@ def test_replica_urls_are_checked_and_can_come_from_the_environment(monkeypatch,
         batch = digits(4)
         assert_same(client(*batch), reference(*batch))
         assert client.url == f"{a.url}, {b.url}"
+
+
+def test_without_the_server_extra_the_command_says_so_in_one_sentence(tmp_path):
+    config = write_config(tmp_path / "server.yaml", device="cpu")
+    code = "import sys; sys.modules['uvicorn'] = None; from flowrl.reward_server import main; sys.exit(main([sys.argv[1]]))"
+    env = dict(os.environ, PYTHONPATH=str(REPO), FLOWRL_REWARD_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "flowrl: error: the reward server needs uvicorn, which is not installed; pip install 'flowrl[server]'.\n"
