@@ -15,6 +15,7 @@ from flowrl.objectives.adjoint_matching import (
     AdjointMatchingObjective,
     ddpm_memoryless_variance,
     ema_update,
+    score_depends_on_model,
     memoryless_flow_diffusion_sq,
     memoryless_step_weight,
     stratified_steps,
@@ -222,6 +223,20 @@ def test_step_weights_are_the_integral_of_the_memoryless_diffusion():
     # DDIM eta = 1 injects, over a small step, the variance the memoryless (DDPM) SDE would (the step's weight),
     # to first order: 1 - a / a' = log(a' / a) - log(a' / a)^2 / 2 + ..., a relative gap of beta_t / 2 = 0.5% here
     assert float(ddpm_memoryless_variance(a, an)) == pytest.approx(float(memoryless_step_weight(s, sn, "epsilon", schedule)), rel=1e-2)
+
+
+def test_steps_without_signal_are_not_trained():
+    """alpha = 0 (a flow at sigma = 1, a zero-terminal-SNR DDPM's first step, as CogVideoX's rescaled betas
+    give): the score is the same for every model and the step weight is infinite, so no loss is put there."""
+    assert not score_depends_on_model(torch.tensor(1.0), "flow") and score_depends_on_model(torch.tensor(0.99), "flow")
+    abar = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0)
+    abar[-1] = 0.0  # zero terminal SNR
+    schedule = DiscreteSchedule(abar)
+    first, second = schedule.sigmas(4)[:2]
+    assert float(first) == 1.0 and not score_depends_on_model(first, "v_prediction", schedule)
+    assert math.isinf(float(memoryless_step_weight(first, second, "v_prediction", schedule)))
+    assert score_depends_on_model(second, "v_prediction", schedule)
+    assert score_depends_on_model(first, "epsilon", DiscreteSchedule.from_betas(torch.linspace(1e-4, 0.02, 1000)))
 
 
 def test_stratified_steps_draw_half_from_each_part():

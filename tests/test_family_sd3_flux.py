@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_components import (family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_t5, tiny_tokenizer, tiny_vae,
+from tests.tiny_components import (as_adjoint_matching, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_t5, tiny_tokenizer, tiny_vae,
                                    two_grpo_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -199,6 +199,10 @@ def test_sd3_two_grpo_iterations_full_finetune_with_cfg(sd3_dir, tmp_path):
     rescoring_ratio_is_one(trainer)
 
 
+def test_sd3_two_adjoint_matching_iterations_full_finetune_with_cfg(sd3_dir, tmp_path):
+    two_grpo_iterations_change_every_parameter(as_adjoint_matching(sd3_config(sd3_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0})))
+
+
 def test_sd3_lora_round_trip_through_diffusers_load_lora_weights(sd3_dir, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
@@ -342,6 +346,12 @@ def test_flux_two_grpo_iterations_full_finetune(flux_dir, tmp_path):
     trainer = two_grpo_iterations_change_every_parameter(flux_config(flux_dir, tmp_path / "run", **{"sampler.diffusion": "dance_grpo",
                                                                                                     "sampler.noise_level": 0.3}))
     rescoring_ratio_is_one(trainer)
+
+
+def test_flux_two_adjoint_matching_iterations_lora(flux_dir, tmp_path):
+    """Embedded guidance: base and fine-tuned predictions get the same guidance embedding (one forward each)."""
+    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+        flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), guidance_mode="embedded"))
 
 
 def test_flux_lora_round_trip_through_diffusers_load_lora_weights(flux_dir, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_components import (family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_tokenizer, tiny_vae,
+from tests.tiny_components import (as_adjoint_matching, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_tokenizer, tiny_vae,
                                    two_grpo_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,6 +154,13 @@ def test_two_grpo_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, predictio
         family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0}))
     assert trainer.pipeline.prediction_type == prediction
     rescoring_ratio_is_one(trainer)
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_two_adjoint_matching_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
+    directory = sd_dir if prediction == "epsilon" else sd_v_dir
+    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+        family_config("stable_diffusion", directory, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False))
 
 
 def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.tiny_components import (family_config, ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer,
+from tests.tiny_components import (as_adjoint_matching, family_config, ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer,
                                    two_grpo_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -270,6 +270,11 @@ def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path
     torch.testing.assert_close(ode_sample(with_denoiser(trainer, merged), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-4, rtol=0)
 
 
+def test_wan_two_adjoint_matching_iterations_lora(wan_dir, prompt_files, tmp_path):
+    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+        video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0})))
+
+
 @pytest.mark.parametrize("family", ["wan", "cogvideox"])
 def test_bf16_lora_with_gradient_checkpointing_backpropagates(family, request):
     """The real-checkpoint settings (bf16 base, fp32 LoRA, gradient checkpointing, CFG) give finite
@@ -357,6 +362,11 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
         trainer.pipeline.encode(PROMPTS, [{}, {}])
 
 
+def test_wan_i2v_two_adjoint_matching_iterations_lora(wan_i2v_dir, prompt_files, tmp_path):
+    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+        video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0})))
+
+
 # -- CogVideoX --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rotary", [True, False])
@@ -416,6 +426,12 @@ def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_fil
     torch.testing.assert_close(ode_sample(with_denoiser(trainer, user.transformer), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-5, rtol=0)
     base = ode_sample(with_denoiser(trainer, CogVideoXPipeline.from_pretrained(cogvideox_dir).transformer), PROMPTS, seed=3, guidance_scale=3.0)
     assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
+
+
+def test_cogvideox_two_adjoint_matching_iterations_lora(cogvideox_dir, prompt_files, tmp_path):
+    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+        video_config("cogvideox", cogvideox_dir, tmp_path / "run", prompt_files, sampler="ddim",
+                     **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9}), flow=False))
 
 
 # -- errors and configs -------------------------------------------------------------------------------

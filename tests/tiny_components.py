@@ -82,6 +82,18 @@ def family_config(name: str, pretrained: Path, output_dir: Path, sampler: str = 
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def as_adjoint_matching(overrides: list[str], flow: bool = True, guidance_mode: str = "cfg_rollout_only") -> list[str]:
+    """A family's GRPO test overrides turned into Adjoint Matching: the memoryless sampler of its kind
+    (flow_memoryless; DDIM with eta = 1 for DDPM models), the differentiable ink reward through the VAE
+    decoder, every step trained, and by default guided rollouts with an unguided control (the authors' CFG
+    recipe)."""
+    replaced = ("objective.", "sampler.", "reward.components=", "rollout.guidance_mode=")
+    kept = [o for o in overrides if not o.startswith(replaced)]
+    sampler = ["sampler.name=flow_memoryless"] if flow else ["sampler.name=ddim", "sampler.eta=1.0"]
+    return kept + sampler + ["objective.name=adjoint_matching", "objective.reward_multiplier=10.0", "objective.num_trained_steps=null",
+                             "reward.components={ink: 1.0}", f"rollout.guidance_mode={guidance_mode}"]
+
+
 def two_grpo_iterations_change_every_parameter(overrides: list[str], config: Path | None = None):
     """Run two real GRPO iterations (``config`` file, then ``overrides``); assert every trainable tensor
     moved. Returns the trainer."""

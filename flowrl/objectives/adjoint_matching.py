@@ -47,8 +47,8 @@ two discrete step means instead, as the authors' DDIM code does, targets the opt
 with flowrl's exact posterior steps on 20 steps that control is 4x smaller than the continuous one at
 sigma = 0.1, so a model trained that way is only right under that very sampler.)
 
-Which steps are trained: every step whose score depends on the model (a flow's sigma = 1 step does not: its
-score is -x for any model, and there g is infinite), including the deterministic last step into sigma = 0.
+Which steps are trained: every step whose score depends on the model (a flow's sigma = 1 step and a
+zero-terminal-SNR DDPM's first step do not: alpha = 0 there, the score is -x for any model and g is infinite), including the deterministic last step into sigma = 0.
 ``num_trained_steps`` of them per minibatch (the same for every row), stratified as in the authors' code:
 half (rounded down) from the first ``early_fraction`` of the steps (noise side), the rest from the later
 ones near the data, which are therefore sampled more densely.
@@ -162,9 +162,13 @@ def memoryless_step_weight(sigma: Tensor, sigma_next: Tensor, prediction_type: s
     return torch.log(_alpha_bar(schedule, sigma_next, device).double() / _alpha_bar(schedule, sigma, device).double()).float()
 
 
-def score_depends_on_model(sigma: Tensor, prediction_type: str) -> bool:
-    """False where every model has the same score: a flow at sigma = 1 (alpha = 0, score = -x)."""
-    return not (prediction_type == "flow" and float(sigma) >= 1.0)
+def score_depends_on_model(sigma: Tensor, prediction_type: str, schedule: Any = None) -> bool:
+    """False where the signal is gone (alpha = 0): a flow at sigma = 1, or a zero-terminal-SNR DDPM
+    (CogVideoX, rescaled betas) at its first step, where abar = 0. There every model has the same score
+    (-x for unit noise) and the step's weight, the integral of g^2, is infinite."""
+    if prediction_type == "flow":
+        return float(sigma) < 1.0
+    return float(_alpha_bar(schedule, sigma, torch.device("cpu"))) > 0.0
 
 
 def lean_adjoint_step(base_step: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor, a_next: Tensor) -> tuple[Tensor, Tensor]:
@@ -256,7 +260,8 @@ class AdjointMatchingObjective:
 
     def trainable_steps(self, pipeline: Pipeline, batch: Trajectory) -> Tensor:
         """(K,) bool: the steps whose score depends on the model."""
-        return torch.tensor([score_depends_on_model(s, pipeline.prediction_type) for s in batch.sigmas[:-1]], dtype=torch.bool)
+        schedule = getattr(pipeline, "schedule", None)
+        return torch.tensor([score_depends_on_model(s, pipeline.prediction_type, schedule) for s in batch.sigmas[:-1]], dtype=torch.bool)
 
     # -- the two passes -----------------------------------------------------------------------------
     def _base_step(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, k: int) -> Callable[[Tensor], tuple[Tensor, Tensor]]:

@@ -133,6 +133,5 @@ class FluxAdapter(DiffusersAdapter):
             raise FlowRLError(f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for FLUX (2x2 latent patches).")
         return (self.denoiser.config.in_channels // 4, h // self.vae_scale_factor, w // self.vae_scale_factor)
 
-    @torch.no_grad()
-    def decode(self, x: Tensor) -> Tensor:
+    def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         return decode_latents(self, x)

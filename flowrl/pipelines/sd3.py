@@ -162,8 +162,7 @@ class SD3Adapter(DiffusersAdapter):
             raise FlowRLError(f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for this model.")
         return (self.denoiser.config.in_channels, h // self.vae_scale_factor, w // self.vae_scale_factor)
 
-    @torch.no_grad()
-    def decode(self, x: Tensor) -> Tensor:
+    def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         return decode_latents(self, x)
 
 

@@ -106,8 +106,7 @@ class SDXLAdapter(StableDiffusionAdapter):
         return model(x.to(self.model_dtype), t, encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
                      added_cond_kwargs=added).sample
 
-    @torch.no_grad()
-    def decode(self, x: Tensor) -> Tensor:
+    def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         vae = self.vae
         with self._frozen_on_device(vae):
             latents = x.float().to(vae.device)

@@ -79,8 +79,7 @@ class StableDiffusionAdapter(DiffusersAdapter):
         h, w = self.sample_size()
         return (self.denoiser.config.in_channels, h // self.vae_scale_factor, w // self.vae_scale_factor)
 
-    @torch.no_grad()
-    def decode(self, x: Tensor) -> Tensor:
+    def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         with self._frozen_on_device(self.vae):
             latents = x.to(self.vae.dtype).to(self.vae.device) / self.vae.config.scaling_factor
             images = self.vae.decode(latents).sample.float()

@@ -175,8 +175,7 @@ class WanAdapter(DiffusersAdapter):
         frames = (self.num_frames() - 1) // self.vae_scale_factor_temporal + 1
         return (self.latent_channels, frames, h // self.vae_scale_factor_spatial, w // self.vae_scale_factor_spatial)
 
-    @torch.no_grad()
-    def decode(self, x: Tensor) -> Tensor:
+    def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         """(B, C, T_lat, h, w) latents -> (B, 3, T, H, W) float32 video in [0, 1], one sample at a time."""
         videos = []
         with self._frozen_on_device(self.vae):

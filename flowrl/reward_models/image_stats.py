@@ -22,4 +22,4 @@ class InkReward:
     def __call__(
         self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> RewardOutput:
-        return RewardOutput(scores=samples.float().mean(dim=(1, 2, 3)))
+        return RewardOutput(scores=samples.float().flatten(1).mean(1))  # images (B, C, H, W) and videos (B, C, T, H, W)
