@@ -7,8 +7,8 @@ restart continues at the first unlabelled pair and loses nothing.
 
 Security: the server binds to loopback unless told otherwise, and there it accepts only requests whose Host
 is a loopback name (a web page elsewhere cannot reach it through DNS rebinding). On any other address every
-request needs the access token (FLOWRL_LABEL_TOKEN, or a random one printed in the address). Requests that
-change labels must be JSON, which a cross-site form cannot send.
+request needs the access token (FLOWRL_LABEL_TOKEN, or a random one printed in the address; the page keeps
+it in a SameSite=Strict cookie). Requests that change labels must be JSON, which a cross-site form cannot send.
 """
 
 from __future__ import annotations
@@ -120,17 +120,17 @@ class LabelSession:
         return 200, self.answer(last["pair"], undone=last["pair"])
 
 
-def build_app(session: LabelSession, token: str | None, loopback_port: int | None):
-    """The Starlette application. ``token``: required on every request when set. ``loopback_port``: when the
-    server listens on loopback, the port that Host headers must name."""
+def build_app(session: LabelSession, token: str | None, port: int, loopback: bool):
+    """The Starlette application. ``token``: required on every request when set (header, ``?token=`` or the
+    cookie the page gets with it). ``loopback``: only Host headers naming a loopback address and ``port``."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
-    allowed_hosts = None
-    if loopback_port is not None:
-        allowed_hosts = {f"{h}:{loopback_port}" for h in ("127.0.0.1", "localhost", "[::1]")}
+    allowed_hosts = {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]")} if loopback else None
+    # cookies are not kept apart by port: the name carries it. SameSite=Strict: never sent by another site's page
+    cookie = f"flowrl_label_token_{port}"
 
     def refuse(status: int, sentence: str, api: bool) -> Response:
         body = JSONResponse({"error": sentence}, status) if api else PlainTextResponse(sentence + "\n", status)
@@ -142,7 +142,7 @@ def build_app(session: LabelSession, token: str | None, loopback_port: int | Non
         if allowed_hosts is not None and request.headers.get("host") not in allowed_hosts:
             return refuse(403, "this labelling server answers only requests addressed to 127.0.0.1 or localhost.", api)
         if token is not None:
-            given = request.headers.get(TOKEN_HEADER) or request.query_params.get("token") or ""
+            given = request.headers.get(TOKEN_HEADER) or request.query_params.get("token") or request.cookies.get(cookie) or ""
             if not secrets.compare_digest(given.encode(), token.encode()):
                 return refuse(401, "this labelling server needs its access token: open the address that `flowrl label` printed "
                               "(it ends in ?token=...).", api)
@@ -150,6 +150,8 @@ def build_app(session: LabelSession, token: str | None, loopback_port: int | Non
             return refuse(415, "labels are sent as JSON (Content-Type: application/json); nothing was saved.", api)
         response = await call_next(request)
         response.headers.update(SECURITY_HEADERS)
+        if token is not None and request.url.path == "/":  # the page's own script, style and images then need no ?token=
+            response.set_cookie(cookie, token, httponly=True, samesite="strict")
         return response
 
     def asset(name: str, media_type: str):
@@ -214,7 +216,7 @@ def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8765) -> i
         sock.close()
         raise FlowRLError(f"could not listen on {host}:{port}: {e.strerror or e}.") from None
     port = sock.getsockname()[1]
-    app = build_app(session, token, port if loopback else None)
+    app = build_app(session, token, port, loopback)
     shown = socket.gethostname() if host.strip("[]") in ("0.0.0.0", "::") else host  # every address: name this machine
     shown = f"[{shown.strip('[]')}]" if ":" in shown else shown
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")

@@ -144,3 +144,29 @@ print(status, answer["error"], answer["progress"]["labelled"], answer["current"]
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"500 could not save the label to '{fresh / 'labels.jsonl'}': the file is too large; nothing was saved. 1 1"
     assert (fresh / "labels.jsonl").read_bytes() == before
+
+
+def test_training_on_human_labels_refuses_what_it_cannot_use_in_one_sentence(fresh, tmp_path):
+    from conftest import fast_overrides
+    from labeling_support import D3PO
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    with pytest.raises(FlowRLError, match=r"has no labels.jsonl; label its pairs first with `flowrl label .*pairs`\.$"):
+        labelled_pairs(fresh)
+    log = LabelLog(fresh, 6)
+    log.append({"pair": 0, "choice": "tie", "preferred": "tie"})
+    log.append({"pair": 1, "choice": "skip", "preferred": "skip"})
+    log.close()
+    with pytest.raises(FlowRLError, match=r"prefers one sample in none of the 6 pairs \(1 ties, 1 skips, 4 unlabelled\)"):
+        labelled_pairs(fresh)
+    log = LabelLog(fresh, 6)
+    log.append({"pair": 2, "choice": "left", "preferred": preferred_slot(2, "left")})
+    log.close()
+    (fresh / "trajectories.safetensors").unlink()  # Diffusion-DPO's kind of pairs: D3PO cannot re-score their steps
+    overrides = fast_overrides(tmp_path / "run", **{"objective.preference": "human", "prompts.pairs": str(fresh)})
+    with pytest.raises(FlowRLError, match="trains on the denoising trajectories of the pairs, and .* has none; build the pairs with "
+                                          r"python -m flowrl.preference_pairs CONFIG --trajectories\.$"):
+        Trainer(load_config(D3PO, overrides))
+    assert not (tmp_path / "run").exists()

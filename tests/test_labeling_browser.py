@@ -108,9 +108,13 @@ def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(bro
     assert [r["seq"] for r in rows] == list(range(8)) and (directory / "labels.jsonl").read_text().endswith("\n")
     assert all(r["preferred"] == preferred_slot(r["pair"], r["choice"]) for r in rows if "pair" in r)
 
-    with LabelServer(directory) as server:  # a restart continues at the first unlabelled pair
-        assert "4 of 6 pairs" in server.first_line
-        assert call(server.base + "api/state")[1]["current"]["pair"] == 4
+    # a restart continues at the first unlabelled pair; here with a token, which the page passes on
+    with LabelServer(directory, env={"FLOWRL_LABEL_TOKEN": "a-token-for-the-page"}) as server:
+        assert "4 of 6 pairs" in server.first_line and server.url.endswith("/?token=a-token-for-the-page")
+        assert call(server.base + "api/state")[0] == 401
+        browser.get(server.url)
+        shows(4, 4)
+        assert browser.execute_script("return ['left', 'right'].map(id => document.getElementById(id).naturalWidth)") == [8, 8]
 
     # training reads the three decisive labels (pairs 0, 1, 3), the preferred sample first
     from conftest import fast_overrides
