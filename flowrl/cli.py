@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--num-samples", type=int, default=8, help="samples per prompt")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the checkpoint's)")
+    s.add_argument("--sampler", choices=("ode", "rollout"), default="ode",
+                   help="ode: the deterministic sampler (default); rollout: a checkpoint's own training sampler (e.g. the memoryless "
+                        "SDE an Adjoint Matching model was trained on), with fresh noise")
     s.add_argument("--guidance-scale", type=float, default=None)
     s.add_argument("--image", default=None, help="first frame for image-to-video models (wan_i2v)")
     s.add_argument("--out", type=Path, default=Path("samples.png"),
@@ -443,7 +446,10 @@ def _sample(args) -> int:
     if args.image is not None and not Path(args.image).is_file():
         raise FlowRLError(f"--image '{args.image}' does not exist.")
     metadata = [{"image": args.image} if args.image else {} for _ in prompts]
-    traj = rollout(pipeline, build_sampler(ODEConfig(), pipeline), prompts, metadata, torch.arange(len(prompts)),
+    if args.sampler == "rollout" and config is None:
+        raise FlowRLError(f"--sampler rollout uses a checkpoint's training sampler, and '{args.source}' is not a run checkpoint.")
+    sampler = build_sampler(config.sampler if args.sampler == "rollout" else ODEConfig(), pipeline)
+    traj = rollout(pipeline, sampler, prompts, metadata, torch.arange(len(prompts)),
                    pipeline.schedule.sigmas(args.steps or steps).to(device), gen,
                    guidance if args.guidance_scale is None else args.guidance_scale, same_noise_in_group=False)
     if args.out.suffix == ".npy":  # the raw final samples, for analysis (e.g. the 2-D toy's (N, 2) points)

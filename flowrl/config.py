@@ -238,6 +238,9 @@ class AdjointMatchingConfig(Section):
     early_fraction: float = Field(0.6, gt=0, lt=1)  # stratified draw: half the trained steps from this first fraction
     clip_quantile: float | None = Field(0.9, gt=0, le=1)  # per-sample loss clipping at the EMA'd quantile; None: off
     clip_ema_decay: float = Field(0.9, ge=0, lt=1)
+    # The tilt p_base exp(lambda r) is the fixed point only on a memoryless schedule; true lets another
+    # sampler run anyway, to measure the bias it leaves (docs/objectives/adjoint_matching.md)
+    allow_non_memoryless: bool = False
 
 
 class DLLMObjectiveBase(Section):
@@ -356,6 +359,10 @@ class TrainConfig(Section):
     batch_size: int = Field(16, ge=1)  # samples per optimizer step
     inner_epochs: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
+    # per iteration, from learning_rate at the first to learning_rate * lr_min_fraction at the last (diffusers'
+    # --lr_scheduler constant / linear / cosine); a function of the iteration, so a resumed run is exact
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_min_fraction: float = Field(0.0, ge=0, le=1)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     weight_decay: float = 1e-4
@@ -403,6 +410,16 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
+    @model_validator(mode="after")
+    def _adjoint_matching_is_memoryless(self) -> "Config":
+        o, s = self.objective, self.sampler
+        memoryless = s.name == "flow_memoryless" or (s.name == "ddim" and s.eta == 1.0)
+        if o.name == "adjoint_matching" and not memoryless and not o.allow_non_memoryless:
+            raise ValueError(f"adjoint_matching needs a memoryless sampler (flow_memoryless, or ddim with eta 1) but sampler.name is "
+                             f"'{s.name}'{' with eta ' + str(s.eta) if s.name == 'ddim' else ''}; on another schedule its fixed point is "
+                             f"not p_base exp(lambda r) (set objective.allow_non_memoryless=true to run it anyway)")
+        return self
+
     @field_validator("output_dir")
     @classmethod
     def _nonempty(cls, v: str) -> str:
@@ -420,7 +437,8 @@ def _describe(error: dict) -> str:
     if kind == "union_tag_invalid":
         return f"config key '{loc}.name' has an unknown value: {error['ctx']['tag']!r} (choose one of {error['ctx']['expected_tags']})"
     if kind == "value_error":
-        return f"config key '{loc}' is invalid: {msg.removeprefix('Value error, ')}"
+        msg = msg.removeprefix("Value error, ")
+        return f"config key '{loc}' is invalid: {msg}" if loc else msg  # a check across sections names its keys itself
     return f"config key '{loc}' is invalid: {msg[0].lower()}{msg[1:]} (got {error.get('input')!r})"
 
 

@@ -16,6 +16,7 @@ declare in the ``Objective`` protocol (``flowrl/types.py``).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -39,6 +40,16 @@ from .reward_models import build_reward_from_config
 from .reward_models.gradients import require_differentiable
 from .run_logger import RunLogger, json_line, nanmean
 from .visualize import save_reward_curve
+
+
+def lr_factor(schedule: str, iteration: int, iterations: int, min_fraction: float = 0.0) -> float:
+    """The learning rate of 0-based ``iteration`` of ``iterations`` as a fraction of train.learning_rate:
+    1 throughout for "constant"; for "linear" and "cosine" 1 at the first iteration and ``min_fraction`` at the last."""
+    if schedule == "constant" or iterations <= 1:
+        return 1.0
+    progress = min(max(iteration / (iterations - 1), 0.0), 1.0)
+    shape = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return min_fraction + (1 - min_fraction) * shape
 
 
 class Trainer:
@@ -125,6 +136,7 @@ class Trainer:
     # -- one training iteration, phase by phase ---------------------------------------------------
     def train_iteration(self, iteration: int) -> dict[str, float]:
         """collect -> score -> advantages -> update; logging, evaluation and checkpoints follow in fit()."""
+        lr = self.config.train.learning_rate * self._set_learning_rate(iteration)
         t0 = time.perf_counter()
         batch = self.collect(iteration)
         t1 = time.perf_counter()
@@ -137,7 +149,16 @@ class Trainer:
         metrics = self.update(batch, iteration)
         self._updating = False
         t3 = time.perf_counter()
-        return {**metrics, **reward_metrics, "perf/rollout_s": t1 - t0, "perf/score_s": t2 - t1, "perf/update_s": t3 - t2}
+        return {**metrics, **reward_metrics, "train/learning_rate": lr, "perf/rollout_s": t1 - t0, "perf/score_s": t2 - t1,
+                "perf/update_s": t3 - t2}
+
+    def _set_learning_rate(self, iteration: int) -> float:
+        """Every parameter group at its base rate times ``lr_factor`` of this iteration; returns the factor."""
+        tc = self.config.train
+        factor = lr_factor(tc.lr_schedule, iteration, tc.iterations, tc.lr_min_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group.setdefault("base_lr", group["lr"]) * factor
+        return factor
 
     def collect(self, iteration: int):
         """This process's batch for ``iteration``: what the objective trains on (rollouts or offline pairs)."""

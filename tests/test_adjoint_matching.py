@@ -438,3 +438,36 @@ def test_toy_rewards_and_pipeline_registry():
     with pipeline.reference():
         base = pipeline.predict(x, torch.tensor(0.4), {})
     assert torch.equal(pipeline.predict(x, torch.tensor(0.4), {}), base)
+
+
+def test_a_sampler_that_is_not_memoryless_is_refused_unless_asked_for():
+    from flowrl.config import load_config
+
+    for sampler in (["sampler.name=flow_sde"], ["sampler.name=ode"], ["sampler.name=ddim", "sampler.eta=0.5"]):
+        with pytest.raises(FlowRLError, match=r"^adjoint_matching needs a memoryless sampler .* sampler.name is '(flow_sde|ode|ddim)'"):
+            load_config(None, ["objective.name=adjoint_matching", *sampler])
+    assert load_config(None, ["objective.name=adjoint_matching", "sampler.name=flow_memoryless"]).objective.name == "adjoint_matching"
+    assert load_config(None, ["objective.name=adjoint_matching", "sampler.name=ddim", "sampler.eta=1.0"]).sampler.eta == 1.0
+    assert load_config(None, ["objective.name=adjoint_matching", "sampler.name=flow_sde", "objective.allow_non_memoryless=true"]).sampler.name == "flow_sde"
+
+
+def test_toy_check_passes_exact_target_samples_and_fails_shifted_ones():
+    from flowrl.evaluation.toy2d import compare_to_target
+
+    target = tilt_linear(TWO_MODES, (0.5, 0.5), 1.0)
+    exact = target.sample(20000, torch.Generator().manual_seed(0))
+    result = compare_to_target(exact, target)
+    assert result.passed and result.weight_error < 0.01 and result.mean_error < 0.03 and result.std_relative_error < 0.04
+    assert not compare_to_target(exact + torch.tensor([0.1, 0.0], dtype=torch.float64), target).passed  # a mean 0.1 off
+    assert not compare_to_target(exact * 1.1, target).passed  # 10% wider (and means moved)
+    with pytest.raises(FlowRLError, match="NaN"):
+        compare_to_target(exact * float("nan"), target)
+
+
+def test_learning_rate_schedules():
+    from flowrl.trainer import lr_factor
+
+    assert [lr_factor("constant", i, 5) for i in range(5)] == [1.0] * 5
+    assert [lr_factor("linear", i, 5, 0.2) for i in range(5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+    assert lr_factor("cosine", 0, 11) == 1.0 and lr_factor("cosine", 5, 11) == pytest.approx(0.5) and lr_factor("cosine", 10, 11) == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor("linear", 0, 1) == 1.0  # a one-iteration run trains at the full rate

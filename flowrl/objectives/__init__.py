@@ -26,5 +26,6 @@ def build_objective(config, reward_weights: dict[str, float] | None = None) -> O
     if config.name == "diffusion_dpo":
         return DiffusionDPOObjective(**kwargs)
     if config.name == "adjoint_matching":
+        kwargs.pop("allow_non_memoryless")  # checked with the sampler when the config is validated
         return build_adjoint_matching(**kwargs)
     return build_ddpo(**kwargs)
