@@ -243,6 +243,19 @@ class AdjointMatchingConfig(Section):
     allow_non_memoryless: bool = False
 
 
+class DiffusionNFTConfig(Section):
+    """DiffusionNFT: flow matching of implicit positive / negative policies on the rollouts' clean samples (no log-probs)."""
+
+    name: Literal["diffusion_nft"] = "diffusion_nft"
+    beta: float = Field(1.0, gt=0)  # implicit-policy mixing strength (the authors: 1; 0.1 for OCR)
+    std: Literal["unbiased", "biased", "global", "none"] = "global"  # group advantage normalisation before r
+    std_eps: float = Field(1e-4, gt=0)
+    adv_clip_max: float = Field(5.0, gt=0)  # r = clip(1/2 + A / (2 adv_clip_max), 0, 1)
+    timestep_fraction: float = Field(0.99, gt=0, le=1)  # of the rollout grid's times, trained per sample
+    old_decay_rate: float = Field(0.0, ge=0)  # old policy soft update eta = min(rate * optimizer steps, max); 0: rollout weights
+    old_decay_max: float = Field(0.5, ge=0, lt=1)
+
+
 class DLLMObjectiveBase(Section):
     clip_range: float = Field(0.2, gt=0)
     beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
@@ -289,7 +302,7 @@ class BGPOConfig(DLLMObjectiveBase):
     naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
 
 
-ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffusionDPOConfig, AdjointMatchingConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
+ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffusionDPOConfig, AdjointMatchingConfig, DiffusionNFTConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
                             Field(discriminator="name")]
 
 
@@ -429,7 +442,7 @@ class Config(Section):
 
 
 def _describe(error: dict) -> str:
-    tags = {"flow_sde", "flow_cps", "flow_memoryless", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "adjoint_matching", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
+    tags = {"flow_sde", "flow_cps", "flow_memoryless", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "adjoint_matching", "diffusion_nft", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
     loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in tags))
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_components import (as_adjoint_matching, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_t5, tiny_tokenizer, tiny_vae,
+from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_t5, tiny_tokenizer, tiny_vae,
                                    two_grpo_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -352,6 +352,17 @@ def test_flux_two_adjoint_matching_iterations_lora(flux_dir, tmp_path):
     """Embedded guidance: base and fine-tuned predictions get the same guidance embedding (one forward each)."""
     two_grpo_iterations_change_every_parameter(as_adjoint_matching(
         flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), guidance_mode="embedded"))
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_two_diffusion_nft_iterations(request, tmp_path, family):
+    """SD3 full fine-tuning, FLUX LoRA (the old policy is a copy of the adapter tensors) with its guidance embedding."""
+    directory = request.getfixturevalue(f"{family}_dir")
+    if family == "sd3":
+        overrides = sd3_config(directory, tmp_path / "run")
+    else:
+        overrides = flux_config(directory, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"})
+    two_grpo_iterations_change_every_parameter(as_diffusion_nft(overrides, guidance_scale=3.0 if family == "flux" else 1.0))
 
 
 def test_flux_lora_round_trip_through_diffusers_load_lora_weights(flux_dir, tmp_path):

@@ -9,6 +9,7 @@ import torch
 
 from tests.tiny_components import (
     as_adjoint_matching,
+    as_diffusion_nft,
     family_config,
     ode_sample,
     rescoring_ratio_is_one,
@@ -217,6 +218,10 @@ def test_two_grpo_iterations_full_finetune(sdxl_dir, sdxl_v_dir, tmp_path, predi
 def test_two_adjoint_matching_iterations_full_finetune(sdxl_dir, tmp_path):
     two_grpo_iterations_change_every_parameter(as_adjoint_matching(
         family_config("sdxl", sdxl_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False))
+
+
+def test_two_diffusion_nft_iterations_full_finetune(sdxl_dir, tmp_path):
+    two_grpo_iterations_change_every_parameter(as_diffusion_nft(family_config("sdxl", sdxl_dir, tmp_path / "run")))
 
 
 def test_lora_round_trip_through_diffusers_load_lora_weights(sdxl_dir, tmp_path):

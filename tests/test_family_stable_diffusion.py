@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_components import (as_adjoint_matching, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_tokenizer, tiny_vae,
+from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_tokenizer, tiny_vae,
                                    two_grpo_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,6 +161,13 @@ def test_two_adjoint_matching_iterations_full_finetune(sd_dir, sd_v_dir, tmp_pat
     directory = sd_dir if prediction == "epsilon" else sd_v_dir
     two_grpo_iterations_change_every_parameter(as_adjoint_matching(
         family_config("stable_diffusion", directory, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False))
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_two_diffusion_nft_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
+    """DiffusionNFT on DDPM parametrisations: ODE (DDIM eta 0) rollouts, the forward-process loss in x0 space."""
+    directory = sd_dir if prediction == "epsilon" else sd_v_dir
+    two_grpo_iterations_change_every_parameter(as_diffusion_nft(family_config("stable_diffusion", directory, tmp_path / "run")))
 
 
 def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):

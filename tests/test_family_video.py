@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.tiny_components import (as_adjoint_matching, family_config, ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer,
+from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer,
                                    two_grpo_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -432,6 +432,14 @@ def test_cogvideox_two_adjoint_matching_iterations_lora(cogvideox_dir, prompt_fi
     two_grpo_iterations_change_every_parameter(as_adjoint_matching(
         video_config("cogvideox", cogvideox_dir, tmp_path / "run", prompt_files, sampler="ddim",
                      **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9}), flow=False))
+
+
+@pytest.mark.parametrize("family", ["wan", "cogvideox"])
+def test_two_diffusion_nft_iterations_lora(request, prompt_files, tmp_path, family):
+    """Wan (flow) and CogVideoX (zero-terminal-SNR v-prediction: sigma = 1 has x0_hat = -v and is trained) with LoRA."""
+    extra = {"pipeline.num_frames": 9} if family == "cogvideox" else {}
+    two_grpo_iterations_change_every_parameter(as_diffusion_nft(
+        video_config(family, request.getfixturevalue(f"{family}_dir"), tmp_path / "run", prompt_files, **extra)))
 
 
 # -- errors and configs -------------------------------------------------------------------------------

@@ -94,6 +94,13 @@ def as_adjoint_matching(overrides: list[str], flow: bool = True, guidance_mode: 
                              "reward.components={ink: 1.0}", f"rollout.guidance_mode={guidance_mode}"]
 
 
+def as_diffusion_nft(overrides: list[str], guidance_scale: float = 1.0) -> list[str]:
+    """A family's GRPO test overrides turned into DiffusionNFT: deterministic ODE rollouts (no log-probs), CFG-free."""
+    kept = [o for o in overrides if not o.startswith(("objective.", "sampler.", "rollout.guidance_scale=", "rollout.same_noise_in_group="))]
+    return kept + ["sampler.name=ode", "objective.name=diffusion_nft", f"rollout.guidance_scale={guidance_scale}",
+                   "rollout.same_noise_in_group=false"]  # deterministic rollouts from one noise would all be the same sample
+
+
 def two_grpo_iterations_change_every_parameter(overrides: list[str], config: Path | None = None):
     """Run two real GRPO iterations (``config`` file, then ``overrides``); assert every trainable tensor
     moved. Returns the trainer."""

@@ -61,6 +61,9 @@ class ImageModality:
         objective, tc = self.objective, self.config.train
         if objective.needs_log_probs and not self.sampler.stochastic:
             raise FlowRLError(f"objective '{objective.name}' needs log-probs but sampler '{self.sampler.name}' is deterministic; use a stochastic sampler.")
+        if objective.trains_on == "rollouts" and not self.sampler.stochastic and self.config.rollout.same_noise_in_group and tc.num_generations > 1:
+            raise FlowRLError(f"sampler '{self.sampler.name}' is deterministic and rollout.same_noise_in_group is true, so every sample of a "
+                              "prompt group would be the same and no group has anything to compare; set rollout.same_noise_in_group=false.")
         unit = objective.minibatch_unit
         generations = 2 if objective.trains_on == "offline_pairs" else tc.num_generations  # offline: rows are (winner, loser)
         if generations % unit or tc.batch_size % unit:

@@ -8,6 +8,7 @@ from .adjoint_matching import build_adjoint_matching
 from .d3po import build_d3po
 from .ddpo import build_ddpo
 from .diffusion_dpo import DiffusionDPOObjective
+from .diffusion_nft import build_diffusion_nft
 from .grpo import build_grpo
 
 __all__ = ["build_objective"]
@@ -28,4 +29,6 @@ def build_objective(config, reward_weights: dict[str, float] | None = None) -> O
     if config.name == "adjoint_matching":
         kwargs.pop("allow_non_memoryless")  # checked with the sampler when the config is validated
         return build_adjoint_matching(**kwargs)
+    if config.name == "diffusion_nft":
+        return build_diffusion_nft(**kwargs)
     return build_ddpo(**kwargs)
