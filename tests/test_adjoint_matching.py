@@ -471,3 +471,15 @@ def test_learning_rate_schedules():
     assert [lr_factor("linear", i, 5, 0.2) for i in range(5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
     assert lr_factor("cosine", 0, 11) == 1.0 and lr_factor("cosine", 5, 11) == pytest.approx(0.5) and lr_factor("cosine", 10, 11) == pytest.approx(0.0, abs=1e-12)
     assert lr_factor("linear", 0, 1) == 1.0  # a one-iteration run trains at the full rate
+
+
+@pytest.mark.parametrize("reward", ["jpeg_compressibility", "ocr"])
+def test_training_with_a_non_differentiable_reward_is_refused_before_anything_is_written(tmp_path, capsys, reward):
+    """The real command: one sentence naming the reward, exit 1, no run directory."""
+    from flowrl.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "configs/toy/adjoint_matching_linear.yaml", f"reward.components={{linear2d: 1.0, {reward}: 0.5}}", f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code != 0 and f"reward '{reward}' is not differentiable; adjoint_matching needs a reward gradient" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
