@@ -83,7 +83,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..types import LossOutput, Pipeline, Sampler, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 
 # -----------------------------------------------------------------------------------------------
 # Pure math
@@ -239,10 +239,9 @@ class AdjointMatchingObjective:
     clip_quantile: float | None = 0.9
     clip_ema_decay: float = 0.9
     name: str = field(default="adjoint_matching", init=False)
-    trains_on: str = field(default="reward_gradient_rollouts", init=False)
+    trains_on: TrainingData = field(default="reward_gradient_rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)
-    reference: str = field(default="initial", init=False)
-    needs_reference: bool = field(default=True, init=False)  # the loop's older spelling of reference == "initial"
+    reference: ReferenceModel = field(default="initial", init=False)  # the base drift of the adjoint and of the control
     minibatch_unit: int = field(default=1, init=False)
     extra_module: torch.nn.Module | None = field(default=None, init=False)
     extra_lr_scale: float = field(default=1.0, init=False)
