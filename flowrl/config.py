@@ -188,6 +188,9 @@ class PolicyObjectiveBase(Section):
     kl_form: Literal["gaussian", "flow_grpo"] = "gaussian"
     timestep_fraction: float = Field(1.0, gt=0, le=1)
     timestep_order: Literal["random", "first"] = "random"
+    # GRPO-Guard's ratio normalisation (Wang et al. 2025): each step's log-ratio re-centred and scaled by the
+    # transition std, so the ratio is centred at 1 with a step-independent spread (docs/instruments.md)
+    ratio_norm: bool = False
 
 
 class GRPOConfig(PolicyObjectiveBase):
@@ -394,6 +397,9 @@ class EvalConfig(Section):
     seed: int = 1234  # held-out seeds, distinct from the training stream
     num_inference_steps: int | None = None  # None: rollout.num_inference_steps
     guidance_scale: float | None = None  # None: rollout.guidance_scale
+    # a held-out judge: rewards scored on the evaluation samples only and never given to the objective, logged as
+    # eval/judge/* beside the training reward (docs/instruments.md); None: eval/judge/mean repeats eval/reward/mean
+    judge: RewardConfig | None = None
 
 
 def eval_steps_and_guidance(config: "Config") -> tuple[int, float]:

@@ -39,7 +39,7 @@ from .modalities import build_modality
 from .reward_models import build_reward_from_config
 from .reward_models.gradients import require_differentiable
 from .run_logger import RunLogger, json_line, nanmean
-from .visualize import save_reward_curve
+from .visualize import save_instruments, save_reward_curve
 
 
 def lr_factor(schedule: str, iteration: int, iterations: int, min_fraction: float = 0.0) -> float:
@@ -64,6 +64,7 @@ class Trainer:
         self._check_divisibility()
         self.run_dir = Path(config.output_dir)
         self.reward = build_reward_from_config(config.reward)
+        self.judge = build_reward_from_config(config.eval.judge) if config.eval.judge is not None else None  # never trained on
         seeding.seed_initialisation(config.seed)  # before anything is initialised at random (LoRA, DCoLT's head)
         self.modality = build_modality(config, self.accelerator.device)
         self.pipeline, self.sampler, self.objective = self.modality.pipeline, self.modality.sampler, self.modality.objective
@@ -217,7 +218,10 @@ class Trainer:
 
     def evaluate(self) -> tuple[dict[str, float], object]:
         """Held-out metrics of the current weights (identical for any number of processes) and the samples shown."""
-        return self.modality.evaluate(self.reward, self.rank, self.world)
+        metrics, shown = self.modality.evaluate(self.reward, self.rank, self.world, judge=self.judge)
+        if self.judge is None:  # no judge configured: the held-out reward stands in for it, and says so
+            metrics["eval/judge/mean"], metrics["eval/judge/is_eval_reward"] = metrics["eval/reward/mean"], 1.0
+        return metrics, shown
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self) -> Path | None:
@@ -339,7 +343,7 @@ class Trainer:
             import shutil
 
             with writing(self.run_dir):
-                for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
+                for name in ("metrics.jsonl", "summary.json", "reward_curve.png", "instruments.png"):
                     (self.run_dir / name).unlink(missing_ok=True)
                 for name in ("checkpoints", "samples", "tensorboard"):
                     if (self.run_dir / name).exists():
@@ -385,7 +389,9 @@ class Trainer:
         if (cfg.log.checkpoint_every and it % cfg.log.checkpoint_every == 0) or last or self._stop_requested:
             self.save()
         if self.is_main and evaluate:
-            save_reward_curve(self.logger.records(), self.run_dir / "reward_curve.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
+            records = self.logger.records()
+            save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
+            save_instruments(records, self.run_dir / "instruments.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
 
     def _evaluate_and_log(self, step: int, tag: str | None, log: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Pictures for the run directory: sample grids and the reward curve."""
+"""Pictures for the run directory: sample grids, the reward curve and the reward-hacking instruments."""
 
 from __future__ import annotations
 
@@ -111,6 +111,51 @@ def save_reward_curve(records: Sequence[dict[str, Any]], path: Path, title: str 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def save_instruments(records: Sequence[dict[str, Any]], path: Path, title: str = "") -> None:
+    """The reward-hacking instruments in one picture (docs/instruments.md): the rewards (training rollouts,
+    held-out evaluation, the held-out judge), the seed diversity per prompt, and the importance ratio's spread
+    per update. Over-optimisation shows as the training reward rising while the judge or the diversity falls."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key: str) -> tuple[np.ndarray, np.ndarray]:
+        pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        return tuple(map(np.array, zip(*pts))) if pts else (np.array([]), np.array([]))
+
+    stand_in = any(r.get("eval/judge/is_eval_reward") for r in records)
+    panels = [("reward", [("reward/mean", "train reward (rollouts)", "-"), ("eval/reward/mean", "held-out eval reward", "o-")]),
+              ("judge (never trained on)" if not stand_in else "judge = held-out eval reward (no eval.judge set)",
+               [("eval/judge/mean", "held-out judge", "o-")]),
+              ("seed diversity per prompt", [("eval/diversity", "mean pairwise L2 (held-out)", "o-")]),
+              ("importance ratio per update", [("policy/ratio_std", "ratio std (mean over steps)", "-"),
+                                               ("policy/ratio_shift", "1 - ratio mean (GRPO-Guard's left shift)", "-")])]
+    records = [{**r, "policy/ratio_shift": 1 - r["policy/ratio_mean"]} if isinstance(r.get("policy/ratio_mean"), (int, float)) else r
+               for r in records]
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), dpi=100, sharex=True)
+    for ax, (name, lines) in zip(axes.flat, panels):
+        drawn = False
+        for key, label, style in lines:
+            s, v = series(key)
+            if len(s):
+                ax.plot(s, v, style, label=label, markersize=3)
+                drawn = True
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=7, loc="best")
+        else:
+            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("iteration")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")

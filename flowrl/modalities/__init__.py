@@ -39,8 +39,9 @@ class Modality(Protocol):
         """The scored batch as the update re-scores it (images: ``cfg_rollout_only`` re-scores without guidance)."""
         ...
 
-    def evaluate(self, reward: Reward, rank: int, world: int) -> tuple[dict[str, float], Any]:
-        """Held-out metrics (identical for any number of processes) and what to show of the samples."""
+    def evaluate(self, reward: Reward, rank: int, world: int, judge: Reward | None = None) -> tuple[dict[str, float], Any]:
+        """Held-out metrics (identical for any number of processes) and what to show of the samples; ``judge``
+        (eval.judge, never trained on) scores the same samples as ``eval/judge/*``."""
         ...
 
     def save_eval_samples(self, shown: Any, run_dir: Path, step: int, tag: str | None) -> None:

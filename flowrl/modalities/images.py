@@ -13,6 +13,7 @@ from accelerate.utils import gather_object
 from .. import seeding
 from ..config import Config, ODEConfig
 from ..errors import FlowRLError
+from ..evaluation.diversity import seed_diversity
 from ..evaluation.held_out import HeldOut, held_out_images
 from ..objectives import build_objective
 from ..pipelines import build_pipeline
@@ -164,8 +165,9 @@ class ImageModality:
 
     # -- evaluate -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, reward: Reward, rank: int, world: int) -> tuple[dict[str, float], torch.Tensor]:
-        """Held-out prompts, fixed seeds, deterministic sampler, sharded over processes and gathered.
+    def evaluate(self, reward: Reward, rank: int, world: int, judge: Reward | None = None) -> tuple[dict[str, float], torch.Tensor]:
+        """Held-out prompts, fixed seeds, deterministic sampler, sharded over processes and gathered; ``judge``
+        (eval.judge) scores the same samples, and ``eval/diversity`` is their seed diversity per prompt.
         Returns (metrics, the first ``log.grid_prompts`` prompts' samples for the grid)."""
         held = self.held_out
         gen = held.generator()
@@ -175,12 +177,19 @@ class ImageModality:
         traj = rollout(self.pipeline, self.eval_sampler, [held.prompts[i] for i in mine], [held.metadata[i] for i in mine],
                        torch.tensor(mine), held.sigmas, gen, held.guidance_scale, initial_noise=noise[mine])
         out = reward(traj.samples, traj.prompts, traj.metadata)
-        local = [(i, float(out.scores[j]), {k: float(v[j]) for k, v in out.extras.items()}, traj.samples[j].cpu()) for j, i in enumerate(mine)]
+        judged = judge(traj.samples, traj.prompts, traj.metadata) if judge is not None else None
+        local = [(i, float(out.scores[j]), {k: float(v[j]) for k, v in out.extras.items()}, traj.samples[j].cpu(),
+                  {"mean": float(judged.scores[j]), **{k: float(v[j]) for k, v in judged.extras.items()}} if judged is not None else {})
+                 for j, i in enumerate(mine)]
         rows = sorted(gather_object(local), key=lambda r: r[0])
         metrics = {"eval/reward/mean": nanmean([r[1] for r in rows])}
         for key in rows[0][2]:
             metrics[f"eval/reward/{key}"] = nanmean([r[2][key] for r in rows])
-        grid = torch.stack([r[3] for r in rows])[: self.config.log.grid_prompts * self.config.eval.samples_per_prompt]
+        for key in rows[0][4]:
+            metrics[f"eval/judge/{key}"] = nanmean([r[4][key] for r in rows])
+        samples = torch.stack([r[3] for r in rows])
+        metrics["eval/diversity"] = seed_diversity(samples, self.config.eval.samples_per_prompt)
+        grid = samples[: self.config.log.grid_prompts * self.config.eval.samples_per_prompt]
         return metrics, grid
 
     def save_eval_samples(self, grid: torch.Tensor, run_dir: Path, step: int, tag: str | None) -> None:

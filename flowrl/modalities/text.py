@@ -104,7 +104,7 @@ class TextModality:
 
     # -- evaluate -------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, reward: Reward, rank: int, world: int) -> tuple[dict[str, float], list[dict]]:
+    def evaluate(self, reward: Reward, rank: int, world: int, judge: Reward | None = None) -> tuple[dict[str, float], list[dict]]:
         """Greedy (eval_temperature) decoding of the held-out prompts; accuracy = mean reward."""
         items = self.eval_pool
         mine = list(range(rank, len(items), world))
@@ -115,14 +115,16 @@ class TextModality:
             prompts, meta = [items[i][0] for i in idx], [items[i][1] for i in idx]
             traj = self._generate(prompts, self.config.sampler.eval_temperature, torch.Generator().manual_seed(self.config.eval.seed))
             out = reward(traj.completions, prompts, meta)
+            judged = judge(traj.completions, prompts, meta) if judge is not None else None  # eval.judge: logged as eval/judge/*
             for j, i in enumerate(idx):
                 rows.append({"index": i, "prompt": prompts[j], "completion": traj.completions[j], "score": float(out.scores[j]),
-                             **{k: float(v[j]) for k, v in out.extras.items()}})
+                             **{k: float(v[j]) for k, v in out.extras.items()},
+                             **({"judge/mean": float(judged.scores[j]), **{f"judge/{k}": float(v[j]) for k, v in judged.extras.items()}} if judged is not None else {})})
         rows = sorted((r for part in gather_object([rows]) for r in part), key=lambda r: r["index"])
         metrics = {"eval/reward/mean": nanmean([r["score"] for r in rows])}
         for key in rows[0]:
             if key not in ("index", "prompt", "completion", "score"):
-                metrics[f"eval/reward/{key}"] = nanmean([r[key] for r in rows])
+                metrics[f"eval/{key}" if key.startswith("judge/") else f"eval/reward/{key}"] = nanmean([r[key] for r in rows])
         return metrics, rows
 
     def save_eval_samples(self, rows: list[dict], run_dir: Path, step: int, tag: str | None) -> None:

@@ -36,6 +36,33 @@ def choose_train_steps(stochastic: Tensor, fraction: float, order: Literal["rand
     return sorted(steps[:n].tolist())
 
 
+def step_ratio_stats(log_ratio: Tensor, valid: Tensor | None, k: int) -> dict[str, Tensor]:
+    """The importance ratio's mean and spread (std over the minibatch's samples) at denoising step ``k``:
+    GRPO-Guard's diagnostic. Logged as ``policy/ratio_mean/step_kk`` and ``policy/ratio_std/step_kk``
+    (plus ``policy/ratio_std``, over every trained step); both are 1 and 0 before the weights move."""
+    ratio = torch.exp(log_ratio.float())
+    if valid is not None:
+        ratio = ratio[valid.to(ratio.device)]
+    std = ratio.std(unbiased=False) if ratio.numel() else ratio.new_tensor(float("nan"))
+    mean = ratio.mean() if ratio.numel() else ratio.new_tensor(float("nan"))
+    return {f"policy/ratio_mean/step_{k:02d}": mean, f"policy/ratio_std/step_{k:02d}": std, "policy/ratio_std": std}
+
+
+def normalised_log_ratio(log_prob: Tensor, old_log_prob: Tensor, std: Tensor, valid: Tensor | None) -> Tensor:
+    """GRPO-Guard's RatioNorm on one step. For Gaussian transitions with per-dimension-mean log-probs,
+    log r = -b + mean(dmu * eps) / s with b = mean(dmu^2) / (2 s^2) >= 0 (the left shift that keeps r below 1)
+    and s the transition std; GRPO-Guard uses (log r + b) * s = mean(dmu * eps), centred at 0 with a spread
+    that does not depend on s. flowrl keeps no rollout means, so b is estimated by -(the minibatch mean of
+    log r) (its expectation under the rollout policy, detached). Returns the normalised log-ratio."""
+    log_ratio = log_prob - old_log_prob
+    with torch.no_grad():
+        keep = torch.ones_like(log_ratio, dtype=torch.bool) if valid is None else valid.to(log_ratio.device)
+        shift = log_ratio[keep].mean() if keep.any() else log_ratio.new_zeros(())
+    s = std.detach().float().reshape(-1) if torch.is_tensor(std) else torch.as_tensor(float(std))
+    s = s.to(log_ratio.device)
+    return (log_ratio - shift) * (s if s.numel() == log_ratio.numel() else s.mean())
+
+
 @dataclass
 class PolicyGradientObjective:
     """Clipped surrogate on each trained denoising step, optional KL to the frozen reference.
@@ -55,6 +82,7 @@ class PolicyGradientObjective:
     timestep_fraction: float = 1.0
     timestep_order: Literal["random", "first"] = "random"
     best_worst_k: int | None = None
+    ratio_norm: bool = False
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
     minibatch_unit: int = field(default=1, init=False)
@@ -82,9 +110,15 @@ class PolicyGradientObjective:
             sigma, sigma_next = batch.sigmas[k], batch.sigmas[k + 1]
             model_output = pipeline.predict(x, sigma, batch.cond, batch.guidance_scale)
             out = sampler.step(model_output, x, sigma, sigma_next, x_next=x_next)
-            policy_loss, stats = clipped_surrogate(out.log_prob, batch.log_probs[:, k], advantages, self.clip_range, valid)
+            old_log_prob = batch.log_probs[:, k]
+            if self.ratio_norm:
+                log_prob, old_log_prob = normalised_log_ratio(out.log_prob, old_log_prob, out.std, valid), torch.zeros_like(old_log_prob)
+            else:
+                log_prob = out.log_prob
+            policy_loss, stats = clipped_surrogate(log_prob, old_log_prob, advantages, self.clip_range, valid)
             loss = policy_loss
-            metrics = {"loss/policy": policy_loss.detach(), **{f"policy/{n}": v for n, v in stats.items()}}
+            metrics = {"loss/policy": policy_loss.detach(), **{f"policy/{n}": v for n, v in stats.items()},
+                       **step_ratio_stats(log_prob.detach() - old_log_prob, valid, k)}
             if self.beta > 0:
                 kl = self._kl(pipeline, sampler, batch, k, out.mean, out.std, valid)
                 loss = loss + self.beta * kl

@@ -18,6 +18,7 @@ _REGISTRY: dict[str, str] = {
     "jpeg_compressibility": "flowrl.reward_models.jpeg:JpegCompressibilityReward",
     "jpeg_incompressibility": "flowrl.reward_models.jpeg:JpegIncompressibilityReward",
     "ink": "flowrl.reward_models.image_stats:InkReward",
+    "digit_realism": "flowrl.reward_models.digit_realism:DigitRealismReward",
     "linear2d": "flowrl.reward_models.toy2d:LinearReward2D",
     "quadratic2d": "flowrl.reward_models.toy2d:QuadraticReward2D",
     "aesthetic": "flowrl.reward_models.aesthetic:AestheticReward",
