@@ -34,15 +34,11 @@ from flowrl.trainer import Trainer  # noqa: E402
 
 
 def evaluate(trainer: Trainer) -> dict[str, float]:
-    """Held-out reward, its parts and seed diversity: flowrl's own ``eval/diversity`` where the evaluation logs it,
-    else the same number from the returned samples (log.grid_prompts is set past the held-out size: all of them)."""
-    metrics, samples = trainer.evaluate()
-    per_prompt = trainer.config.eval.samples_per_prompt
-    flat = samples.double().reshape(len(samples) // per_prompt, per_prompt, -1)
-    pairs = torch.triu_indices(per_prompt, per_prompt, offset=1)
-    diversity = metrics.get("eval/diversity", float(torch.cdist(flat, flat)[:, pairs[0], pairs[1]].mean()))
+    """Held-out reward, its parts and seed diversity: flowrl's own ``eval/diversity``, which every evaluation logs
+    (flowrl/evaluation/diversity.py::seed_diversity over all the held-out samples)."""
+    metrics, _ = trainer.evaluate()
     return {"reward": metrics["eval/reward/mean"], "ink": metrics["eval/reward/ink"],
-            "classifier": metrics["eval/reward/digit_classifier"], "diversity": diversity}
+            "classifier": metrics["eval/reward/digit_classifier"], "diversity": metrics["eval/diversity"]}
 
 
 def build(preset: str, tmp: str, extra: list[str]) -> Trainer:
