@@ -16,6 +16,7 @@ EPILOG = """examples:
   flowrl eval configs/digits/grpo.yaml --best-of 16      (or --svdd 16: inference-time scaling)
   flowrl eval configs/dllm/diffu_grpo.yaml sampler.eval_temperature=1 --best-of 16 --select majority,likelihood
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
+  flowrl export runs/sd_lora/checkpoints/step_000100 my_lora --lora-only --push-to-hub me/my-lora
 """
 
 
@@ -72,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000030")
     x.add_argument("out", type=Path, help="output directory (must not exist)")
     x.add_argument("--lora-only", action="store_true", help="write only pytorch_lora_weights.safetensors (LoRA runs)")
+    x.add_argument("--license", default=None, help="license in the model card (README.md); default: the card says the model "
+                   "inherits its base model's license")
+    x.add_argument("--push-to-hub", default=None, metavar="REPO", help="then upload the export to this Hugging Face Hub repo "
+                   "(created if needed; token from HF_TOKEN or `hf auth login`; endpoint HF_ENDPOINT)")
+    x.add_argument("--private", action="store_true", help="(--push-to-hub) create the repo private")
     r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
     r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
     r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
@@ -498,6 +504,7 @@ def _export(args) -> int:
     import shutil
 
     from .checkpoint import atomic_directory
+    from .model_card import push_to_hub, write_model_card
     from .pipelines import build_pipeline
 
     source = Path(args.checkpoint)
@@ -506,6 +513,13 @@ def _export(args) -> int:
     if args.out.exists():
         raise FlowRLError(f"export target '{args.out}' already exists; choose a new directory.")
     _check_writable(args.out)
+    if args.push_to_hub is not None:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(args.push_to_hub)
+        except HFValidationError:
+            raise FlowRLError(f"--push-to-hub '{args.push_to_hub}' is not a hub repository id (expected 'user/name').") from None
     config, _ = _config_for_source(str(source), [])
     pipeline = build_pipeline(config.pipeline, "cpu")
     _load_checkpoint_weights(pipeline, source)
@@ -526,7 +540,16 @@ def _export(args) -> int:
 
                 DiffusionPipeline.from_pretrained(config.pipeline.pretrained, revision=config.pipeline.revision,
                                                   **{subfolder: merged}).save_pretrained(tmp)
+        write_model_card(tmp, source, config, "lora" if args.lora_only else "full", where=args.push_to_hub or str(args.out),
+                         license=args.license)
     print(f"wrote {args.out}")
+    if args.push_to_hub is not None:  # the local export is complete before anything is sent: a failed push leaves it whole
+        try:
+            url = push_to_hub(args.out, args.push_to_hub, private=args.private)
+        except FlowRLError as e:
+            raise FlowRLError(f"could not push to the hub: {str(e).rstrip('.')}; the local export '{args.out}' is complete, "
+                              f"upload it later with `hf upload {args.push_to_hub} {args.out}`.") from None
+        print(f"pushed to {url}")
     return 0
 
 
