@@ -483,3 +483,16 @@ def test_training_with_a_non_differentiable_reward_is_refused_before_anything_is
     err = capsys.readouterr().err
     assert code != 0 and f"reward '{reward}' is not differentiable; adjoint_matching needs a reward gradient" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_toy_targets_of_the_shipped_configs():
+    from flowrl.evaluation.toy2d import target_of
+
+    linear, lam = target_of("configs/toy/adjoint_matching_linear.yaml")
+    assert lam == 1.0 and linear.weights[1] == pytest.approx(math.e**2 / (1 + math.e**2))
+    quadratic, lam = target_of("configs/toy/adjoint_matching_quadratic.yaml")
+    assert lam == 2.0 and quadratic.means[1] == pytest.approx((4 / 3, 1 / 3)) and quadratic.stds[0] == pytest.approx(0.5 / math.sqrt(1.5))
+    grpo, lam = target_of("configs/toy/grpo_kl_linear.yaml")  # KL weight beta = 1: the same tilt
+    assert lam == 1.0 and grpo == linear
+    with pytest.raises(FlowRLError, match="not a run of the 2-D toy"):
+        target_of("configs/digits/grpo.yaml")

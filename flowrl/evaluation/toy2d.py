@@ -63,17 +63,25 @@ def compare_to_target(samples: torch.Tensor, target: GaussianMixture) -> ToyComp
 
 
 def target_of(source: str | Path) -> tuple[GaussianMixture, float]:
-    """The tilted target a run's config (a checkpoint directory or a YAML file) trains towards, and its lambda."""
+    """The tilted target a run's config (a checkpoint directory or a YAML file) trains towards, and its lambda:
+    Adjoint Matching's reward_multiplier, or 1 / beta for a KL-regularised policy gradient."""
     from ..config import load_config
     from ..reward_models import build_reward
 
     path = Path(source)
     config = load_config(path / "config.yaml" if path.is_dir() else path)
-    if config.pipeline.name != "toy2d" or config.objective.name != "adjoint_matching" or len(config.reward.components) != 1:
-        raise FlowRLError(f"'{source}' is not an Adjoint Matching run of the 2-D toy (pipeline toy2d, objective adjoint_matching, "
-                          "one toy reward component).")
+    objective = config.objective
+    if objective.name == "adjoint_matching":
+        lam = objective.reward_multiplier
+    elif getattr(objective, "beta", 0.0) > 0 and objective.name in ("grpo", "ddpo"):
+        lam = 1.0 / objective.beta  # E[r] - beta KL(p || p_base) is maximised by p_base exp(r / beta)
+    else:
+        lam = None
+    if config.pipeline.name != "toy2d" or lam is None or len(config.reward.components) != 1:
+        raise FlowRLError(f"'{source}' is not a run of the 2-D toy with a tilted target (pipeline toy2d, one toy reward component, "
+                          "objective adjoint_matching, or grpo / ddpo with a KL weight beta > 0).")
     (name, weight), = config.reward.components.items()
-    lam = config.objective.reward_multiplier * weight  # the loop optimises weight * r
+    lam = lam * weight  # the loop optimises weight * r
     return tilted_target(TWO_MODES, build_reward(name, **config.reward.kwargs.get(name, {})), lam), lam
 
 
