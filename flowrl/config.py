@@ -412,6 +412,23 @@ class LogConfig(Section):
     grid_prompts: int = Field(10, ge=1)
     checkpoint_every: int = Field(10, ge=0)  # 0 = only at the end
     progress: bool = True
+    trackers: list[str] = Field(default_factory=lambda: ["tensorboard"])  # accelerate's tracker names (flowrl/trackers.py); [] = metrics.jsonl only
+    project: str | None = None  # the trackers' project name; default: the output_dir's last component
+    tracker_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # tracker name -> its init kwargs, e.g. wandb: {mode: offline}
+
+    @field_validator("trackers")
+    @classmethod
+    def _known_trackers(cls, v: list[str]) -> list[str]:
+        from .trackers import check_tracker_names
+
+        return check_tracker_names(v)
+
+    @model_validator(mode="after")
+    def _kwargs_of_chosen_trackers(self) -> "LogConfig":
+        extra = sorted(set(self.tracker_kwargs) - set(self.trackers))
+        if extra:
+            raise ValueError(f"tracker_kwargs names {', '.join(extra)}, which log.trackers does not list ({self.trackers})")
+        return self
 
 
 class Config(Section):

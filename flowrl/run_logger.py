@@ -1,5 +1,5 @@
-"""Metrics a person and a script can read: ``metrics.jsonl`` (one JSON object per logged step) and
-TensorBoard event files, both in the run directory.
+"""Metrics a person and a script can read: ``metrics.jsonl`` (one JSON object per logged step) in the run
+directory, and the same numbers sent to the run's trackers (TensorBoard by default; flowrl/trackers.py).
 
 Every line is valid JSON: non-finite numbers are written as ``null`` (never a bare ``NaN``), and a line
 that cannot be written whole (a full disk) is taken back, so the file never ends in half a record."""
@@ -45,11 +45,11 @@ def json_line(value: Any, **kwargs: Any) -> str:
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    def __init__(self, run_dir: Path, enabled: bool = True, trackers=None):
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         self.enabled = enabled
-        self._tb = None  # created on the first log, so read-only uses (eval, sample) write nothing
+        self.trackers = trackers  # flowrl.trackers.Trackers, started by the trainer, so read-only uses (eval, sample) write nothing
 
     def truncate_after(self, step: int) -> None:
         """On resume, forget records past the checkpoint: they are about to be logged again."""
@@ -78,15 +78,8 @@ class RunLogger:
                     raise
             finally:
                 os.close(fd)
-            if self._tb is None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        with writing(self.run_dir / "tensorboard"):
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(step, record)
 
     def records(self) -> list[dict[str, Any]]:
         """The logged records. A last line cut short (the process was killed while writing it) is ignored;
@@ -105,8 +98,8 @@ class RunLogger:
         return records
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        if self.trackers is not None:
+            self.trackers.finish()
 
 
 def _jsonable(v: Any) -> Any:

@@ -39,6 +39,7 @@ from .modalities import build_modality
 from .reward_models import build_reward_from_config
 from .reward_models.gradients import require_differentiable
 from .run_logger import RunLogger, json_line, nanmean
+from .trackers import Trackers
 from .visualize import save_instruments, save_reward_curve
 
 
@@ -58,7 +59,8 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = config
-        self.accelerator = _accelerator(config)
+        self.trackers = Trackers(config, Path(config.output_dir))  # a tracker's missing package is refused before anything is written
+        self.accelerator = _accelerator(config, self.trackers.log_with())
         self.is_main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self._check_divisibility()
@@ -79,7 +81,7 @@ class Trainer:
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
         setattr(self.pipeline, self.modality.module_attr, prepared)
         self.iteration = 0
-        self.logger = RunLogger(self.run_dir, enabled=self.is_main)
+        self.logger = RunLogger(self.run_dir, enabled=self.is_main, trackers=self.trackers)
         self._stop_requested = False
         self._updating = False  # True while the optimizer may have changed the weights of an unfinished iteration
         self._saving = False  # True while a checkpoint is being written
@@ -283,6 +285,7 @@ class Trainer:
             self._claim_output_dir()
         if self.is_main:
             self._write_config()
+        self.trackers.start(self.accelerator, self.config.model_dump(mode="json"))  # the resolved config, as config.yaml holds it
         if self.iteration == 0:
             self._evaluate_and_log(0, tag="before")
         previous = signal.signal(signal.SIGINT, self._request_stop)
@@ -399,6 +402,7 @@ class Trainer:
         metrics["perf/eval_s"] = time.perf_counter() - t0
         if self.is_main:
             self.modality.save_eval_samples(shown, self.run_dir, step, tag)
+            self.trackers.log_samples(step)
         if log:
             self.logger.log(step, metrics)
         return metrics
@@ -476,7 +480,7 @@ def _required_metadata(reward, weight: float = 1.0) -> set[tuple[str, str]]:
     return found
 
 
-def _accelerator(config: Config) -> Accelerator:
+def _accelerator(config: Config, log_with: list | None = None) -> Accelerator:
     """accelerate puts a single process on its default device (a GPU when there is one, whatever was asked);
     pipeline.device is honoured exactly, or refused in one sentence when this machine lacks that device."""
     spec = config.pipeline.device
@@ -495,14 +499,14 @@ def _accelerator(config: Config) -> Accelerator:
         before = os.environ.get("ACCELERATE_TORCH_DEVICE")
         os.environ["ACCELERATE_TORCH_DEVICE"] = str(device)  # read by accelerate when it first sets up its state
         try:
-            accelerator = Accelerator(mixed_precision=config.train.mixed_precision)
+            accelerator = Accelerator(mixed_precision=config.train.mixed_precision, log_with=log_with)
         finally:
             if before is None:
                 os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
             else:
                 os.environ["ACCELERATE_TORCH_DEVICE"] = before
     else:
-        accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=device is not None and device.type == "cpu")
+        accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=device is not None and device.type == "cpu", log_with=log_with)
     if device is not None and (accelerator.device.type, accelerator.device.index or 0) != (device.type, device.index or 0) and world == 1:
         raise FlowRLError(f"pipeline.device is '{spec}' but accelerate placed the run on '{accelerator.device}'.")
     return accelerator

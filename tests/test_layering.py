@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, int]] = [
     ("flowrl.objectives", 2), ("flowrl.reward_models", 2),
     ("flowrl.pipelines", 3),
     ("flowrl.config", 4), ("flowrl.prompts", 4), ("flowrl.prompt_files", 4), ("flowrl.evaluation", 4), ("flowrl.inference", 4),
-    ("flowrl.preference_pairs", 4), ("flowrl.preference_labels", 4), ("flowrl.run_logger", 4), ("flowrl.visualize", 4),
+    ("flowrl.preference_pairs", 4), ("flowrl.preference_labels", 4), ("flowrl.run_logger", 4), ("flowrl.visualize", 4), ("flowrl.trackers", 4),
     ("flowrl.model_card", 4),
     ("flowrl.trainer", 5), ("flowrl.modalities", 5),
     ("flowrl.cli", 6), ("flowrl.reward_server", 6), ("flowrl.label_server", 6), ("flowrl.__main__", 6),
