@@ -298,8 +298,7 @@ class Trainer:
                 metrics = self.train_iteration(iteration)  # collect -> score -> advantages -> update
                 self.iteration = iteration + 1
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-                self._after_iteration(metrics)  # log -> evaluate -> checkpoint
-                if self._stop_requested:
+                if self._after_iteration(metrics):  # log -> evaluate -> checkpoint; True: stop here
                     status, reason = "interrupted", f"stopped by Ctrl-C after iteration {self.iteration}."
                     break
                 if cfg.train.stop_after and self.iteration - first >= cfg.train.stop_after:
@@ -381,20 +380,24 @@ class Trainer:
                 raise FlowRLError(f"{bad} of {total} rewards of the last {tc.nonfinite_window} iterations were NaN or infinite, more than "
                                   f"train.max_nonfinite_fraction={tc.max_nonfinite_fraction:g}, so the run is not learning")
 
-    def _after_iteration(self, metrics: dict[str, float]) -> None:
+    def _after_iteration(self, metrics: dict[str, float]) -> bool:
+        """Returns whether the run stops after this iteration (Ctrl-C). The flag is read once: a Ctrl-C that
+        arrives while this iteration is being logged or saved stops the run after the next one, so the
+        stopped weights are always evaluated and saved together."""
         cfg, it = self.config, self.iteration
-        last = it == cfg.train.iterations
+        last, stopping = it == cfg.train.iterations, self._stop_requested
         # After Ctrl-C the stopped weights are evaluated too, so summary.json's final reward is theirs.
-        evaluate = (cfg.eval.every and it % cfg.eval.every == 0) or last or self._stop_requested
+        evaluate = (cfg.eval.every and it % cfg.eval.every == 0) or last or stopping
         if evaluate:
-            metrics.update(self._evaluate_and_log(it, tag="after" if last or self._stop_requested else None, log=False))
+            metrics.update(self._evaluate_and_log(it, tag="after" if last or stopping else None, log=False))
         self.logger.log(it, metrics)
-        if (cfg.log.checkpoint_every and it % cfg.log.checkpoint_every == 0) or last or self._stop_requested:
+        if (cfg.log.checkpoint_every and it % cfg.log.checkpoint_every == 0) or last or stopping:
             self.save()
         if self.is_main and evaluate:
             records = self.logger.records()
             save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
             save_instruments(records, self.run_dir / "instruments.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
+        return stopping
 
     def _evaluate_and_log(self, step: int, tag: str | None, log: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()

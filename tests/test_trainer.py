@@ -115,6 +115,24 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
 
 
+def test_ctrl_c_while_an_iteration_is_being_logged_stops_after_the_next_with_its_evaluation(tmp_path):
+    """The Ctrl-C race CI once hit: the signal lands after an iteration decided not to evaluate (here: while
+    iteration 1 is being written to metrics.jsonl). The run finishes iteration 2, evaluates and saves it."""
+    trainer = Trainer(load_config(GRPO, fast_overrides(tmp_path, **{"train.iterations": 5})))
+    log = trainer.logger.log
+
+    def log_then_interrupt(step, metrics):
+        log(step, metrics)
+        if step == 1:
+            trainer._request_stop(None, None)  # what the SIGINT handler runs
+
+    trainer.logger.log = log_then_interrupt
+    summary = trainer.fit()
+    assert summary["status"] == "interrupted" and summary["iterations_completed"] == 2
+    assert summary["eval_reward_final_step"] == 2
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
 def test_ctrl_c_finishes_the_iteration_and_saves(tmp_path):
     """SIGINT mid-run: the current iteration completes, a checkpoint is written, the exit is clean."""
     import signal
