@@ -159,3 +159,17 @@ def test_ctrl_c_finishes_the_iteration_and_saves(tmp_path):
     assert rows[-1]["step"] == done and summary["eval_reward_final_step"] == done
     assert summary["eval_reward_final"] == rows[-1]["eval/reward/mean"] != summary["eval_reward_initial"]
     assert (tmp_path / "samples_after.png").is_file()
+
+
+def test_rollouts_run_the_denoiser_in_eval_mode_after_an_update(tmp_path):
+    """update() puts the model in train mode; the next rollouts must not sample with dropout on."""
+    trainer = Trainer(load_config(GRPO, fast_overrides(tmp_path)))
+    trainer.train_iteration(0)  # collect -> ... -> update: ends in train mode
+    assert trainer.module.training
+    seen = []
+    handle = trainer.module.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    try:
+        trainer.collect(1)
+    finally:
+        handle.remove()
+    assert seen and not any(seen)

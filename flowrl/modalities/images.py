@@ -91,6 +91,7 @@ class ImageModality:
         group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + rank * groups
         gen = seeding.torch_generator(seed, iteration, rank, "rollout")
         noise = group_noise(self.pipeline, group_ids, gen, cfg.same_noise_in_group)
+        self.pipeline.denoiser.eval()  # rollouts sample the policy deterministically in its layers (dropout off), as the peers do; update() sets train()
         window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)
         sigmas = self.pipeline.schedule.sigmas(cfg.num_inference_steps).to(self.device)
         chunks = []
