@@ -76,7 +76,9 @@ class Trainer:
             require_differentiable(self.reward, self.objective.name)
         if self.objective.reference == "initial":
             self.pipeline.enable_reference()
-        optimizer = torch.optim.AdamW(self._parameter_groups(), lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
+        groups = self._parameter_groups()
+        self._base_lrs = [g.get("lr", config.train.learning_rate) for g in groups]  # from the config, so a resume with a new rate takes it
+        optimizer = torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
                                       weight_decay=config.train.weight_decay)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
         setattr(self.pipeline, self.modality.module_attr, prepared)
@@ -159,8 +161,8 @@ class Trainer:
         """Every parameter group at its base rate times ``lr_factor`` of this iteration; returns the factor."""
         tc = self.config.train
         factor = lr_factor(tc.lr_schedule, iteration, tc.iterations, tc.lr_min_fraction)
-        for group in self.optimizer.param_groups:
-            group["lr"] = group.setdefault("base_lr", group["lr"]) * factor
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * factor
         return factor
 
     def collect(self, iteration: int):
