@@ -15,7 +15,7 @@ from flowrl.objectives import build_objective
 from flowrl.objectives.d3po import build_d3po
 from flowrl.objectives.functional import d3po_pair_loss, pair_preferences
 from flowrl.types import Trajectory
-from tiny_components import two_grpo_iterations_change_every_parameter
+from tiny_components import two_iterations_change_every_parameter
 
 D3PO = CONFIGS / "digits" / "d3po.yaml"
 
@@ -120,6 +120,6 @@ def test_pairs_need_even_sizes_and_pareto_needs_two_rewards(tmp_path):
 
 
 def test_two_d3po_iterations_change_every_parameter(tmp_path, one_thread):
-    trainer = two_grpo_iterations_change_every_parameter(fast_overrides(tmp_path, **{"train.learning_rate": 1e-3}), D3PO)
+    trainer = two_iterations_change_every_parameter(fast_overrides(tmp_path, **{"train.learning_rate": 1e-3}), D3PO)
     rows = trainer.logger.records()
     assert {"d3po/pair_accuracy", "d3po/decisive_fraction", "loss/policy"} <= set(rows[1])

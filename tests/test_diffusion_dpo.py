@@ -15,7 +15,7 @@ from flowrl.errors import FlowRLError
 from flowrl.objectives.diffusion_dpo import noised_and_target, training_sigmas
 from flowrl.objectives.functional import diffusion_dpo_loss
 from flowrl.preference_pairs import PreferencePairs, build_pairs, read_pairs, write_pairs
-from tiny_components import two_grpo_iterations_change_every_parameter
+from tiny_components import two_iterations_change_every_parameter
 
 DPO = CONFIGS / "digits" / "diffusion_dpo.yaml"
 
@@ -142,7 +142,7 @@ def test_two_iterations_change_every_parameter(tmp_path, model, one_thread):
                           .replace("pretrained: digits_flow", "pretrained: digits_ddpm"))
     directory, _, _ = _pairs(tmp_path, config, n=8)
     overrides = fast_overrides(tmp_path / "run", **{"prompts.pairs": str(directory), "train.learning_rate": 1e-3, "train.weight_decay": 0.0})
-    trainer = two_grpo_iterations_change_every_parameter(overrides, config)
+    trainer = two_iterations_change_every_parameter(overrides, config)
     rows = trainer.logger.records()
     assert {"dpo/pair_accuracy", "dpo/implicit_margin", "loss/policy", "reward/mean"} <= set(rows[1])
 

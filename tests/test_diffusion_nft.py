@@ -15,7 +15,7 @@ from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.objectives.diffusion_nft import (DiffusionNFTObjective, nft_loss, optimality_probability, swapped_weights,
                                              x0_error_scale)
-from tiny_components import two_grpo_iterations_change_every_parameter
+from tiny_components import two_iterations_change_every_parameter
 
 NFT = CONFIGS / "digits" / "diffusion_nft.yaml"
 
@@ -113,7 +113,7 @@ def test_old_policy_soft_update_and_swap():
 
 
 def test_two_iterations_with_ode_rollouts_change_every_parameter(tmp_path, one_thread):
-    trainer = two_grpo_iterations_change_every_parameter(fast_overrides(tmp_path, **{"train.learning_rate": 1e-3}), NFT)
+    trainer = two_iterations_change_every_parameter(fast_overrides(tmp_path, **{"train.learning_rate": 1e-3}), NFT)
     assert trainer.sampler.name == "ode" and not trainer.sampler.stochastic
     rows = trainer.logger.records()
     assert {"loss/policy", "nft/r_mean", "nft/old_deviation"} <= set(rows[1])
@@ -122,7 +122,7 @@ def test_two_iterations_with_ode_rollouts_change_every_parameter(tmp_path, one_t
 
 
 def test_soft_updated_old_policy_trains(tmp_path, one_thread):
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.old_decay_rate": 0.2, "objective.timestep_fraction": 0.3}), NFT)
     current = trainer.pipeline.trainable_parameters()
     assert any(not torch.equal(o, p.detach()) for o, p in zip(trainer.objective._old, current))  # theta_old trails theta

@@ -18,7 +18,7 @@ from flowrl.data import digits_video as data
 from flowrl.prompts import prompt_pool
 from flowrl.samplers import build_sampler
 from flowrl.samplers.rollout import rollout
-from tiny_components import rescoring_in_minibatches_ratio_is_one, two_grpo_iterations_change_every_parameter
+from tiny_components import rescoring_in_minibatches_ratio_is_one, two_iterations_change_every_parameter
 
 ASSET = ASSETS / "digits_video"
 # Measured on the shipped weights (docs/digits_video.md): 80 held-out prompts x 4 seeds, ODE 10 steps, no
@@ -124,8 +124,8 @@ def test_rescore_ratio_is_one_at_unchanged_weights(pipeline):
         assert float(lo.metrics["policy/ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_two_grpo_iterations_change_every_parameter(tmp_path, one_thread):
-    trainer = two_grpo_iterations_change_every_parameter(
+def test_two_iterations_change_every_parameter(tmp_path, one_thread):
+    trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path, **{"train.weight_decay": 0.0, "train.learning_rate": 1e-3, "log.grid_prompts": 2}),
         CONFIGS / "digits_video" / "grpo.yaml")
     assert all(p.requires_grad for p in trainer.module.parameters())  # full fine-tuning: every parameter moved

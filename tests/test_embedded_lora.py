@@ -13,7 +13,7 @@ import torch
 from conftest import CONFIGS, fast_overrides
 from flowrl.config import PipelineConfig
 from flowrl.pipelines import build_pipeline
-from tiny_components import ode_sample, rescoring_ratio_is_one, two_grpo_iterations_change_every_parameter
+from tiny_components import ode_sample, rescoring_ratio_is_one, two_iterations_change_every_parameter
 
 CASES = {"digits": (CONFIGS / "digits" / "grpo.yaml", "digits_flow", ["draw the digit 3", "a 7"]),
          "digits_video": (CONFIGS / "digits_video" / "grpo.yaml", "digits_video", ["digit 3 going up", "a five moves left"])}
@@ -26,7 +26,7 @@ def test_lora_run_round_trips_through_diffusers(family, tmp_path, one_thread):
     from flowrl.cli import main
 
     config, pretrained, prompts = CASES[family]
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "log.checkpoint_every": 2}), config)
     pipe = trainer.pipeline
     trained = [n for n, p in pipe.denoiser.named_parameters() if p.requires_grad]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_t5, tiny_tokenizer, tiny_vae,
-                                   two_grpo_iterations_change_every_parameter)
+                                   two_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -195,12 +195,12 @@ def test_sd3_without_t5_uses_zeros_like_diffusers(tmp_path):
 
 
 def test_sd3_two_grpo_iterations_full_finetune_with_cfg(sd3_dir, tmp_path):
-    trainer = two_grpo_iterations_change_every_parameter(sd3_config(sd3_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}))
+    trainer = two_iterations_change_every_parameter(sd3_config(sd3_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}))
     rescoring_ratio_is_one(trainer)
 
 
 def test_sd3_two_adjoint_matching_iterations_full_finetune_with_cfg(sd3_dir, tmp_path):
-    two_grpo_iterations_change_every_parameter(as_adjoint_matching(sd3_config(sd3_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0})))
+    two_iterations_change_every_parameter(as_adjoint_matching(sd3_config(sd3_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0})))
 
 
 def test_sd3_lora_round_trip_through_diffusers_load_lora_weights(sd3_dir, tmp_path):
@@ -213,7 +213,7 @@ def test_sd3_lora_round_trip_through_diffusers_load_lora_weights(sd3_dir, tmp_pa
 def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, overrides: list[str], guidance_scale: float):
     from flowrl.pipelines import pipeline_class
 
-    trainer = two_grpo_iterations_change_every_parameter(overrides)
+    trainer = two_iterations_change_every_parameter(overrides)
     rescoring_ratio_is_one(trainer)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
     assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
@@ -343,14 +343,14 @@ def test_flux_without_guidance_embeds_refuses_embedded_mode(tmp_path):
 
 
 def test_flux_two_grpo_iterations_full_finetune(flux_dir, tmp_path):
-    trainer = two_grpo_iterations_change_every_parameter(flux_config(flux_dir, tmp_path / "run", **{"sampler.diffusion": "dance_grpo",
+    trainer = two_iterations_change_every_parameter(flux_config(flux_dir, tmp_path / "run", **{"sampler.diffusion": "dance_grpo",
                                                                                                     "sampler.noise_level": 0.3}))
     rescoring_ratio_is_one(trainer)
 
 
 def test_flux_two_adjoint_matching_iterations_lora(flux_dir, tmp_path):
     """Embedded guidance: base and fine-tuned predictions get the same guidance embedding (one forward each)."""
-    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+    two_iterations_change_every_parameter(as_adjoint_matching(
         flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), guidance_mode="embedded"))
 
 
@@ -362,7 +362,7 @@ def test_two_diffusion_nft_iterations(request, tmp_path, family):
         overrides = sd3_config(directory, tmp_path / "run")
     else:
         overrides = flux_config(directory, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"})
-    two_grpo_iterations_change_every_parameter(as_diffusion_nft(overrides, guidance_scale=3.0 if family == "flux" else 1.0))
+    two_iterations_change_every_parameter(as_diffusion_nft(overrides, guidance_scale=3.0 if family == "flux" else 1.0))
 
 
 def test_flux_lora_round_trip_through_diffusers_load_lora_weights(flux_dir, tmp_path):

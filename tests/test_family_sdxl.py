@@ -16,7 +16,7 @@ from tests.tiny_components import (
     tiny_clip_text,
     tiny_tokenizer,
     tiny_vae,
-    two_grpo_iterations_change_every_parameter,
+    two_iterations_change_every_parameter,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -209,19 +209,19 @@ def test_force_upcast_vae_decodes_in_float32(sdxl_dir):
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_two_grpo_iterations_full_finetune(sdxl_dir, sdxl_v_dir, tmp_path, prediction):
     directory = sdxl_dir if prediction == "epsilon" else sdxl_v_dir
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         family_config("sdxl", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0}))
     assert trainer.pipeline.prediction_type == prediction
     rescoring_ratio_is_one(trainer)
 
 
 def test_two_adjoint_matching_iterations_full_finetune(sdxl_dir, tmp_path):
-    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+    two_iterations_change_every_parameter(as_adjoint_matching(
         family_config("sdxl", sdxl_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False))
 
 
 def test_two_diffusion_nft_iterations_full_finetune(sdxl_dir, tmp_path):
-    two_grpo_iterations_change_every_parameter(as_diffusion_nft(family_config("sdxl", sdxl_dir, tmp_path / "run")))
+    two_iterations_change_every_parameter(as_diffusion_nft(family_config("sdxl", sdxl_dir, tmp_path / "run")))
 
 
 def test_lora_round_trip_through_diffusers_load_lora_weights(sdxl_dir, tmp_path):
@@ -229,7 +229,7 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(sdxl_dir, tmp_path)
 
     from flowrl.pipelines import pipeline_class
 
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         family_config("sdxl", sdxl_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}))
     rescoring_ratio_is_one(trainer)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"

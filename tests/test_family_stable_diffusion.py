@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_tokenizer, tiny_vae,
-                                   two_grpo_iterations_change_every_parameter)
+                                   two_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,7 +150,7 @@ def test_loads_through_flowrl_and_samples(sd_dir):
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_two_grpo_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
     directory = sd_dir if prediction == "epsilon" else sd_v_dir
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0}))
     assert trainer.pipeline.prediction_type == prediction
     rescoring_ratio_is_one(trainer)
@@ -159,7 +159,7 @@ def test_two_grpo_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, predictio
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_two_adjoint_matching_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
     directory = sd_dir if prediction == "epsilon" else sd_v_dir
-    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+    two_iterations_change_every_parameter(as_adjoint_matching(
         family_config("stable_diffusion", directory, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False))
 
 
@@ -167,7 +167,7 @@ def test_two_adjoint_matching_iterations_full_finetune(sd_dir, sd_v_dir, tmp_pat
 def test_two_diffusion_nft_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
     """DiffusionNFT on DDPM parametrisations: ODE (DDIM eta 0) rollouts, the forward-process loss in x0 space."""
     directory = sd_dir if prediction == "epsilon" else sd_v_dir
-    two_grpo_iterations_change_every_parameter(as_diffusion_nft(family_config("stable_diffusion", directory, tmp_path / "run")))
+    two_iterations_change_every_parameter(as_diffusion_nft(family_config("stable_diffusion", directory, tmp_path / "run")))
 
 
 def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):
@@ -175,7 +175,7 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):
 
     from flowrl.pipelines import pipeline_class
 
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         family_config("stable_diffusion", sd_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}"}))
     rescoring_ratio_is_one(trainer)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
@@ -225,7 +225,7 @@ def test_bad_sources_fail_with_one_sentence(tmp_path):
 
 def test_bf16_lora_with_autocast_keeps_fp32_step_math(sd_dir, tmp_path):
     """bf16 base weights + fp32 LoRA + bf16 autocast: trains, log-probs are fp32, re-scoring ratio == 1."""
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         family_config("stable_diffusion", sd_dir, tmp_path / "run", sampler="ddim",
                       **{"pipeline.lora": "{r: 4, alpha: 4}", "pipeline.dtype": "bfloat16", "train.mixed_precision": "bf16"}))
     pipe = trainer.pipeline

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import CONFIGS
 from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer,
-                                   two_grpo_iterations_change_every_parameter)
+                                   two_iterations_change_every_parameter)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -248,7 +248,7 @@ def test_wan_default_grid_is_the_pipelines_for_k_1_to_50(wan_dir, tmp_path, sche
 def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path):
     from diffusers import WanPipeline
 
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0}))
     rescoring_ratio_is_one(trainer)
     traj = trainer.collect(0)
@@ -271,7 +271,7 @@ def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path
 
 
 def test_wan_two_adjoint_matching_iterations_lora(wan_dir, prompt_files, tmp_path):
-    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+    two_iterations_change_every_parameter(as_adjoint_matching(
         video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0})))
 
 
@@ -336,7 +336,7 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
 
     from flowrl.errors import FlowRLError
 
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0}))
     rescoring_ratio_is_one(trainer)  # re-scores with the trajectory's stored image condition
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
@@ -363,7 +363,7 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
 
 
 def test_wan_i2v_two_adjoint_matching_iterations_lora(wan_i2v_dir, prompt_files, tmp_path):
-    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+    two_iterations_change_every_parameter(as_adjoint_matching(
         video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0})))
 
 
@@ -416,7 +416,7 @@ def test_cogvideox_default_grid_is_the_pipelines_for_k_1_to_50(cogvideox_dir):
 def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_files, tmp_path):
     from diffusers import CogVideoXPipeline
 
-    trainer = two_grpo_iterations_change_every_parameter(
+    trainer = two_iterations_change_every_parameter(
         video_config("cogvideox", cogvideox_dir, tmp_path / "run", prompt_files, sampler="ddim",
                      **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9}))
     rescoring_ratio_is_one(trainer)
@@ -429,7 +429,7 @@ def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_fil
 
 
 def test_cogvideox_two_adjoint_matching_iterations_lora(cogvideox_dir, prompt_files, tmp_path):
-    two_grpo_iterations_change_every_parameter(as_adjoint_matching(
+    two_iterations_change_every_parameter(as_adjoint_matching(
         video_config("cogvideox", cogvideox_dir, tmp_path / "run", prompt_files, sampler="ddim",
                      **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9}), flow=False))
 
@@ -438,7 +438,7 @@ def test_cogvideox_two_adjoint_matching_iterations_lora(cogvideox_dir, prompt_fi
 def test_two_diffusion_nft_iterations_lora(request, prompt_files, tmp_path, family):
     """Wan (flow) and CogVideoX (zero-terminal-SNR v-prediction: sigma = 1 has x0_hat = -v and is trained) with LoRA."""
     extra = {"pipeline.num_frames": 9} if family == "cogvideox" else {}
-    two_grpo_iterations_change_every_parameter(as_diffusion_nft(
+    two_iterations_change_every_parameter(as_diffusion_nft(
         video_config(family, request.getfixturevalue(f"{family}_dir"), tmp_path / "run", prompt_files, **extra)))
 
 

@@ -82,28 +82,34 @@ def family_config(name: str, pretrained: Path, output_dir: Path, sampler: str = 
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def replace_overrides(overrides: list[str], prefixes: tuple[str, ...], new: list[str]) -> list[str]:
+    """``overrides`` without the keys starting with ``prefixes``, then ``new``: a family's GRPO test run turned
+    into another objective's."""
+    return [o for o in overrides if not o.startswith(prefixes)] + new
+
+
 def as_adjoint_matching(overrides: list[str], flow: bool = True, guidance_mode: str = "cfg_rollout_only") -> list[str]:
     """A family's GRPO test overrides turned into Adjoint Matching: the memoryless sampler of its kind
     (flow_memoryless; DDIM with eta = 1 for DDPM models), the differentiable ink reward through the VAE
     decoder, every step trained, and by default guided rollouts with an unguided control (the authors' CFG
     recipe)."""
-    replaced = ("objective.", "sampler.", "reward.components=", "rollout.guidance_mode=")
-    kept = [o for o in overrides if not o.startswith(replaced)]
     sampler = ["sampler.name=flow_memoryless"] if flow else ["sampler.name=ddim", "sampler.eta=1.0"]
-    return kept + sampler + ["objective.name=adjoint_matching", "objective.reward_multiplier=10.0", "objective.num_trained_steps=null",
-                             "reward.components={ink: 1.0}", f"rollout.guidance_mode={guidance_mode}"]
+    return replace_overrides(overrides, ("objective.", "sampler.", "reward.components=", "rollout.guidance_mode="),
+                             sampler + ["objective.name=adjoint_matching", "objective.reward_multiplier=10.0",
+                                        "objective.num_trained_steps=null", "reward.components={ink: 1.0}",
+                                        f"rollout.guidance_mode={guidance_mode}"])
 
 
 def as_diffusion_nft(overrides: list[str], guidance_scale: float = 1.0) -> list[str]:
     """A family's GRPO test overrides turned into DiffusionNFT: deterministic ODE rollouts (no log-probs), CFG-free."""
-    kept = [o for o in overrides if not o.startswith(("objective.", "sampler.", "rollout.guidance_scale=", "rollout.same_noise_in_group="))]
-    return kept + ["sampler.name=ode", "objective.name=diffusion_nft", f"rollout.guidance_scale={guidance_scale}",
-                   "rollout.same_noise_in_group=false"]  # deterministic rollouts from one noise would all be the same sample
+    return replace_overrides(overrides, ("objective.", "sampler.", "rollout.guidance_scale=", "rollout.same_noise_in_group="),
+                             ["sampler.name=ode", "objective.name=diffusion_nft", f"rollout.guidance_scale={guidance_scale}",
+                              "rollout.same_noise_in_group=false"])  # deterministic rollouts from one noise would all be the same sample
 
 
-def two_grpo_iterations_change_every_parameter(overrides: list[str], config: Path | None = None):
-    """Run two real GRPO iterations (``config`` file, then ``overrides``); assert every trainable tensor
-    moved. Returns the trainer."""
+def two_iterations_change_every_parameter(overrides: list[str], config: Path | None = None):
+    """Run two real training iterations (``config`` file, then ``overrides``; GRPO unless they name another
+    objective); assert every trainable tensor moved. Returns the trainer."""
     from accelerate.state import AcceleratorState
 
     from flowrl.trainer import Trainer
