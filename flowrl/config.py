@@ -167,6 +167,17 @@ class MaskedSamplerConfig(Section):
 SamplerConfig = Annotated[Union[FlowSDEConfig, FlowCPSConfig, FlowMemorylessConfig, DDIMConfig, ODEConfig, MaskedSamplerConfig], Field(discriminator="name")]
 
 
+class BranchingConfig(Section):
+    """B2-DiffuRL (Hu et al., CVPR 2025; docs/objectives/b2_diffurl.md): backward progressive training with
+    branch-based sampling. Each prompt group shares one prefix sampled up to the branch step, and its
+    train.num_generations members are branches from there; only the steps after the branch step (the trained
+    window, always ending at the data end) are stochastic with log-probs. The window starts at the last
+    ``start_steps`` steps and grows towards the noise end in equal stages to ``end_steps`` (default: all)."""
+
+    start_steps: int = Field(2, ge=1)  # trained steps (from the data end) at the first iteration
+    end_steps: int | None = Field(None, ge=1)  # trained steps in the last stage; None: rollout.num_inference_steps
+
+
 class RolloutConfig(Section):
     num_inference_steps: int = Field(10, ge=1)
     guidance_scale: float = 1.0  # 1.0 = no guidance
@@ -180,6 +191,19 @@ class RolloutConfig(Section):
     sde_window_start: int = Field(0, ge=0)
     sde_window_slide_every: int = Field(0, ge=0)  # iterations between one-step slides (MixGRPO); 0 = fixed
     batch_size: int = Field(64, ge=1)  # samples per denoiser call during rollout
+    branching: BranchingConfig | None = None  # B2-DiffuRL: shared prefix, branches, backward progressive window
+
+    @model_validator(mode="after")
+    def _branching_steps(self):
+        b = self.branching
+        if b is not None:
+            end = b.end_steps or self.num_inference_steps
+            if not b.start_steps <= end <= self.num_inference_steps:
+                raise ValueError(f"rollout.branching needs start_steps ({b.start_steps}) <= end_steps ({end}) <= num_inference_steps "
+                                 f"({self.num_inference_steps})")
+            if self.sde_window_size is not None:
+                raise ValueError("rollout.branching sets the trained window itself; leave rollout.sde_window_size unset")
+        return self
 
 
 class PolicyObjectiveBase(Section):
@@ -330,20 +354,29 @@ class FrameSelection(Section):
     every_n: int = Field(1, ge=1)
 
 
+class BinaryRewardConfig(Section):
+    """A sparse binary reward: 1 when every named reward's score is strictly above its threshold, else 0."""
+
+    all_of: dict[str, float] = Field(min_length=1)  # registered reward name -> threshold
+
+
 class RewardConfig(Section):
     components: dict[str, float] = Field(default_factory=lambda: {"digit_classifier": 1.0})  # name -> weight
     kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # name -> constructor arguments
     ensembles: dict[str, EnsembleConfig] = Field(default_factory=dict)  # new component names -> ensembles
     video_frames: dict[str, FrameSelection] = Field(default_factory=dict)  # component -> frames an image reward scores
+    binary: dict[str, BinaryRewardConfig] = Field(default_factory=dict)  # new component names -> thresholded all-of rewards
 
     @model_validator(mode="after")
     def _known_names(self):
         from .reward_models import REWARD_NAMES
 
-        known = set(REWARD_NAMES) | set(self.ensembles)
-        members = [m.name for e in self.ensembles.values() for m in e.members]
+        known = set(REWARD_NAMES) | set(self.ensembles) | set(self.binary)
+        members = [m.name for e in self.ensembles.values() for m in e.members] + [n for b in self.binary.values() for n in b.all_of]
+        if set(self.binary) & set(self.ensembles):
+            raise ValueError(f"reward names {sorted(set(self.binary) & set(self.ensembles))} are both an ensemble and a binary reward")
         for name in list(self.components) + list(self.kwargs) + members + list(self.video_frames):
-            if name not in known or (name in members and name in self.ensembles):
+            if name not in known or (name in members and (name in self.ensembles or name in self.binary)):
                 raise ValueError(f"unknown reward '{name}'; choose one of: {', '.join(REWARD_NAMES)}")
         if not self.components:
             raise ValueError("at least one reward component is needed")
@@ -445,6 +478,15 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _branching_needs_policy_gradient(self) -> "Config":
+        if self.rollout.branching is not None:
+            if self.objective.name not in ("grpo", "ddpo"):
+                raise ValueError(f"rollout.branching (B2-DiffuRL) trains with a policy-gradient objective (grpo or ddpo), not '{self.objective.name}'")
+            if self.train.num_generations < 2:
+                raise ValueError("rollout.branching needs train.num_generations >= 2: the branches of one prefix are compared with each other")
+        return self
 
     @model_validator(mode="after")
     def _adjoint_matching_is_memoryless(self) -> "Config":

@@ -23,6 +23,7 @@ from ..preference_pairs import PreferencePairs, read_pairs
 from ..prompts import prompt_pool, sample_prompts
 from ..reward_models.gradients import reward_and_gradient
 from ..samplers import build_sampler
+from ..samplers.branching import branched_rollout, trained_steps
 from ..samplers.rollout import group_noise, rollout, sde_window
 from ..types import Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..run_logger import nanmean
@@ -92,6 +93,8 @@ class ImageModality:
         gen = seeding.torch_generator(seed, iteration, rank, "rollout")
         noise = group_noise(self.pipeline, group_ids, gen, cfg.same_noise_in_group)
         self.pipeline.denoiser.eval()  # rollouts sample the policy deterministically in its layers (dropout off), as the peers do; update() sets train()
+        if cfg.branching is not None:  # B2-DiffuRL: one shared prefix per group, branches over the trained window (samplers/branching.py)
+            return self._branched_rollouts(iteration, prompts, metadata, group_ids, gen, noise)
         window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)
         sigmas = self.pipeline.schedule.sigmas(cfg.num_inference_steps).to(self.device)
         chunks = []
@@ -100,6 +103,17 @@ class ImageModality:
             chunks.append(rollout(self.pipeline, self.sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, gen,
                                   cfg.guidance_scale, window, initial_noise=noise[sl]))
         return Trajectory.cat(chunks)
+
+    def _branched_rollouts(self, iteration: int, prompts, metadata, group_ids, gen, noise) -> Trajectory:
+        cfg, b = self.config.rollout, self.config.rollout.branching
+        trained = trained_steps(iteration, self.config.train.iterations, cfg.num_inference_steps, b.start_steps, b.end_steps)
+        sigmas = self.pipeline.schedule.sigmas(cfg.num_inference_steps).to(self.device)
+        traj = branched_rollout(self.pipeline, self.sampler, prompts, metadata, group_ids, sigmas, gen, cfg.num_inference_steps - trained,
+                                noise, cfg.guidance_scale, cfg.batch_size)
+        if not traj.stochastic.any():  # e.g. DDIM's step into clean data has no noise, so a 1-step window has nothing to train
+            raise FlowRLError(f"the trained window of iteration {iteration + 1} (the last {trained} of {cfg.num_inference_steps} steps) has no stochastic "
+                              f"step on sampler '{self.sampler.name}'; raise rollout.branching.start_steps.")
+        return traj
 
     def _read_pairs(self) -> PreferencePairs:
         """The offline objective's pairs, checked against the model's sample shape."""

@@ -54,13 +54,20 @@ def build_reward_from_config(config) -> Reward:
     """Build the weighted sum of ``config.components`` (name -> weight), each with ``config.kwargs[name]``.
 
     Always a WeightedSum, even for one component, so every run logs ``reward/<name>`` the same way.
-    A component named in ``config.ensembles`` is a RewardEnsemble of its members.
+    A component named in ``config.ensembles`` is a RewardEnsemble of its members, one named in
+    ``config.binary`` an AllOfReward (1 when every member's score passes its threshold).
     """
     from .combine import RewardEnsemble, WeightedSum
 
     def one(name: str) -> Reward:
         ensemble = config.ensembles.get(name) if hasattr(config, "ensembles") else None
-        if ensemble is None:
+        binary = getattr(config, "binary", {}).get(name)
+        if binary is not None:  # a sparse reward: 1 when every member passes its threshold (reward_models/binary.py)
+            from .binary import AllOfReward
+
+            inners = {m: build_reward(m, **config.kwargs.get(m, {})) for m in binary.all_of}
+            reward = AllOfReward(inners, binary.all_of, name=name)
+        elif ensemble is None:
             reward = build_reward(name, **config.kwargs.get(name, {}))
         else:
             members = [build_reward(m.name, **m.kwargs) for m in ensemble.members]

@@ -2,6 +2,8 @@
 
 ``ThresholdReward`` wraps another reward, so it is built in code rather than by name, e.g.
 ``ThresholdReward(build_reward("digit_classifier"), threshold=0.5)``; it has no registry entry.
+``AllOfReward`` (1 when every inner score passes its threshold) is what a config declares under
+``reward.binary`` (docs/rewards.md), e.g. the sparse reward of configs/digits/b2_diffurl.yaml.
 """
 
 from __future__ import annotations
@@ -39,4 +41,34 @@ class ThresholdReward:
         scores = torch.where(torch.isnan(raw), raw, scores)
         extras = {k: v.detach() for k, v in out.extras.items()}
         extras["raw"] = raw
+        return RewardOutput(scores=scores, extras=extras)
+
+
+class AllOfReward:
+    """A sparse binary reward: ``above`` where every inner score passes its threshold (strictly greater),
+    ``below`` otherwise; NaN where any inner score is NaN (a failed scorer must not read as a miss).
+
+    Declared in a config as ``reward.binary.<new name>.all_of: {inner reward name: threshold}``, e.g.
+    "1 when the ink passes 0.34 and the classifier still gives the prompted digit more than 0.5". Each
+    inner raw score is logged as the extra ``<inner>`` and its pass (0/1) as ``<inner>/pass``.
+    """
+
+    differentiable = False
+
+    def __init__(self, inners: Mapping[str, Reward], thresholds: Mapping[str, float], above: float = 1.0, below: float = 0.0,
+                 name: str = "all_of") -> None:
+        self.parts = {n: ThresholdReward(inners[n], thresholds[n]) for n in inners}  # each thresholded to 1/0/NaN
+        self.above, self.below, self.name = float(above), float(below), name
+
+    def __call__(
+        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput:
+        extras: dict[str, Tensor] = {}
+        passed = None
+        for n, part in self.parts.items():
+            out = part(samples, prompts, metadata)
+            extras[n], extras[f"{n}/pass"] = out.extras["raw"], out.scores
+            passed = out.scores if passed is None else passed * out.scores  # 1 only when all pass; NaN propagates
+        scores = torch.where(passed > 0.5, torch.full_like(passed, self.above), torch.full_like(passed, self.below))
+        scores = torch.where(torch.isnan(passed), passed, scores)
         return RewardOutput(scores=scores, extras=extras)

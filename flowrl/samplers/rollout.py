@@ -53,12 +53,14 @@ def rollout(
     stochastic_steps: Tensor | None = None,
     initial_noise: Tensor | None = None,
     same_noise_in_group: bool = True,
+    decode: bool = True,
 ) -> Trajectory:
     """Sample B trajectories and record every state and transition log-prob.
 
     sigmas: (K+1,) time grid from 1 (noise) to 0. stochastic_steps: (K,) bool; default all steps when
     the sampler is stochastic. A step whose transition std is 0 (e.g. CPS or DDIM into sigma = 0) is
-    recorded as deterministic.
+    recorded as deterministic. ``decode=False`` leaves ``samples`` as the final latents (a B2-DiffuRL
+    prefix that only its branches continue, so a VAE decode would be wasted).
     """
     num_steps = sigmas.shape[0] - 1
     if stochastic_steps is None:
@@ -92,6 +94,6 @@ def rollout(
         prompts=list(prompts),
         metadata=[dict(m) for m in metadata],
         group_ids=group_ids,
-        samples=pipeline.decode(x),
+        samples=pipeline.decode(x) if decode else x,
         guidance_scale=guidance_scale,
     )
