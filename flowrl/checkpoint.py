@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .distributed import shard_optimizer_tensors
 from .errors import FlowRLError
 
 STATE_FILE = "trainer_state.json"
@@ -160,8 +161,9 @@ def atomic_directory(path: Path, world_readable: bool = True) -> Iterator[Path]:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    state = optimizer.state_dict()
+def optimizer_tensors(optimizer: torch.optim.Optimizer | dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's (or an already gathered state_dict's, see flowrl.distributed) tensors by 'index.name'."""
+    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors = {f"{idx}.{name}": v.contiguous() for idx, s in state["state"].items() for name, v in s.items() if torch.is_tensor(v)}
     return tensors, {"param_groups": state["param_groups"]}
 
@@ -171,6 +173,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
     for key, v in tensors.items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = v
+    state = shard_optimizer_tensors(optimizer, state)  # under FSDP: this process's shards of the full tensors stored
     optimizer.load_state_dict({"state": state, "param_groups": groups["param_groups"]})
 
 
@@ -189,7 +192,7 @@ def _state_digest(state: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | dict[str, Any],
                     trainer_state: dict[str, Any], config_yaml: str, extra: Callable[[Path], Any] | None = None) -> Path:
     """Write a checkpoint directory atomically and durably; ``extra(tmp_dir)`` may add files (e.g. a
     diffusers LoRA). The state file, written last, records the sha256 of every other file."""

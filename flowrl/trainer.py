@@ -16,6 +16,7 @@ declare in the ``Objective`` protocol (``flowrl/types.py``).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -34,6 +35,7 @@ from tqdm import tqdm
 from . import seeding
 from .checkpoint import atomic_path, find_latest, load_optimizer, read_checkpoint, save_checkpoint, writing
 from .config import Config, resolve_device, to_yaml
+from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, refuse_deepspeed, shard_state_dict
 from .errors import FlowRLError
 from .modalities import build_modality
 from .reward_models import build_reward_from_config
@@ -59,8 +61,10 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = config
+        refuse_deepspeed()  # before anything is written (flowrl/distributed.py says why)
         self.trackers = Trackers(config, Path(config.output_dir))  # a tracker's missing package is refused before anything is written
         self.accelerator = _accelerator(config, self.trackers.log_with())
+        enable_fsdp_on_cpu(self.accelerator)  # an FSDP launch of CPU processes shards as it would on GPUs
         self.is_main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self._check_divisibility()
@@ -80,6 +84,8 @@ class Trainer:
         self._base_lrs = [g.get("lr", config.train.learning_rate) for g in groups]  # from the config, so a resume with a new rate takes it
         optimizer = torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
                                       weight_decay=config.train.weight_decay)
+        if is_fsdp(self.accelerator):  # the family's blocks become FSDP units (flowrl/distributed.py)
+            choose_blocks_to_wrap(self.accelerator, self.module)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
         setattr(self.pipeline, self.modality.module_attr, prepared)
         self.iteration = 0
@@ -233,12 +239,15 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         path = None
         self._saving = True
+        sharded = is_fsdp(self.accelerator)  # every process gathers its shards; the main one writes full tensors
+        gathered = (full_tensors(self._weights_to_save()), full_optimizer_state(self.optimizer.optimizer)) if sharded else None
         if self.is_main:
-            weights = self._weights_to_save()
+            weights, optimizer = gathered or (self._weights_to_save(), self.optimizer.optimizer)
+            lora = functools.partial(self.pipeline.save_lora, state_dict=weights) if sharded else self.pipeline.save_lora
             state = {"iteration": self.iteration, "objective": states}
-            path = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.iteration:06d}", weights, self.optimizer.optimizer,
+            path = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.iteration:06d}", weights, optimizer,
                                    state, to_yaml(self.config),
-                                   extra=self.pipeline.save_lora if self.pipeline.has_lora else None)  # + the LoRA in its library's format
+                                   extra=lora if self.pipeline.has_lora else None)  # + the LoRA in its library's format
         self._saving = False
         self.accelerator.wait_for_everyone()
         return path
@@ -255,6 +264,8 @@ class Trainer:
         extra = self.objective.extra_module
         if extra is not None:
             extra.load_state_dict({k[len("objective."):]: v for k, v in weights.items() if k.startswith("objective.")})
+        if is_fsdp(self.accelerator):  # the checkpoint's full tensors, split into this process's shards
+            weights = shard_state_dict(self.module.state_dict(), weights)
         self.pipeline.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
 
     def load(self, spec: str) -> None:

@@ -267,9 +267,10 @@ class DiffusersAdapter:
             self._use_reference = False
 
     # -- export ---------------------------------------------------------------------------------
-    def save_lora(self, directory: str | Path) -> Path:
+    def save_lora(self, directory: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """Write ``pytorch_lora_weights.safetensors`` in the diffusers format, so that
-        ``DiffusionPipeline.from_pretrained(base).load_lora_weights(directory)`` reproduces this model."""
+        ``DiffusionPipeline.from_pretrained(base).load_lora_weights(directory)`` reproduces this model.
+        ``state_dict``: the LoRA weights gathered whole when the denoiser is sharded (FSDP), else read from it."""
         if not self.has_lora:
             raise FlowRLError("save_lora needs a LoRA run (pipeline.lora is not set).")
         import diffusers
@@ -277,7 +278,7 @@ class DiffusersAdapter:
         from peft.utils import get_peft_model_state_dict
 
         model = _unwrap(self.denoiser)
-        layers = get_peft_model_state_dict(model)
+        layers = get_peft_model_state_dict(model, state_dict=state_dict)
         if self.convert_lora_keys:
             layers = convert_state_dict_to_diffusers(layers)
         prefix = self.denoiser_subfolder

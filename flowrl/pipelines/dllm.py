@@ -183,11 +183,12 @@ class MaskedDiffusionLM:
         finally:
             self._use_reference = previous
 
-    def save_lora(self, path: str | Path) -> None:
-        """Write the LoRA adapter (adapter_config.json + weights) with peft's ``save_pretrained``."""
+    def save_lora(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> None:
+        """Write the LoRA adapter (adapter_config.json + weights) with peft's ``save_pretrained``; ``state_dict``:
+        the model's weights gathered whole when they are sharded (FSDP), else the model's own."""
         if not self.has_lora:
             raise FlowRLError("save_lora was called but no LoRA adapter is attached (set pipeline.lora).")
-        self.model.save_pretrained(str(path))
+        self.model.save_pretrained(str(path), state_dict=state_dict)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Sharded training (FSDP2 through accelerate's plugin): what flowrl adds around ``accelerator.prepare``.
+
+accelerate shards the trained module (the denoiser or the language model) when launched with an FSDP config
+(``configs/accelerate/fsdp.yaml``); everything frozen (text encoders, VAE, reward models, the KL reference copy
+taken before ``prepare``) is never handed to it. flowrl adds four things (docs/distributed.md):
+
+* which blocks become FSDP units, per family: the model class's own ``_no_split_modules`` (diffusers and
+  transformers list their transformer/UNet blocks there: ``FluxTransformerBlock``, ``JointTransformerBlock``,
+  ``WanTransformerBlock``, ...), kept to those present in the model, unless the config names them;
+* CPU processes: accelerate 1.15 turns an FSDP config on only for GPU-like devices and silently runs plain
+  data parallelism on CPUs; torch's ``fully_shard`` runs on CPU over gloo, so flowrl turns it on (the CPU test
+  then exercises accelerate's own FSDP2 code path, not a copy of it);
+* checkpoints hold full tensors: every rank takes part in gathering the sharded weights and AdamW state
+  (``DTensor.full_tensor``), the main process writes them in the same format as an unsharded run, so
+  ``flowrl export`` and a resume on any number of processes read them unchanged;
+* resume: full tensors are split back into this process's shards (``distribute_tensor`` with each
+  parameter's mesh and placement) before they are loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import FlowRLError
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover - older torch has no FSDP2 and nothing here is sharded
+    DTensor, distribute_tensor = (), None
+
+
+def refuse_deepspeed() -> None:
+    """A DeepSpeed launch is refused before anything runs (docs/distributed.md, "DeepSpeed"): accelerate hands
+    every ``backward()`` to DeepSpeed's engine, which also steps the optimizer there and divides the loss by its
+    own accumulation count, while flowrl calls ``backward()`` once per denoising step of a minibatch and steps once.
+    Trained that way the run would take several optimizer steps per minibatch, silently."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise FlowRLError("DeepSpeed launches are not supported yet (its engine steps the optimizer inside every backward(), "
+                          "which flowrl calls once per denoising step); use configs/accelerate/fsdp.yaml, the same sharding as ZeRO-3.")
+
+
+def enable_fsdp_on_cpu(accelerator) -> None:
+    """An FSDP launch of CPU processes: hand accelerate's state the FSDP plugin its CPU branch leaves out."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if wants_fsdp and state.distributed_type == DistributedType.MULTI_CPU:
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables accelerate launch set from the config
+        state.distributed_type = DistributedType.FSDP
+        # AcceleratorState() copies PartialState's fields each time it is built (trackers, samplers build one): set both
+        PartialState().distributed_type = DistributedType.FSDP
+
+
+def is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def choose_blocks_to_wrap(accelerator, module: torch.nn.Module) -> list[str]:
+    """The block classes that become FSDP units: the config's, or the family's ``_no_split_modules`` present in
+    ``module`` (accelerate would refuse a listed class the model lacks, e.g. a tiny UNet without ``UpBlock2D``)."""
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.transformer_cls_names_to_wrap:
+        return list(plugin.transformer_cls_names_to_wrap)
+    present = {type(m).__name__ for m in module.modules()}
+    listed = list(getattr(module, "_no_split_modules", None) or [])
+    chosen = [name for name in listed if name in present]
+    plugin.transformer_cls_names_to_wrap = chosen
+    return chosen
+
+
+def full_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every sharded tensor gathered whole (on the CPU). A collective under FSDP: every process
+    must call it, in the same order."""
+    return {k: (v.full_tensor().cpu() if isinstance(v, DTensor) else v) for k, v in state.items()}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state_dict with its per-parameter tensors (AdamW's moments) gathered whole; collective."""
+    state = optimizer.state_dict()
+    return {**state, "state": {idx: full_tensors(s) for idx, s in state["state"].items()}}
+
+
+def shard_like(current: Tensor, full: Tensor) -> Tensor:
+    """``full`` split as ``current`` is (this process's shard of it); unchanged where ``current`` is not sharded
+    or the shapes differ (a scalar such as AdamW's step)."""
+    if isinstance(current, DTensor) and tuple(full.shape) == tuple(current.shape):
+        return distribute_tensor(full.to(current.device, current.dtype), current.device_mesh, current.placements)
+    return full
+
+
+def shard_state_dict(current: dict[str, Tensor], full: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A full state dict turned into this process's shards, key by key, after ``current`` (the module's own)."""
+    return {k: shard_like(current[k], v) if k in current else v for k, v in full.items()}
+
+
+def shard_optimizer_tensors(optimizer: torch.optim.Optimizer, state: dict[int, dict[str, Tensor]]) -> dict[int, dict[str, Tensor]]:
+    """Full per-parameter optimizer tensors (keyed by parameter index) split after their parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {idx: {name: shard_like(params[idx], v) for name, v in s.items()} for idx, s in state.items()}

@@ -1,0 +1,178 @@
+"""Sharded training through accelerate (docs/distributed.md): the shipped configs parse with accelerate's own
+loader, and a 2-process FSDP2 run of the digits GRPO preset on CPU (gloo) trains as the 2-process DDP run does,
+writes full-tensor checkpoints, resumes identically and exports a model that loads back.
+
+Why DDP and not 1 process as the reference: both launches give each process the same prompts and noise (seeded
+by rank), so the only difference is how gradients are reduced (DDP all-reduces, FSDP reduce-scatters) and in
+which order the float32 sums run. A 1-process run draws rank 0's stream alone, other samples altogether.
+Tolerances: rewards and losses 1e-5 absolute (the runs differ by ~1e-7 per step, measured 2.7e-6 on a policy
+loss that is itself ~1e-6 because GRPO's ratio starts at 1), weights 1e-5 absolute after 3 steps (measured 2.7e-7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, REPO, fast_overrides
+
+GRPO = CONFIGS / "digits" / "grpo.yaml"
+ACCELERATE = CONFIGS / "accelerate"
+ITERATIONS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config_file: str, output_dir: Path, **extra: object) -> None:
+    """accelerate launch, 2 CPU processes over gloo, one thread each."""
+    overrides = fast_overrides(output_dir, **{"train.iterations": ITERATIONS, "log.checkpoint_every": 1, **extra})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / config_file), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), "-m", "flowrl.cli", "train", str(GRPO), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+    assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-1500:]
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:06d}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    _launch("ddp.yaml", root / "ddp")
+    _launch("fsdp.yaml", root / "fsdp")
+    return root
+
+
+def test_shipped_accelerate_configs_parse_with_accelerates_loader():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    configs = {p.stem: load_config_from_file(str(p)) for p in sorted(ACCELERATE.glob("*.yaml"))}
+    assert set(configs) == {"ddp", "fsdp", "fsdp_offload", "deepspeed_zero2", "deepspeed_zero3"}
+    assert configs["ddp"].distributed_type.value == "MULTI_GPU"
+    for name in ("fsdp", "fsdp_offload"):
+        fsdp = configs[name].fsdp_config
+        assert configs[name].distributed_type.value == "FSDP" and fsdp["fsdp_version"] == 2
+        assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and fsdp["fsdp_reshard_after_forward"] is True
+        assert "fsdp_transformer_layer_cls_to_wrap" not in fsdp  # flowrl picks each family's blocks
+        assert fsdp["fsdp_offload_params"] is (name == "fsdp_offload")
+    for stage in (2, 3):
+        config = configs[f"deepspeed_zero{stage}"]
+        assert config.distributed_type.value == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == stage
+
+
+def test_each_family_shards_its_own_blocks():
+    """The blocks chosen are the model class's _no_split_modules present in the model: the digits UNet's four."""
+    from types import SimpleNamespace
+
+    from diffusers import UNet2DConditionModel
+
+    from flowrl.distributed import choose_blocks_to_wrap
+
+    unet = UNet2DConditionModel.from_pretrained(str(REPO / "flowrl" / "assets" / "digits_flow" / "unet"))
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)
+    chosen = choose_blocks_to_wrap(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), unet)
+    assert chosen == ["BasicTransformerBlock", "ResnetBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]
+    assert plugin.transformer_cls_names_to_wrap == chosen
+    unet.up_blocks = unet.up_blocks[1:]  # a model without UpBlock2D: the class is left out instead of refused
+    plugin.transformer_cls_names_to_wrap = None
+    assert "UpBlock2D" not in choose_blocks_to_wrap(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), unet)
+
+
+def test_fsdp_trains_as_ddp_does_per_iteration(runs):
+    ddp, fsdp = _rows(runs / "ddp"), _rows(runs / "fsdp")
+    assert [r["step"] for r in fsdp] == list(range(ITERATIONS + 1))
+    for a, b in zip(ddp[1:], fsdp[1:]):
+        for key in ("reward/mean", "reward/std", "loss/policy"):
+            assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) <= 1e-4 * a["train/grad_norm"]
+    assert len({r["reward/mean"] for r in fsdp[1:]}) == ITERATIONS  # the policy moved: rewards differ per iteration
+    w_ddp = load_file(_checkpoint(runs / "ddp", ITERATIONS) / "denoiser.safetensors")
+    w_fsdp = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "denoiser.safetensors")
+    assert max((w_ddp[k] - w_fsdp[k]).abs().max().item() for k in w_ddp) <= 1e-5
+
+
+def test_fsdp_checkpoint_holds_full_tensors(runs):
+    """The main process writes every weight and AdamW moment whole (gathered from both shards)."""
+    from diffusers import UNet2DConditionModel
+
+    base = UNet2DConditionModel.from_pretrained(str(REPO / "flowrl" / "assets" / "digits_flow" / "unet")).state_dict()
+    weights = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "denoiser.safetensors")
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in base.items()}
+    moments = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "optimizer.safetensors")
+    n = sum(v.numel() for v in base.values())
+    assert sum(v.numel() for k, v in moments.items() if k.endswith(("exp_avg", "exp_avg_sq"))) == 2 * n
+
+
+def test_fsdp_resume_continues_identically(runs, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs / "fsdp", resumed)
+    for step in range(2, ITERATIONS + 1):
+        shutil.rmtree(_checkpoint(resumed, step))
+    _launch("fsdp.yaml", resumed, resume_from=str(_checkpoint(resumed, 1)))
+    original, again = _rows(runs / "fsdp"), _rows(resumed)
+    assert [r["step"] for r in again] == list(range(ITERATIONS + 1))
+    for a, b in zip(original[2:], again[2:]):
+        assert (a["reward/mean"], a["loss/policy"], a["train/grad_norm"]) == (b["reward/mean"], b["loss/policy"], b["train/grad_norm"])
+    w_original = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "denoiser.safetensors")
+    w_again = load_file(_checkpoint(resumed, ITERATIONS) / "denoiser.safetensors")
+    assert all(torch.equal(w_original[k], w_again[k]) for k in w_original)  # bitwise: the shards were restored exactly
+
+
+def test_fsdp_checkpoint_exports_a_diffusers_model_equal_to_the_gathered_weights(runs, tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    checkpoint = _checkpoint(runs / "fsdp", ITERATIONS)
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "export", str(checkpoint), str(out)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = UNet2DConditionModel.from_pretrained(str(out / "unet")).state_dict()
+    weights = load_file(checkpoint / "denoiser.safetensors")
+    assert set(exported) == set(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
+
+
+def test_fsdp_lora_run_writes_the_gathered_diffusers_lora(tmp_path):
+    """LoRA under FSDP: the base weights are sharded too (frozen), the checkpoint stores the adapter whole, and the
+    diffusers LoRA file beside it holds the same tensors."""
+    run = tmp_path / "lora"
+    _launch("fsdp.yaml", run, **{"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "train.iterations": 2})
+    checkpoint = _checkpoint(run, 2)
+    adapter = load_file(checkpoint / "denoiser.safetensors")
+    lora = load_file(checkpoint / "pytorch_lora_weights.safetensors")
+    assert adapter and all("lora" in k for k in adapter) and len(lora) == len(adapter)
+    ranks = {v.shape[0] for k, v in adapter.items() if "lora_A" in k}
+    assert ranks == {4}  # whole tensors: a shard of a rank-4 A would have 2 rows
+    by_norm = sorted(v.norm().item() for v in adapter.values())
+    assert by_norm == sorted(v.norm().item() for v in lora.values())
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it was trained
+
+
+def test_a_deepspeed_launch_is_refused_in_one_sentence_before_anything_is_written(tmp_path, monkeypatch):
+    from flowrl.config import load_config
+    from flowrl.errors import FlowRLError
+    from flowrl.trainer import Trainer
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch sets from deepspeed_zero*.yaml
+    with pytest.raises(FlowRLError, match=r"^DeepSpeed launches are not supported yet .*fsdp\.yaml, the same sharding as ZeRO-3\.$"):
+        Trainer(load_config(GRPO, fast_overrides(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
