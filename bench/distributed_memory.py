@@ -14,8 +14,9 @@ memory of a 2-process CPU run of flowrl with and without sharding.
    initialised, so that its parameters and AdamW state dominate the process's memory) trained for one GRPO
    iteration as 1 process, 2 processes DDP and 2 processes FSDP (configs/accelerate/), CPU over gloo. Each
    process reports the bytes of its own parameters + gradients + AdamW state (exact, from its tensors) and its
-   peak resident memory (ru_maxrss, which also counts the Python/torch runtime and the full weights loaded
-   before sharding).
+   peak resident memory (ru_maxrss, which also counts the Python/torch runtime and the full weights every
+   process loads before sharding) after loading, through training (rollouts, update, evaluation), and with
+   the final checkpoint (under FSDP the main process gathers the whole model and AdamW state to write it).
 
     python bench/distributed_memory.py [--gpus 8] [--width 256] [--lora-rank 32]
 """
@@ -95,7 +96,17 @@ def worker(overrides: list[str], report: Path) -> None:
 
     torch.set_num_threads(1)
     trainer = Trainer(load_config(REPO / "configs" / "digits" / "grpo.yaml", overrides))
-    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # loading and sharding, before any step
+    def peak() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    load_peak, peaks = peak(), []  # loading and sharding, before any step
+    save = trainer.save
+
+    def save_after_noting_the_peak():  # fit() saves last: the peak of rollouts, updates and evaluation comes first
+        peaks.append(peak())
+        return save()
+
+    trainer.save = save_after_noting_the_peak
     trainer.fit()
     trainer.optimizer.zero_grad(set_to_none=False)  # gradients allocated as during a step (fit() leaves them freed or not by strategy)
 
@@ -108,7 +119,7 @@ def worker(overrides: list[str], report: Path) -> None:
     row = {"rank": trainer.rank, "world": trainer.world, "parameters": sum(p.numel() for p in params),
            "param_bytes": sum(local_bytes(p) for p in params), "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
            "adam_bytes": sum(local_bytes(v) for v in state), "load_peak_rss_bytes": load_peak,
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+           "train_peak_rss_bytes": peaks[0], "peak_rss_bytes": peak()}
     with open(report, "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -130,7 +141,9 @@ def measure(model: Path, launch: str | None, scratch: Path) -> list[dict]:
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs" / "accelerate" / f"{launch}.yaml"),
                "--num_processes", "2", "--main_process_port", str(_free_port()), *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # Every tensor of 128 KiB or more in its own mmap, returned to the OS when freed (glibc's adaptive threshold
+    # otherwise moves freed buffers into the heap, where they stay resident): the peak is that of live memory.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         sys.exit(f"{launch or 'single'} run failed:\n{proc.stderr[-3000:]}")
@@ -159,17 +172,21 @@ def main() -> None:
     n = results["1 process"][0]["parameters"]
     print(f"\nMeasured: digits UNet widened to [{args.width}, {2 * args.width}] channels ({n / 1e6:.1f} M parameters), one GRPO "
           "iteration, CPU (gloo), per process (MiB):\n")
-    print("| run | rank | params | grads | AdamW state | params + grads + AdamW | peak RSS after loading | peak RSS |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| run | rank | params | grads | AdamW state | params + grads + AdamW | peak RSS: loading | + training | + checkpoint |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, rows in results.items():
         for r in rows:
             total = r["param_bytes"] + r["grad_bytes"] + r["adam_bytes"]
             print(f"| {name} | {r['rank']} | {r['param_bytes'] / 2**20:.0f} | {r['grad_bytes'] / 2**20:.0f} | {r['adam_bytes'] / 2**20:.0f} | "
-                  f"{total / 2**20:.0f} | {r['load_peak_rss_bytes'] / 2**20:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+                  f"{total / 2**20:.0f} | {r['load_peak_rss_bytes'] / 2**20:.0f} | {r['train_peak_rss_bytes'] / 2**20:.0f} | "
+                  f"{r['peak_rss_bytes'] / 2**20:.0f} |")
     state = {k: max(r["param_bytes"] + r["grad_bytes"] + r["adam_bytes"] for r in v) for k, v in results.items()}
-    rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in results.items()}
-    print(f"\nFSDP / DDP per process: params + grads + AdamW {state['2 processes FSDP'] / state['2 processes DDP']:.2f}x, "
-          f"peak RSS {rss['2 processes FSDP'] / rss['2 processes DDP']:.2f}x (same run)")
+    ratio = {}
+    for key in ("train_peak_rss_bytes", "peak_rss_bytes"):
+        per_rank = [f[key] / d[key] for f, d in zip(results["2 processes FSDP"], results["2 processes DDP"])]
+        ratio[key] = ", ".join(f"rank {i} {x:.2f}x" for i, x in enumerate(per_rank))
+    print(f"\nFSDP / DDP per process: params + grads + AdamW {state['2 processes FSDP'] / state['2 processes DDP']:.2f}x; "
+          f"peak RSS through training {ratio['train_peak_rss_bytes']}; with the checkpoint {ratio['peak_rss_bytes']} (same run)")
 
 
 if __name__ == "__main__":

@@ -76,16 +76,22 @@ def choose_blocks_to_wrap(accelerator, module: torch.nn.Module) -> list[str]:
     return chosen
 
 
-def full_tensors(state: dict[str, Any]) -> dict[str, Any]:
+def full_tensors(state: dict[str, Any], keep: bool = True) -> dict[str, Any]:
     """``state`` with every sharded tensor gathered whole (on the CPU). A collective under FSDP: every process
-    must call it, in the same order."""
-    return {k: (v.full_tensor().cpu() if isinstance(v, DTensor) else v) for k, v in state.items()}
+    must call it, in the same order. ``keep=False`` (the processes that do not write): each gathered tensor is
+    dropped at once, so they never hold the whole model, and an empty dict comes back."""
+    out = {}
+    for k, v in state.items():
+        full = v.full_tensor().cpu() if isinstance(v, DTensor) else v
+        if keep:
+            out[k] = full
+    return out
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict[str, Any]:
     """The optimizer's state_dict with its per-parameter tensors (AdamW's moments) gathered whole; collective."""
     state = optimizer.state_dict()
-    return {**state, "state": {idx: full_tensors(s) for idx, s in state["state"].items()}}
+    return {**state, "state": {idx: full_tensors(s, keep) for idx, s in state["state"].items()}}
 
 
 def shard_like(current: Tensor, full: Tensor) -> Tensor:

@@ -240,7 +240,7 @@ class Trainer:
         path = None
         self._saving = True
         sharded = is_fsdp(self.accelerator)  # every process gathers its shards; the main one writes full tensors
-        gathered = (full_tensors(self._weights_to_save()), full_optimizer_state(self.optimizer.optimizer)) if sharded else None
+        gathered = (full_tensors(self._weights_to_save(), self.is_main), full_optimizer_state(self.optimizer.optimizer, self.is_main)) if sharded else None
         if self.is_main:
             weights, optimizer = gathered or (self._weights_to_save(), self.optimizer.optimizer)
             lora = functools.partial(self.pipeline.save_lora, state_dict=weights) if sharded else self.pipeline.save_lora
