@@ -176,3 +176,20 @@ def test_a_deepspeed_launch_is_refused_in_one_sentence_before_anything_is_writte
     with pytest.raises(FlowRLError, match=r"^DeepSpeed launches are not supported yet .*fsdp\.yaml, the same sharding as ZeRO-3\.$"):
         Trainer(load_config(GRPO, fast_overrides(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
+
+
+def test_cpu_offload_on_cpu_processes_is_refused_in_one_sentence(monkeypatch):
+    """fsdp_offload.yaml on CPU processes: torch's offload policy needs a GPU to offload from."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flowrl.distributed import enable_fsdp_on_cpu
+    from flowrl.errors import FlowRLError
+
+    for key, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}.items():
+        monkeypatch.setenv(key, value)  # what accelerate launch sets from fsdp_offload.yaml
+    state = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, fsdp_plugin=None)
+    with pytest.raises(FlowRLError, match=r"^fsdp_offload_params moves the shards .* launch with configs/accelerate/fsdp\.yaml\.$"):
+        enable_fsdp_on_cpu(SimpleNamespace(state=state))
+    assert state.distributed_type == DistributedType.MULTI_CPU and state.fsdp_plugin is None
