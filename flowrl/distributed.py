@@ -2,7 +2,7 @@
 
 accelerate shards the trained module (the denoiser or the language model) when launched with an FSDP config
 (``configs/accelerate/fsdp.yaml``); everything frozen (text encoders, VAE, reward models, the KL reference copy
-taken before ``prepare``) is never handed to it. flowrl adds four things (docs/distributed.md):
+taken before ``prepare``) is never handed to it. flowrl adds (docs/distributed.md):
 
 * which blocks become FSDP units, per family: the model class's own ``_no_split_modules`` (diffusers and
   transformers list their transformer/UNet blocks there: ``FluxTransformerBlock``, ``JointTransformerBlock``,
@@ -12,9 +12,11 @@ taken before ``prepare``) is never handed to it. flowrl adds four things (docs/d
   then exercises accelerate's own FSDP2 code path, not a copy of it);
 * checkpoints hold full tensors: every rank takes part in gathering the sharded weights and AdamW state
   (``DTensor.full_tensor``), the main process writes them in the same format as an unsharded run, so
-  ``flowrl export`` and a resume on any number of processes read them unchanged;
+  ``flowrl export`` reads them unchanged, in one process;
 * resume: full tensors are split back into this process's shards (``distribute_tensor`` with each
-  parameter's mesh and placement) before they are loaded.
+  parameter's mesh and placement) before they are loaded;
+* one-sentence refusals: a DeepSpeed launch (its engine steps inside ``backward()``), and CPU offload on
+  CPU processes.
 """
 
 from __future__ import annotations
