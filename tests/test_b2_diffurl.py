@@ -190,5 +190,5 @@ def test_binary_reward_from_a_config():
 
 def test_the_presets_reward_is_the_sparse_one():
     config = load_config(B2)
-    assert config.reward.binary["bold_digit"].all_of == {"ink": 0.34, "digit_classifier": 0.5}
+    assert config.reward.binary["bold_digit"].all_of == {"ink": 0.36, "digit_classifier": 0.5}
     assert load_config(CONFIGS / "digits" / "grpo_sparse.yaml").reward == config.reward
