@@ -224,6 +224,9 @@ class GRPOConfig(PolicyObjectiveBase):
     per_reward_advantages: bool = False  # normalise each reward component in its group, then weight and sum
     adv_clip_max: float | None = None
     best_worst_k: int | None = Field(None, ge=2)
+    # TempFlow-GRPO's noise-aware step credit: each trained step's policy term weighted by its transition std,
+    # normalised to mean 1 over the trained steps (docs/objectives/grpo.md); none: every step alike
+    step_weighting: Literal["none", "noise_level"] = "none"
 
 
 class DDPOConfig(PolicyObjectiveBase):

@@ -94,6 +94,20 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
     return loss, stats
 
 
+def noise_level_step_weights(stds: Tensor) -> Tensor:
+    """TempFlow-GRPO's noise-aware step weights (He et al. 2025, arXiv:2508.04324) for the trained steps S:
+
+        w_k = s_k / ((1 / |S|) sum_{j in S} s_j),   k in S,
+
+    with s_k the transition std of step k (Flow-GRPO: s_k = g(sigma_k) sqrt(sigma_k - sigma_{k+1})). A step whose
+    sampling noise is larger can move the outcome more, so its policy-gradient term counts more; the weights
+    average to 1 over S, so the loss scale (and the learning rate that suits it) is that of uniform weights.
+    stds: (|S|,) positive. Returns (|S|,) float32.
+    """
+    stds = stds.float()
+    return stds / stds.mean()
+
+
 def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduction: Reduction = "mean") -> Tensor:
     """KL( N(mean, std^2 I) || N(ref_mean, std^2 I) ) = (mean - ref_mean)^2 / (2 std^2), reduced like the
     log-prob (per-dimension mean by default). Returns (B,)."""

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
-from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, masked_mean
+from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, masked_mean, noise_level_step_weights
 
 class AdvantageEstimator(Protocol):
     """Advantages (B,) of a scored batch; stateful estimators (DDPO's per-prompt buffers) save their state."""
@@ -63,6 +63,18 @@ def normalised_log_ratio(log_prob: Tensor, old_log_prob: Tensor, std: Tensor, va
     return (log_ratio - shift) * (s if s.numel() == log_ratio.numel() else s.mean())
 
 
+def transition_stds(sampler: Sampler, batch: Trajectory, steps: list[int]) -> Tensor:
+    """The rollout's transition std at each of ``steps``, (len(steps),). Every stochastic sampler's std is a
+    function of (sigma, sigma_next) alone, so the sampler's own step is read on one row with a zero model output:
+    no denoiser call, and the std is the one the log-probs were scored with."""
+    stds = []
+    for k in steps:
+        x = batch.latents[:1, k]
+        out = sampler.step(torch.zeros_like(x), x, batch.sigmas[k], batch.sigmas[k + 1], x_next=batch.latents[:1, k + 1])
+        stds.append(torch.as_tensor(out.std, dtype=torch.float32).reshape(-1).mean())
+    return torch.stack(stds)
+
+
 @dataclass
 class PolicyGradientObjective:
     """Clipped surrogate on each trained denoising step, optional KL to the frozen reference.
@@ -71,6 +83,11 @@ class PolicyGradientObjective:
     per step, reduced like the log-prob (per-dimension mean). ``kl_form="flow_grpo"`` reproduces
     Flow-GRPO's term, which divides by the diffusion coefficient g^2 instead of the transition variance
     g^2 |dt|, i.e. equals the Gaussian KL times |dt|; use it to carry Flow-GRPO's beta values over.
+
+    Step weighting (``step_weighting="noise_level"``, TempFlow-GRPO's noise-aware weighting): the minibatch loss is
+    ``(1/|S|) sum_{k in S} (w_k policy_k + beta kl_k)`` with ``w_k = s_k / mean_{j in S} s_j`` over the trained steps
+    S and s_k the transition std (functional.noise_level_step_weights); "none" is w_k = 1. Only the policy term
+    is weighted (the KL is a regulariser, not credit); ratios and their statistics are untouched.
     """
 
     name: str
@@ -83,6 +100,7 @@ class PolicyGradientObjective:
     timestep_order: Literal["random", "first"] = "random"
     best_worst_k: int | None = None
     ratio_norm: bool = False
+    step_weighting: Literal["none", "noise_level"] = "none"
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
     minibatch_unit: int = field(default=1, init=False)
@@ -105,7 +123,8 @@ class PolicyGradientObjective:
         steps = choose_train_steps(batch.stochastic, self.timestep_fraction, self.timestep_order, generator)
         advantages = batch.advantages.to(batch.latents.device)
         valid = torch.isfinite(batch.rewards) if batch.rewards is not None else None
-        for k in steps:
+        weights = noise_level_step_weights(transition_stds(sampler, batch, steps)) if self.step_weighting == "noise_level" else None
+        for i, k in enumerate(steps):
             x, x_next = batch.latents[:, k], batch.latents[:, k + 1]
             sigma, sigma_next = batch.sigmas[k], batch.sigmas[k + 1]
             model_output = pipeline.predict(x, sigma, batch.cond, batch.guidance_scale)
@@ -116,7 +135,7 @@ class PolicyGradientObjective:
             else:
                 log_prob = out.log_prob
             policy_loss, stats = clipped_surrogate(log_prob, old_log_prob, advantages, self.clip_range, valid)
-            loss = policy_loss
+            loss = policy_loss if weights is None else weights[i].to(policy_loss.device) * policy_loss
             metrics = {"loss/policy": policy_loss.detach(), **{f"policy/{n}": v for n, v in stats.items()},
                        **step_ratio_stats(log_prob.detach() - old_log_prob, valid, k)}
             if self.beta > 0:

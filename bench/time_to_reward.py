@@ -1,0 +1,268 @@
+"""Time and denoiser work to reach a held-out reward: full-trajectory Flow-GRPO against its faster variants.
+
+Every method is a preset derived in code from configs/digits/grpo.yaml (or diffusion_nft.yaml) on the embedded
+digits flow model with the README's reward (ink + digit_classifier), trained through the real ``Trainer``:
+
+    full_sde        Flow-GRPO SDE (g = a sqrt(sigma / (1 - sigma)), a = 0.7), all 10 steps stochastic and trained (baseline)
+    dance_grpo      DanceGRPO SDE (g = eta = 0.7, constant), all steps stochastic, a random 60% of them trained
+    cps             coefficient-preserving sampling (std = sigma_next sin(0.7 pi / 2)), every stochastic step trained
+    mixgrpo_window  MixGRPO: a 3-step SDE window (ODE elsewhere) sliding one step later every 4 iterations
+    fast_window     Flow-GRPO-Fast style: steps 0-1 stochastic and trained, the rest ODE
+    tempflow        full_sde with TempFlow-GRPO's noise-level step credit (objective.step_weighting=noise_level)
+    diffusion_nft   configs/digits/diffusion_nft.yaml (ODE rollouts, flow matching on the clean samples)
+
+Each run evaluates the held-out set (20 unseen prompt phrasings x ``--eval-samples`` fixed seeds, 10-step ODE,
+``Trainer.evaluate``, no judge) every ``--eval-every`` iterations and stops at the first evaluation whose reward
+is >= ``--target`` (or after ``--max-iterations``). Time to target = the summed wall time of
+``Trainer.train_iteration`` (rollout + reward + advantages + update) up to that evaluation; evaluations are not
+counted. Denoiser work is counted with hooks on the denoiser module: forward calls and rows (samples through the
+network) in the rollout, the update and the evaluation, and backward rows (a hook on the output's gradient).
+Runs are interleaved seed-major (for seed: for method), so drifting load on a shared machine falls on all alike.
+
+    python bench/time_to_reward.py [--seeds 3] [--target 1.45] [--threads 1] [--json OUT] [--plot PNG]
+    python bench/time_to_reward.py --quick        # tiny: 1 seed, 2 methods, 2 iterations (the test's)
+
+Prints a table; the last line is one JSON object with ``speedup_vs_full_sde`` (the baseline's median time to
+target / the fastest method's, among methods that reached the target in every seed) and every method's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flowrl.config import read_yaml_mapping, validate  # noqa: E402
+from flowrl.trainer import Trainer  # noqa: E402
+
+BASELINE = "full_sde"
+# method -> (preset in configs/digits, changes to its tree as {dotted key: value}; a value None deletes the key)
+METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "full_sde": ("grpo.yaml", {"objective.timestep_fraction": 1.0}),
+    "dance_grpo": ("grpo.yaml", {"sampler.diffusion": "dance_grpo", "sampler.noise_level": 0.7}),
+    "cps": ("grpo.yaml", {"sampler.name": "flow_cps", "sampler.diffusion": None, "sampler.noise_level": 0.7,
+                          "objective.timestep_fraction": 1.0}),
+    "mixgrpo_window": ("grpo.yaml", {"rollout.sde_window_size": 3, "rollout.sde_window_slide_every": 4,
+                                     "objective.timestep_fraction": 1.0}),
+    "fast_window": ("grpo.yaml", {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0}),
+    "tempflow": ("grpo.yaml", {"objective.timestep_fraction": 1.0, "objective.step_weighting": "noise_level"}),
+    "diffusion_nft": ("diffusion_nft.yaml", {}),
+}
+
+
+def set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    if value is None:
+        tree.pop(last, None)
+    else:
+        tree[last] = value
+
+
+def method_config(method: str, seed: int, output_dir: str, overrides: dict[str, Any] | None = None):
+    """The method's validated config: its preset's tree, the method's changes, the bench's settings, ``overrides``."""
+    preset, changes = METHODS[method]
+    tree = read_yaml_mapping(REPO / "configs" / "digits" / preset, "config file")
+    settings = {"seed": seed, "output_dir": output_dir, "eval.judge": None,  # no held-out judge: only evaluation time "log.progress": False, "log.trackers": [],
+                "log.grid_prompts": 1000}
+    for key, value in {**changes, **settings, **(overrides or {})}.items():
+        set_key(tree, key, value)
+    return validate(tree)
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    """The denoiser's output tensor (diffusers models return a dataclass with ``sample``)."""
+    if torch.is_tensor(out):
+        return out
+    return out.sample if hasattr(out, "sample") else out[0]
+
+
+class DenoiserWork:
+    """Counts what the denoiser module does, per phase (rollout / train / eval): forward calls, forward rows
+    (samples through the network) and backward rows (gradients reaching the module's output)."""
+
+    PHASES = ("rollout", "train", "eval")
+
+    def __init__(self, module: torch.nn.Module):
+        self.phase = "rollout"
+        self.counts = {f"{p}_{what}": 0 for p in self.PHASES for what in ("forward_calls", "forwards", "backwards")}
+        self._handle = module.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module, args, out) -> None:
+        y = _first_tensor(out)
+        self.counts[f"{self.phase}_forward_calls"] += 1
+        self.counts[f"{self.phase}_forwards"] += y.shape[0]
+        if y.requires_grad:
+            phase = self.phase
+            y.register_hook(lambda grad: self._on_backward(phase, grad))
+
+    def _on_backward(self, phase: str, grad: torch.Tensor) -> None:
+        self.counts[f"{phase}_backwards"] += grad.shape[0]
+
+    def during(self, phase: str, fn):
+        """``fn`` with its denoiser calls counted under ``phase``."""
+        def wrapped(*args, **kwargs):
+            previous, self.phase = self.phase, phase
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phase = previous
+        return wrapped
+
+    def training_work(self) -> dict[str, int]:
+        return {k: v for k, v in self.counts.items() if not k.startswith("eval")}
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def run_method(method: str, seed: int, target: float, max_iterations: int, eval_every: int,
+               overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train one method until its held-out reward reaches ``target`` (checked every ``eval_every`` iterations) or
+    ``max_iterations``; returns the curve (training seconds, counted work, held-out reward at every evaluation)
+    and the first point at or above the target (None if never)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = method_config(method, seed, f"{tmp}/{method}", {"train.iterations": max_iterations, **(overrides or {})})
+        trainer = Trainer(config)
+        work = DenoiserWork(trainer.module)
+        trainer.collect = work.during("rollout", trainer.collect)  # the instance's own methods, counted
+        trainer.update = work.during("train", trainer.update)
+        evaluate = work.during("eval", lambda: trainer.evaluate()[0]["eval/reward/mean"])
+        curve = [{"iteration": 0, "train_s": 0.0, "reward": evaluate(), **work.training_work()}]
+        train_s, reached = 0.0, None
+        for i in range(max_iterations):
+            t0 = time.perf_counter()
+            trainer.train_iteration(i)
+            train_s += time.perf_counter() - t0
+            if (i + 1) % eval_every == 0 or i + 1 == max_iterations:
+                curve.append({"iteration": i + 1, "train_s": train_s, "reward": evaluate(), **work.training_work()})
+                if curve[-1]["reward"] >= target:
+                    reached = curve[-1]
+                    break
+        work.close()
+    return {"method": method, "seed": seed, "reached": reached, "curve": curve, "eval_work": {k: v for k, v in work.counts.items() if k.startswith("eval")}}
+
+
+def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) -> dict[str, Any]:
+    """Per method: medians over seeds of time, forwards and backwards to target (None unless every seed reached it),
+    the per-seed values, and the final reward of each run."""
+    out = {}
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m]
+        hit = [r["reached"] for r in mine]
+        per_seed = {str(r["seed"]): None if r["reached"] is None else {
+            "train_s": round(r["reached"]["train_s"], 3), "iterations": r["reached"]["iteration"], "reward": round(r["reached"]["reward"], 4),
+            "forwards": r["reached"]["rollout_forwards"] + r["reached"]["train_forwards"], "backwards": r["reached"]["train_backwards"]}
+            for r in mine}
+        all_hit = all(h is not None for h in hit) and len(hit) == len(seeds)
+        med = (lambda key: statistics.median(per_seed[str(s)][key] for s in seeds)) if all_hit else (lambda key: None)
+        out[m] = {"reached_in_all_seeds": all_hit, "seeds_reached": sum(h is not None for h in hit),
+                  "median_train_s": med("train_s"), "median_iterations": med("iterations"),
+                  "median_forwards": med("forwards"), "median_backwards": med("backwards"), "median_reached_reward": med("reward"),
+                  "median_final_reward": round(statistics.median(r["curve"][-1]["reward"] for r in mine), 4),
+                  "per_seed": per_seed}
+    return out
+
+
+def speedup(summary: dict[str, Any]) -> tuple[float | None, str | None]:
+    """Baseline median time / the fastest median time among methods that reached the target in every seed."""
+    base = summary.get(BASELINE, {}).get("median_train_s")
+    reached = {m: s["median_train_s"] for m, s in summary.items() if s["median_train_s"] is not None}
+    if base is None or not reached:
+        return None, None
+    best = min(reached, key=reached.get)
+    return round(base / reached[best], 3), best
+
+
+def plot(runs: list[dict[str, Any]], methods: list[str], target: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    for r in runs:
+        xs, ys = [p["train_s"] for p in r["curve"]], [p["reward"] for p in r["curve"]]
+        first = r["seed"] == min(x["seed"] for x in runs if x["method"] == r["method"])
+        ax.plot(xs, ys, "-", color=colors[r["method"]], alpha=0.8, lw=1.2, label=r["method"] if first else None)
+    ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target:g}")
+    ax.set_xlabel("training wall time, s (evaluations excluded)")
+    ax.set_ylabel("held-out reward")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--target", type=float, default=1.45, help="held-out reward to reach")
+    p.add_argument("--max-iterations", type=int, default=40)
+    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--eval-samples", type=int, default=4, help="fixed seeds per held-out prompt (20 prompts)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="1 seed, full_sde and fast_window, 2 iterations on 3 steps, 8 samples, target 0")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="reward-vs-time PNG")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown method '{unknown[0]}'; choose from {', '.join(METHODS)}")
+    overrides: dict[str, Any] = {"eval.samples_per_prompt": a.eval_samples}
+    if a.quick:
+        # target 0: every run "reaches" it at its first evaluation, so the speedup path runs too
+        methods, a.seeds, a.max_iterations, a.eval_every, a.target = [BASELINE, "fast_window"], 1, 2, 1, 0.0
+        overrides.update({"rollout.num_inference_steps": 3, "train.prompts_per_iteration": 2, "train.num_generations": 4,
+                          "train.batch_size": 8, "eval.samples_per_prompt": 1})
+    seeds = list(range(a.seeds))
+    runs = []
+    started = time.perf_counter()
+    for seed in seeds:  # seed-major: every method sees the same stretch of machine load
+        for m in methods:
+            r = run_method(m, seed, a.target, a.max_iterations, a.eval_every, overrides)
+            runs.append(r)
+            last = r["reached"] or r["curve"][-1]
+            print(f"seed {seed} {m:<15} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
+                  f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}", file=sys.stderr, flush=True)
+    total_s = time.perf_counter() - started
+    summary = summarise(runs, methods, seeds)
+    ratio, best = speedup(summary)
+    print(f"digits_flow, target held-out reward {a.target:g} (20 prompts x {overrides['eval.samples_per_prompt']} seeds, ODE); "
+          f"{torch.get_num_threads()} thread(s); median of {len(seeds)} seed(s); training time only; total {total_s:.0f} s")
+    print(f"{'method':<16}{'reached':>8}{'time s':>9}{'iters':>7}{'fwd rows':>10}{'bwd rows':>10}{'final rew':>11}")
+    for m, s in summary.items():
+        fmt = lambda v, w, f: f"{'-':>{w}}" if v is None else format(v, f"{w}{f}")  # noqa: E731
+        print(f"{m:<16}{s['seeds_reached']:>6}/{len(seeds)}{fmt(s['median_train_s'], 9, '.1f')}{fmt(s['median_iterations'], 7, '.0f')}"
+              f"{fmt(s['median_forwards'], 10, '.0f')}{fmt(s['median_backwards'], 10, '.0f')}{s['median_final_reward']:>11.4f}")
+    if a.plot:
+        plot(runs, methods, a.target, a.plot, f"digits_flow, held-out reward vs training time, {len(seeds)} seed(s), {torch.get_num_threads()} thread(s)")
+    result = {"speedup_vs_full_sde": ratio, "best_method": best, "target": a.target, "seeds": len(seeds),
+              "threads": torch.get_num_threads(), "total_s": round(total_s, 1), "methods": summary,
+              "curves": {f"{r['method']}/{r['seed']}": [[round(p["train_s"], 2), round(p["reward"], 4)] for p in r["curve"]] for r in runs}}
+    line = json.dumps(result)
+    if a.json:
+        a.json.write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
