@@ -11,7 +11,7 @@ import random
 import numpy as np
 import torch
 
-PURPOSES = {"prompts": 0, "rollout": 1, "update": 2, "eval": 3, "init": 4, "pairs": 5, "pair_prompts": 6}
+PURPOSES = {"prompts": 0, "rollout": 1, "update": 2, "eval": 3, "init": 4, "pairs": 5, "pair_prompts": 6, "initial_noise": 7}
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -30,3 +30,50 @@ def seed_initialisation(seed: int) -> None:
     """Seed the global torch RNG that fresh modules draw their initial weights from (LoRA adapters, DCoLT's
     unmasking-policy head), identically on every process, so a run's seed fixes its initial weights."""
     torch.manual_seed(derive_seed(seed, 0, 0, PURPOSES["init"]))
+
+
+def global_draw(draw, per_process: int, rank: int, world: int) -> list:
+    """This process's share of a draw made for the whole world: ``draw(per_process * world)`` returns the
+    global list (from a stream keyed without the rank), and process ``rank`` keeps its contiguous slice. So
+    the prompts an N-process run trains on are exactly a 1-process run's, split in N."""
+    return list(draw(per_process * world))[rank * per_process : (rank + 1) * per_process]
+
+
+_ROW_STREAM = 2**31
+
+
+class RowGenerators:
+    """One random stream per sample row, keyed by (seed, iteration, purpose, the row's global key).
+
+    A rollout drawn from a single ``torch.Generator`` depends on how the rows are batched: which process
+    holds them and which rollout chunk. Keying each row's stream by its global index (a global group id,
+    or a global sample index) makes every sample's noise, initial and per step, the same whichever
+    process and chunk it lands in, so an N-process run samples exactly what a 1-process run samples.
+    Rows that share a key (every member of a group sharing its initial noise) draw identical numbers.
+    """
+
+    def __init__(self, generators: list[torch.Generator]):
+        self.generators = generators
+
+    @classmethod
+    def keyed(cls, seed: int, iteration: int, purpose: str, keys, device: str | torch.device = "cpu") -> "RowGenerators":
+        tag = _ROW_STREAM + PURPOSES[purpose]  # where a per-process stream has its rank: never a rank, so no stream is shared
+        return cls([torch.Generator(device=device).manual_seed(derive_seed(seed, iteration, tag, int(k))) for k in keys])
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def __getitem__(self, index) -> "RowGenerators":
+        if isinstance(index, slice):
+            return RowGenerators(self.generators[index])
+        return RowGenerators([self.generators[int(i)] for i in index])
+
+    @property
+    def device(self) -> torch.device:
+        return self.generators[0].device
+
+    def randn(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(B, *shape[1:]) standard normal noise, row b drawn from stream b; ``shape[0]`` must equal B."""
+        if shape[0] != len(self.generators):
+            raise ValueError(f"{shape[0]} rows asked of {len(self.generators)} row streams")
+        return torch.stack([torch.randn(tuple(shape[1:]), generator=g, device=g.device, dtype=dtype) for g in self.generators])

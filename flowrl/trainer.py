@@ -210,7 +210,11 @@ class Trainer:
                 minibatch.inner_epoch = epoch
                 for k, v in self._optimizer_step(minibatch, gen).items():
                     totals.setdefault(k, []).append(v)
-        return {k: float(torch.stack(v).float().mean()) for k, v in totals.items()}
+        means = {k: float(torch.stack(v).float().mean()) for k, v in totals.items()}
+        if self.world > 1:  # the run's metrics, not the main process's share: each key averaged over the processes that have it
+            shares = gather_object([means])
+            means = {k: sum(m[k] for m in shares if k in m) / sum(k in m for m in shares) for k in dict.fromkeys(k for m in shares for k in m)}
+        return means
 
     def _optimizer_step(self, batch, gen: torch.Generator) -> dict[str, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,12 +1,14 @@
 """Sharded training through accelerate (docs/distributed.md): the shipped configs parse with accelerate's own
-loader, and a 2-process FSDP2 run of the digits GRPO preset on CPU (gloo) trains as the 2-process DDP run does,
-writes full-tensor checkpoints, resumes identically and exports a model that loads back.
+loader, and a 2-process FSDP2 run of the digits GRPO preset on CPU (gloo) trains as a 1-process run of the same
+global batch does, writes full-tensor checkpoints, resumes identically and exports a model that loads back.
 
-Why DDP and not 1 process as the reference: both launches give each process the same prompts and noise (seeded
-by rank), so the only difference is how gradients are reduced (DDP all-reduces, FSDP reduce-scatters) and in
-which order the float32 sums run. A 1-process run draws rank 0's stream alone, other samples altogether.
-Tolerances: rewards and losses 1e-5 absolute (the runs differ by ~1e-7 per step, measured 2.7e-6 on a policy
-loss that is itself ~1e-6 because GRPO's ratio starts at 1), weights 1e-5 absolute after 3 steps (measured 2.7e-7).
+Why the runs can match: every rollout draw is made for the whole world and keyed by global indices (prompts by
+a rank-free stream, noise per sample: seeding.RowGenerators), so 2 processes sample exactly what 1 process
+samples, split in two. The update matches when each process's minibatch is its whole share (train.batch_size 4
+per process against 8 in one process) and every step is trained (timestep_fraction 1: the subset of steps is
+drawn per process). What is left is the order of float32 sums: DDP all-reduces, FSDP reduce-scatters, one
+process sums 8 rows at once. Tolerances: rewards and losses 1e-5 absolute (the runs differ by ~1e-7 per step;
+the policy loss is itself ~1e-6 because GRPO's ratio starts at 1), weights 1e-5 absolute after 3 steps.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(config_file: str, output_dir: Path, **extra: object) -> None:
-    """accelerate launch, 2 CPU processes over gloo, one thread each."""
-    overrides = fast_overrides(output_dir, **{"train.iterations": ITERATIONS, "log.checkpoint_every": 1, **extra})
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / config_file), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), "-m", "flowrl.cli", "train", str(GRPO), *overrides]
+def _launch(config_file: str | None, output_dir: Path, **extra: object) -> None:
+    """accelerate launch, 2 CPU processes over gloo, one thread each; ``config_file=None``: one plain process
+    with the same global batch (one minibatch of 8 rows where each of 2 processes has 4)."""
+    overrides = fast_overrides(output_dir, **{"train.iterations": ITERATIONS, "log.checkpoint_every": 1,
+                                              "objective.timestep_fraction": 1.0, **({} if config_file else {"train.batch_size": 8}), **extra})
+    launch = ["accelerate.commands.launch", "--config_file", str(ACCELERATE / config_file), "--num_processes", "2",
+              "--main_process_port", str(_free_port()), "-m"] if config_file else []
+    cmd = [sys.executable, "-m", *launch, "flowrl.cli", "train", str(GRPO), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
@@ -55,9 +60,38 @@ def _checkpoint(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step_{step:06d}"
 
 
+@pytest.mark.parametrize("extra", [{}, {"rollout.same_noise_in_group": True}, {"rollout.branching.start_steps": 2}],
+                         ids=["own_noise", "group_noise", "b2_branches"])
+def test_the_shares_of_two_processes_are_the_one_process_batch_split_in_two(tmp_path, extra):
+    """Prompts and noise are drawn for the whole world and keyed by global index, so rank 0's and rank 1's
+    rollouts (each in rollout chunks of 3) are the two halves of one process's batch (chunks of 8)."""
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    cfg = {"train.prompts_per_iteration": 4, "rollout.batch_size": 8, **extra}
+    modality = Trainer(load_config(GRPO, fast_overrides(tmp_path / "one", **cfg))).modality
+    whole = modality.collect(1, 0, 1)
+    modality.config.rollout.batch_size = 3
+    shares = [modality.collect(1, rank, 2) for rank in (0, 1)]
+    assert [p for s in shares for p in s.prompts] == whole.prompts and len(set(whole.prompts)) > 1
+    assert torch.equal(torch.cat([s.group_ids for s in shares]), whole.group_ids)
+    latents = torch.cat([s.latents for s in shares])
+    assert torch.equal(latents[:, 0], whole.latents[:, 0])  # the initial noise, bit for bit
+    # every later state up to float rounding: the denoiser's kernels sum in another order at batch 3 than at 8
+    assert (latents - whole.latents).abs().max() <= 1e-5
+    log_probs = torch.cat([s.log_probs for s in shares])
+    assert torch.equal(log_probs.isnan(), whole.log_probs.isnan())  # the same steps stochastic (B2: the branches' window)
+    assert (log_probs - whole.log_probs).nan_to_num().abs().max() <= 1e-4
+    first = whole.latents[:, 0].flatten(1)
+    shared = bool(extra.get("rollout.same_noise_in_group")) or "rollout.branching.start_steps" in extra
+    assert torch.equal(first[0], first[1]) is shared  # group members start from one x_1 exactly when asked (B2: the shared prefix)
+    assert not torch.equal(first[0], first[4])  # groups never do
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
+    _launch(None, root / "single")
     _launch("ddp.yaml", root / "ddp")
     _launch("fsdp.yaml", root / "fsdp")
     return root
@@ -98,17 +132,18 @@ def test_each_family_shards_its_own_blocks():
     assert "UpBlock2D" not in choose_blocks_to_wrap(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), unet)
 
 
-def test_fsdp_trains_as_ddp_does_per_iteration(runs):
-    ddp, fsdp = _rows(runs / "ddp"), _rows(runs / "fsdp")
-    assert [r["step"] for r in fsdp] == list(range(ITERATIONS + 1))
-    for a, b in zip(ddp[1:], fsdp[1:]):
-        for key in ("reward/mean", "reward/std", "loss/policy"):
-            assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+@pytest.mark.parametrize("launch", ["ddp", "fsdp"])
+def test_two_processes_train_as_one_process_does_per_iteration(runs, launch):
+    single, sharded = _rows(runs / "single"), _rows(runs / launch)
+    assert [r["step"] for r in sharded] == [r["step"] for r in single] == list(range(ITERATIONS + 1))
+    for a, b in zip(single[1:], sharded[1:]):
+        for key in ("reward/mean", "reward/std", "reward/ink", "loss/policy"):
+            assert abs(a[key] - b[key]) <= 1e-5, (launch, a["step"], key, a[key], b[key])
         assert abs(a["train/grad_norm"] - b["train/grad_norm"]) <= 1e-4 * a["train/grad_norm"]
-    assert len({r["reward/mean"] for r in fsdp[1:]}) == ITERATIONS  # the policy moved: rewards differ per iteration
-    w_ddp = load_file(_checkpoint(runs / "ddp", ITERATIONS) / "denoiser.safetensors")
-    w_fsdp = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "denoiser.safetensors")
-    assert max((w_ddp[k] - w_fsdp[k]).abs().max().item() for k in w_ddp) <= 1e-5
+    assert len({r["reward/mean"] for r in sharded[1:]}) == ITERATIONS  # the policy moved: rewards differ per iteration
+    w_single = load_file(_checkpoint(runs / "single", ITERATIONS) / "denoiser.safetensors")
+    w_sharded = load_file(_checkpoint(runs / launch, ITERATIONS) / "denoiser.safetensors")
+    assert max((w_single[k] - w_sharded[k]).abs().max().item() for k in w_single) <= 1e-5
 
 
 def test_fsdp_checkpoint_holds_full_tensors(runs):

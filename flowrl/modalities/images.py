@@ -24,7 +24,7 @@ from ..prompts import prompt_pool, sample_prompts
 from ..reward_models.gradients import reward_and_gradient
 from ..samplers import build_sampler
 from ..samplers.branching import branched_rollout, trained_steps
-from ..samplers.rollout import group_noise, rollout, sde_window
+from ..samplers.rollout import keyed_noise, rollout, sde_window
 from ..types import Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..run_logger import nanmean
 from ..visualize import save_grid, save_points, save_videos
@@ -86,12 +86,15 @@ class ImageModality:
     def _rollouts(self, iteration: int, rank: int, world: int) -> Trajectory:
         cfg, tc, seed = self.config.rollout, self.config.train, self.config.seed
         groups = tc.prompts_per_iteration // world
-        chosen = sample_prompts(self.train_pool, groups, seeding.python_rng(seed, iteration, rank, "prompts"))
+        # Every draw is made for the whole world and keyed by global indices (seeding.global_draw,
+        # RowGenerators): an N-process run samples exactly the prompts and noise of a 1-process run.
+        chosen = seeding.global_draw(lambda n: sample_prompts(self.train_pool, n, seeding.python_rng(seed, iteration, 0, "prompts")), groups, rank, world)
         prompts = [p for p, _ in chosen for _ in range(tc.num_generations)]
         metadata = [m for _, m in chosen for _ in range(tc.num_generations)]
         group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + rank * groups
-        gen = seeding.torch_generator(seed, iteration, rank, "rollout")
-        noise = group_noise(self.pipeline, group_ids, gen, cfg.same_noise_in_group)
+        rows = group_ids * tc.num_generations + torch.arange(tc.num_generations).repeat(groups)  # global sample index
+        gen = seeding.RowGenerators.keyed(seed, iteration, "rollout", rows)
+        noise = keyed_noise(self.pipeline, seeding.RowGenerators.keyed(seed, iteration, "initial_noise", group_ids if cfg.same_noise_in_group else rows))
         self.pipeline.denoiser.eval()  # rollouts sample the policy deterministically in its layers (dropout off), as the peers do; update() sets train()
         if cfg.branching is not None:  # B2-DiffuRL: one shared prefix per group, branches over the trained window (samplers/branching.py)
             return self._branched_rollouts(iteration, prompts, metadata, group_ids, gen, noise)
@@ -100,7 +103,7 @@ class ImageModality:
         chunks = []
         for start in range(0, len(prompts), cfg.batch_size):
             sl = slice(start, start + cfg.batch_size)
-            chunks.append(rollout(self.pipeline, self.sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, gen,
+            chunks.append(rollout(self.pipeline, self.sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, gen[sl],
                                   cfg.guidance_scale, window, initial_noise=noise[sl]))
         return Trajectory.cat(chunks)
 
@@ -151,8 +154,8 @@ class ImageModality:
         """This process's pairs for ``iteration`` (drawn with replacement, keyed by the seed) as a trajectory
         of clean samples, rows (2i, 2i + 1) = (winner, loser) of pair i."""
         per_process = self.config.train.prompts_per_iteration // world
-        rng = seeding.python_rng(self.config.seed, iteration, rank, "pairs")
-        idx = [rng.randrange(len(self.pairs)) for _ in range(per_process)]
+        rng = seeding.python_rng(self.config.seed, iteration, 0, "pairs")  # drawn for the whole world, as rollouts are
+        idx = seeding.global_draw(lambda n: [rng.randrange(len(self.pairs)) for _ in range(n)], per_process, rank, world)
         prompts = [self.pairs.prompts[i] for i in idx for _ in range(2)]
         metadata = [dict(self.pairs.metadata[i]) for i in idx for _ in range(2)]
         group_ids = torch.arange(per_process).repeat_interleave(2) + rank * per_process

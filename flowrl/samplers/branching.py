@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler, Trajectory
-from .rollout import rollout
+from .rollout import rollout, rows_of
 
 
 def trained_steps(iteration: int, iterations: int, num_steps: int, start_steps: int, end_steps: int | None = None) -> int:
@@ -46,7 +47,7 @@ def branched_rollout(
     metadata: Sequence[dict[str, Any]],
     group_ids: Tensor,
     sigmas: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     branch_step: int,
     initial_noise: Tensor,
     guidance_scale: float = 1.0,
@@ -68,7 +69,7 @@ def branched_rollout(
         for start in range(0, unique.numel(), batch_size):
             idx = first[start : start + batch_size]
             chunks.append(rollout(pipeline, sampler, [prompts[i] for i in idx], [metadata[i] for i in idx], unique[start : start + batch_size],
-                                  sigmas[: branch_step + 1], generator, guidance_scale, initial_noise=prefix[start : start + batch_size, 0],
+                                  sigmas[: branch_step + 1], rows_of(generator, idx), guidance_scale, initial_noise=prefix[start : start + batch_size, 0],
                                   decode=False).latents)
         prefix = torch.cat(chunks)  # (G, b + 1, *S)
     prefix = prefix[inverse]  # the shared states, repeated for every branch
@@ -76,7 +77,7 @@ def branched_rollout(
     chunks = []
     for start in range(0, len(prompts), batch_size):
         sl = slice(start, start + batch_size)
-        chunks.append(rollout(pipeline, sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas[branch_step:], generator, guidance_scale,
+        chunks.append(rollout(pipeline, sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas[branch_step:], rows_of(generator, sl), guidance_scale,
                               window, initial_noise=prefix[sl, -1]))
     branches = Trajectory.cat(chunks)
     nan = torch.full((len(prompts), branch_step), float("nan"), device=branches.log_probs.device)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..seeding import RowGenerators
 from ..types import StepOutput
 
 Reduction = Literal["mean", "sum"]
@@ -32,8 +33,11 @@ def gaussian_log_prob(x_next: Tensor, mean: Tensor, std: Tensor, reduction: Redu
     return (elem.mean(dims) if reduction == "mean" else elem.sum(dims)).float()
 
 
-def standard_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """float32 N(0, I) noise shaped like ``like``, drawn from ``generator`` (on its device)."""
+def standard_noise(like: Tensor, generator: torch.Generator | RowGenerators | None) -> Tensor:
+    """float32 N(0, I) noise shaped like ``like``, drawn from ``generator`` (on its device); from
+    :class:`~flowrl.seeding.RowGenerators`, row b from its own stream (what training rollouts use)."""
+    if isinstance(generator, RowGenerators):
+        return generator.randn(tuple(like.shape)).to(like.device)
     device = generator.device if generator is not None else like.device
     return torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device)
 

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler, Trajectory
 
 
@@ -40,6 +41,18 @@ def group_noise(pipeline: Pipeline, group_ids: Tensor, generator: torch.Generato
     return pipeline.initial_noise(unique.shape[0], generator)[inverse]
 
 
+def keyed_noise(pipeline: Pipeline, generators: RowGenerators) -> Tensor:
+    """Initial noise, row b from its own stream (rows that share a key, a group's members under
+    ``same_noise_in_group``, get the same x_1), so a row's noise does not depend on its batch."""
+    return torch.cat([pipeline.initial_noise(1, g) for g in generators.generators])
+
+
+def rows_of(generator: torch.Generator | RowGenerators, index) -> torch.Generator | RowGenerators:
+    """The streams of the rows ``index`` (a slice or indices): a per-row generator is cut with the batch;
+    a single generator serves every chunk in turn."""
+    return generator[index] if isinstance(generator, RowGenerators) else generator
+
+
 @torch.no_grad()
 def rollout(
     pipeline: Pipeline,
@@ -48,7 +61,7 @@ def rollout(
     metadata: Sequence[dict[str, Any]],
     group_ids: Tensor,
     sigmas: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     guidance_scale: float = 1.0,
     stochastic_steps: Tensor | None = None,
     initial_noise: Tensor | None = None,
@@ -68,6 +81,8 @@ def rollout(
     stochastic_steps = stochastic_steps.clone() & sampler.stochastic
     # image-to-video adapters condition on metadata too (the first frame): they set needs_metadata
     cond = pipeline.encode(list(prompts), list(metadata)) if getattr(pipeline, "needs_metadata", False) else pipeline.encode(list(prompts))
+    if initial_noise is None and isinstance(generator, RowGenerators):
+        raise ValueError("rollout with per-row generators needs initial_noise (keyed_noise)")
     x = initial_noise if initial_noise is not None else group_noise(pipeline, group_ids, generator, same_noise_in_group)
     x = x.float()
     states, log_probs = [x], []
