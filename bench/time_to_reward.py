@@ -127,6 +127,12 @@ class DenoiserWork:
         self._handle.remove()
 
 
+def held_out(trainer: Trainer) -> dict[str, float]:
+    """The held-out reward and its two parts (so a reward reached by ink alone, the digit lost, shows)."""
+    metrics = trainer.evaluate()[0]
+    return {"reward": metrics["eval/reward/mean"], "ink": metrics["eval/reward/ink"], "classifier": metrics["eval/reward/digit_classifier"]}
+
+
 def run_method(method: str, seed: int, target: float, max_iterations: int, eval_every: int,
                overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one method until its held-out reward reaches ``target`` (checked every ``eval_every`` iterations) or
@@ -138,15 +144,15 @@ def run_method(method: str, seed: int, target: float, max_iterations: int, eval_
         work = DenoiserWork(trainer.module)
         trainer.collect = work.during("rollout", trainer.collect)  # the instance's own methods, counted
         trainer.update = work.during("train", trainer.update)
-        evaluate = work.during("eval", lambda: trainer.evaluate()[0]["eval/reward/mean"])
-        curve = [{"iteration": 0, "train_s": 0.0, "reward": evaluate(), **work.training_work()}]
+        evaluate = work.during("eval", lambda: held_out(trainer))
+        curve = [{"iteration": 0, "train_s": 0.0, **evaluate(), **work.training_work()}]
         train_s, reached = 0.0, None
         for i in range(max_iterations):
             t0 = time.perf_counter()
             trainer.train_iteration(i)
             train_s += time.perf_counter() - t0
             if (i + 1) % eval_every == 0 or i + 1 == max_iterations:
-                curve.append({"iteration": i + 1, "train_s": train_s, "reward": evaluate(), **work.training_work()})
+                curve.append({"iteration": i + 1, "train_s": train_s, **evaluate(), **work.training_work()})
                 if curve[-1]["reward"] >= target:
                     reached = curve[-1]
                     break
@@ -163,13 +169,17 @@ def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) 
         hit = [r["reached"] for r in mine]
         per_seed = {str(r["seed"]): None if r["reached"] is None else {
             "train_s": round(r["reached"]["train_s"], 3), "iterations": r["reached"]["iteration"], "reward": round(r["reached"]["reward"], 4),
-            "forwards": r["reached"]["rollout_forwards"] + r["reached"]["train_forwards"], "backwards": r["reached"]["train_backwards"]}
+            "ink": round(r["reached"]["ink"], 4), "classifier": round(r["reached"]["classifier"], 4),
+            "forwards": r["reached"]["rollout_forwards"] + r["reached"]["train_forwards"], "rollout_forwards": r["reached"]["rollout_forwards"],
+            "train_forwards": r["reached"]["train_forwards"], "backwards": r["reached"]["train_backwards"]}
             for r in mine}
         all_hit = all(h is not None for h in hit) and len(hit) == len(seeds)
         med = (lambda key: statistics.median(per_seed[str(s)][key] for s in seeds)) if all_hit else (lambda key: None)
         out[m] = {"reached_in_all_seeds": all_hit, "seeds_reached": sum(h is not None for h in hit),
                   "median_train_s": med("train_s"), "median_iterations": med("iterations"),
-                  "median_forwards": med("forwards"), "median_backwards": med("backwards"), "median_reached_reward": med("reward"),
+                  "median_forwards": med("forwards"), "median_rollout_forwards": med("rollout_forwards"),
+                  "median_train_forwards": med("train_forwards"), "median_backwards": med("backwards"), "median_reached_reward": med("reward"),
+                  "median_reached_ink": med("ink"), "median_reached_classifier": med("classifier"),
                   "median_final_reward": round(statistics.median(r["curve"][-1]["reward"] for r in mine), 4),
                   "per_seed": per_seed}
     return out
@@ -214,7 +224,7 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--target", type=float, default=1.45, help="held-out reward to reach")
-    p.add_argument("--max-iterations", type=int, default=40)
+    p.add_argument("--max-iterations", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--eval-samples", type=int, default=4, help="fixed seeds per held-out prompt (20 prompts)")
     p.add_argument("--threads", type=int, default=1)
