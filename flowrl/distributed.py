@@ -15,8 +15,9 @@ taken before ``prepare``) is never handed to it. flowrl adds (docs/distributed.m
   ``flowrl export`` reads them unchanged, in one process;
 * resume: full tensors are split back into this process's shards (``distribute_tensor`` with each
   parameter's mesh and placement) before they are loaded;
-* one-sentence refusals: a DeepSpeed launch (its engine steps inside ``backward()``), and CPU offload on
-  CPU processes.
+* a one-sentence refusal of CPU offload on CPU processes.
+
+DeepSpeed ZeRO launches are bridged in flowrl/deepspeed_zero.py.
 """
 
 from __future__ import annotations
@@ -33,16 +34,6 @@ try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # pragma: no cover - older torch has no FSDP2 and nothing here is sharded
     DTensor, distribute_tensor = (), None
-
-
-def refuse_deepspeed() -> None:
-    """A DeepSpeed launch is refused before anything runs (docs/distributed.md, "DeepSpeed"): accelerate hands
-    every ``backward()`` to DeepSpeed's engine, which also steps the optimizer there and divides the loss by its
-    own accumulation count, while flowrl calls ``backward()`` once per denoising step of a minibatch and steps once.
-    Trained that way the run would take several optimizer steps per minibatch, silently."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        raise FlowRLError("DeepSpeed launches are not supported yet (its engine steps the optimizer inside every backward(), "
-                          "which flowrl calls once per denoising step); use configs/accelerate/fsdp.yaml, the same sharding as ZeRO-3.")
 
 
 def enable_fsdp_on_cpu(accelerator) -> None:

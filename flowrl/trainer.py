@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -29,13 +30,14 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import InitProcessGroupKwargs, gather_object
 from tqdm import tqdm
 
 from . import seeding
 from .checkpoint import atomic_path, find_latest, load_optimizer, read_checkpoint, save_checkpoint, writing
 from .config import Config, resolve_device, to_yaml
-from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, refuse_deepspeed, shard_state_dict
+from . import deepspeed_zero
+from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
 from .errors import FlowRLError
 from .modalities import build_modality
 from .reward_models import build_reward_from_config
@@ -61,10 +63,11 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = config
-        refuse_deepspeed()  # before anything is written (flowrl/distributed.py says why)
         self.trackers = Trackers(config, Path(config.output_dir))  # a tracker's missing package is refused before anything is written
         self.accelerator = _accelerator(config, self.trackers.log_with())
         enable_fsdp_on_cpu(self.accelerator)  # an FSDP launch of CPU processes shards as it would on GPUs
+        if deepspeed_zero.is_deepspeed(self.accelerator):
+            deepspeed_zero.load_models_whole()  # before any model is loaded: only the trained module is partitioned, at prepare
         self.is_main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self._check_divisibility()
@@ -86,6 +89,9 @@ class Trainer:
                                       weight_decay=config.train.weight_decay)
         if is_fsdp(self.accelerator):  # the family's blocks become FSDP units (flowrl/distributed.py)
             choose_blocks_to_wrap(self.accelerator, self.module)
+        self.deepspeed = deepspeed_zero.is_deepspeed(self.accelerator)
+        if self.deepspeed:  # micro batch, accumulation boundary and clipping are flowrl's (flowrl/deepspeed_zero.py)
+            deepspeed_zero.configure(self.accelerator, config.train.batch_size, config.train.max_grad_norm)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
         setattr(self.pipeline, self.modality.module_attr, prepared)
         self.iteration = 0
@@ -217,6 +223,8 @@ class Trainer:
         return means
 
     def _optimizer_step(self, batch, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        if self.deepspeed:
+            return self._deepspeed_step(batch, gen)
         self.optimizer.zero_grad(set_to_none=True)
         per_step: dict[str, list[torch.Tensor]] = {}
         for loss_out in self.objective.losses(self.pipeline, self.sampler, batch, gen):
@@ -228,6 +236,22 @@ class Trainer:
             norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), self.config.train.max_grad_norm)
             metrics["train/grad_norm"] = torch.as_tensor(norm).detach()
         self.optimizer.step()
+        return metrics
+
+    def _deepspeed_step(self, batch, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """The same minibatch step driven through DeepSpeed's engine: every loss back-propagated, the accumulation
+        boundary on the last, one engine step (which clips to train.max_grad_norm and zeroes the gradients)."""
+        per_step: dict[str, list[torch.Tensor]] = {}
+
+        def record(loss_out) -> None:
+            for k, v in loss_out.metrics.items():
+                per_step.setdefault(k, []).append(v)
+
+        deepspeed_zero.backward_minibatch(self.module, self.objective.losses(self.pipeline, self.sampler, batch, gen), record)
+        metrics = {k: torch.stack(v).mean() for k, v in per_step.items()}
+        norm = deepspeed_zero.grad_norm(self.module)
+        if self.config.train.max_grad_norm is not None and norm is not None:
+            metrics["train/grad_norm"] = norm
         return metrics
 
     def evaluate(self) -> tuple[dict[str, float], object]:
@@ -243,18 +267,37 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         path = None
         self._saving = True
+        target = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
         sharded = is_fsdp(self.accelerator)  # every process gathers its shards; the main one writes full tensors
         gathered = (full_tensors(self._weights_to_save(), self.is_main), full_optimizer_state(self.optimizer.optimizer, self.is_main)) if sharded else None
+        if self.deepspeed:  # every process writes its partition of the engine's state; the main one the full weights
+            staging = target.parent / f".{target.name}.deepspeed"
+            if self.is_main and staging.exists():
+                shutil.rmtree(staging)  # left by a run killed while saving
+            self.accelerator.wait_for_everyone()
+            deepspeed_zero.save_engine_state(self.module, staging)
+            gathered = (deepspeed_zero.full_weights(self.module, self._weights_to_save, self.is_main), self._deepspeed_optimizer_groups())
+            self.accelerator.wait_for_everyone()
         if self.is_main:
             weights, optimizer = gathered or (self._weights_to_save(), self.optimizer.optimizer)
-            lora = functools.partial(self.pipeline.save_lora, state_dict=weights) if sharded else self.pipeline.save_lora
-            state = {"iteration": self.iteration, "objective": states}
-            path = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.iteration:06d}", weights, optimizer,
-                                   state, to_yaml(self.config),
-                                   extra=lora if self.pipeline.has_lora else None)  # + the LoRA in its library's format
+            lora = functools.partial(self.pipeline.save_lora, state_dict=weights) if gathered else self.pipeline.save_lora
+            state = {"iteration": self.iteration, "objective": states, **({"deepspeed_zero_stage": deepspeed_zero.zero_stage(self.module)} if self.deepspeed else {})}
+
+            def extra(tmp: Path) -> None:
+                if self.pipeline.has_lora:  # + the LoRA in its library's format
+                    lora(tmp)
+                if self.deepspeed:
+                    deepspeed_zero.move_into(staging, tmp)
+
+            path = save_checkpoint(target, weights, optimizer, state, to_yaml(self.config), extra=extra)
         self._saving = False
         self.accelerator.wait_for_everyone()
         return path
+
+    def _deepspeed_optimizer_groups(self) -> dict:
+        """A DeepSpeed checkpoint's optimizer.safetensors holds no moments (they are in its deepspeed/ partitions):
+        only AdamW's hyperparameters per group, for a person reading the state file."""
+        return {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
 
     def _weights_to_save(self) -> dict[str, torch.Tensor]:
         weights = self.pipeline.trainable_state_dict()  # LoRA runs of image models store the adapter only
@@ -263,11 +306,14 @@ class Trainer:
             weights.update({f"objective.{k}": v for k, v in extra.state_dict().items()})
         return weights
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load a checkpoint's weights: the model's trained part and the objective's own module."""
+    def load_weights(self, weights: dict[str, torch.Tensor], objective_only: bool = False) -> None:
+        """Load a checkpoint's weights: the model's trained part and the objective's own module (only that one
+        with ``objective_only``: a DeepSpeed engine loads the model's from its own checkpoint)."""
         extra = self.objective.extra_module
         if extra is not None:
             extra.load_state_dict({k[len("objective."):]: v for k, v in weights.items() if k.startswith("objective.")})
+        if objective_only:
+            return
         if is_fsdp(self.accelerator):  # the checkpoint's full tensors, split into this process's shards
             weights = shard_state_dict(self.module.state_dict(), weights)
         self.pipeline.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
@@ -281,9 +327,17 @@ class Trainer:
         else:
             directory = Path(spec)
             weights, optim, state = read_checkpoint(directory)
+        written_by_deepspeed = "deepspeed_zero_stage" in state
+        if written_by_deepspeed and not self.deepspeed:
+            raise FlowRLError(f"checkpoint '{directory}' was written by a DeepSpeed run, whose AdamW state lies in its partitioned deepspeed/ "
+                              "files; resume it under the same DeepSpeed launch (flowrl export reads its weights under any launch).")
         try:
-            self.load_weights(weights)
-            load_optimizer(self.optimizer.optimizer, optim, state["optimizer"])
+            if self.deepspeed:  # weights, fp32 master copies and AdamW moments from the engine's own checkpoint
+                self.load_weights({k: v for k, v in weights.items() if k.startswith("objective.")}, objective_only=True)
+                deepspeed_zero.load_engine_state(self.module, directory)
+            else:
+                self.load_weights(weights)
+                load_optimizer(self.optimizer.optimizer, optim, state["optimizer"])
         except (RuntimeError, KeyError, ValueError) as e:
             raise FlowRLError(f"checkpoint '{directory}' does not match this model ({str(e).splitlines()[0][:160]}).") from None
         objective_states = state.get("objective", [])
@@ -441,7 +495,7 @@ class Trainer:
             "eval_reward_initial": evals[0]["eval/reward/mean"] if evals else None,
             "eval_reward_final": evals[-1]["eval/reward/mean"] if evals else None,
             "eval_reward_final_step": evals[-1]["step"] if evals else None,  # the weights the final reward measured
-            "samples_per_iteration": self.config.train.prompts_per_iteration * (2 if self.objective.trains_on == "offline_pairs" else self.config.train.num_generations),
+            "samples_per_iteration": self.config.train.prompts_per_iteration * (2 if self.objective.trains_on in ("offline_pairs", "reference_rollouts") else self.config.train.num_generations),
             "wall_seconds_this_process": round(seconds, 1),
             "stopped_early": self.iteration < self.config.train.iterations,
         }
@@ -526,7 +580,11 @@ def _accelerator(config: Config, log_with: list | None = None) -> Accelerator:
             else:
                 os.environ["ACCELERATE_TORCH_DEVICE"] = before
     else:
-        accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=device is not None and device.type == "cpu", log_with=log_with)
+        # a DeepSpeed launch on a machine without a GPU: cpu=False (still the CPU) lets accelerate turn DeepSpeed on,
+        # and gloo is named because accelerate finds no device backend there (flowrl/deepspeed_zero.py)
+        deepspeed_on_cpu = deepspeed_zero.prepare_cpu_processes()
+        accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=device is not None and device.type == "cpu" and not deepspeed_on_cpu,
+                                  log_with=log_with, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else None)
     if device is not None and (accelerator.device.type, accelerator.device.index or 0) != (device.type, device.index or 0) and world == 1:
         raise FlowRLError(f"pipeline.device is '{spec}' but accelerate placed the run on '{accelerator.device}'.")
     return accelerator

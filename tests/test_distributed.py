@@ -30,6 +30,7 @@ from conftest import CONFIGS, REPO, fast_overrides
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 ACCELERATE = CONFIGS / "accelerate"
 ITERATIONS = 3
+SHARDED = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")  # configs/accelerate/*.yaml launched with 2 processes
 
 
 def _free_port() -> int:
@@ -92,8 +93,8 @@ def test_the_shares_of_two_processes_are_the_one_process_batch_split_in_two(tmp_
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     _launch(None, root / "single")
-    _launch("ddp.yaml", root / "ddp")
-    _launch("fsdp.yaml", root / "fsdp")
+    for launch in SHARDED:
+        _launch(f"{launch}.yaml", root / launch)
     return root
 
 
@@ -132,7 +133,7 @@ def test_each_family_shards_its_own_blocks():
     assert "UpBlock2D" not in choose_blocks_to_wrap(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), unet)
 
 
-@pytest.mark.parametrize("launch", ["ddp", "fsdp"])
+@pytest.mark.parametrize("launch", SHARDED)
 def test_two_processes_train_as_one_process_does_per_iteration(runs, launch):
     single, sharded = _rows(runs / "single"), _rows(runs / launch)
     assert [r["step"] for r in sharded] == [r["step"] for r in single] == list(range(ITERATIONS + 1))
@@ -148,9 +149,7 @@ def test_two_processes_train_as_one_process_does_per_iteration(runs, launch):
 
 def test_fsdp_checkpoint_holds_full_tensors(runs):
     """The main process writes every weight and AdamW moment whole (gathered from both shards)."""
-    from diffusers import UNet2DConditionModel
-
-    base = UNet2DConditionModel.from_pretrained(str(REPO / "flowrl" / "assets" / "digits_flow" / "unet")).state_dict()
+    base = _base_unet_state()
     weights = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "denoiser.safetensors")
     assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in base.items()}
     moments = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "optimizer.safetensors")
@@ -158,25 +157,61 @@ def test_fsdp_checkpoint_holds_full_tensors(runs):
     assert sum(v.numel() for k, v in moments.items() if k.endswith(("exp_avg", "exp_avg_sq"))) == 2 * n
 
 
-def test_fsdp_resume_continues_identically(runs, tmp_path):
+def _base_unet_state() -> dict:
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel.from_pretrained(str(REPO / "flowrl" / "assets" / "digits_flow" / "unet")).state_dict()
+
+
+def test_zero3_checkpoint_holds_full_weights_and_the_engines_partitions(runs):
+    """ZeRO-3 keeps a partition of every parameter per process: the checkpoint's weights are gathered whole, and
+    DeepSpeed's own checkpoint beside them holds one AdamW partition file per process."""
+    checkpoint = _checkpoint(runs / "deepspeed_zero3", ITERATIONS)
+    weights = load_file(checkpoint / "denoiser.safetensors")
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in _base_unet_state().items()}
+    partitions = sorted(p.name for p in (checkpoint / "deepspeed" / "engine").glob("*optim_states.pt"))
+    assert len(partitions) == 2 and partitions[0] != partitions[1]
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["deepspeed_zero_stage"] == 3 and any(name.startswith("deepspeed/engine/") for name in state["files"])  # checksummed too
+
+
+@pytest.mark.parametrize("launch", ["fsdp", "deepspeed_zero3"])
+def test_sharded_resume_continues_identically(runs, tmp_path, launch):
     resumed = tmp_path / "resumed"
-    shutil.copytree(runs / "fsdp", resumed)
+    shutil.copytree(runs / launch, resumed)
     for step in range(2, ITERATIONS + 1):
         shutil.rmtree(_checkpoint(resumed, step))
-    _launch("fsdp.yaml", resumed, resume_from=str(_checkpoint(resumed, 1)))
-    original, again = _rows(runs / "fsdp"), _rows(resumed)
+    _launch(f"{launch}.yaml", resumed, resume_from=str(_checkpoint(resumed, 1)))
+    original, again = _rows(runs / launch), _rows(resumed)
     assert [r["step"] for r in again] == list(range(ITERATIONS + 1))
     for a, b in zip(original[2:], again[2:]):
         assert (a["reward/mean"], a["loss/policy"], a["train/grad_norm"]) == (b["reward/mean"], b["loss/policy"], b["train/grad_norm"])
-    w_original = load_file(_checkpoint(runs / "fsdp", ITERATIONS) / "denoiser.safetensors")
+    w_original = load_file(_checkpoint(runs / launch, ITERATIONS) / "denoiser.safetensors")
     w_again = load_file(_checkpoint(resumed, ITERATIONS) / "denoiser.safetensors")
     assert all(torch.equal(w_original[k], w_again[k]) for k in w_original)  # bitwise: the shards were restored exactly
 
 
-def test_fsdp_checkpoint_exports_a_diffusers_model_equal_to_the_gathered_weights(runs, tmp_path):
+def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_refused_in_one_sentence(runs, tmp_path):
+    """Its AdamW moments lie in DeepSpeed's partition files, which a DDP or 1-process run cannot read: resuming
+    there would restart the moments silently."""
+    from flowrl.config import load_config
+    from flowrl.errors import FlowRLError
+    from flowrl.trainer import Trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "deepspeed_zero2", run)
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    trainer = Trainer(load_config(GRPO, fast_overrides(run, resume_from=str(_checkpoint(run, 1)))))
+    with pytest.raises(FlowRLError, match=r"^checkpoint '.*step_000001' was written by a DeepSpeed run, .* resume it under the same DeepSpeed launch"):
+        trainer.fit()
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before  # nothing written or removed
+
+
+@pytest.mark.parametrize("launch", ["fsdp", "deepspeed_zero3"])
+def test_sharded_checkpoint_exports_a_diffusers_model_equal_to_the_gathered_weights(runs, tmp_path, launch):
     from diffusers import UNet2DConditionModel
 
-    checkpoint = _checkpoint(runs / "fsdp", ITERATIONS)
+    checkpoint = _checkpoint(runs / launch, ITERATIONS)
     out = tmp_path / "exported"
     proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "export", str(checkpoint), str(out)], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=300)
@@ -186,11 +221,12 @@ def test_fsdp_checkpoint_exports_a_diffusers_model_equal_to_the_gathered_weights
     assert set(exported) == set(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
 
 
-def test_fsdp_lora_run_writes_the_gathered_diffusers_lora(tmp_path):
-    """LoRA under FSDP: the base weights are sharded too (frozen), the checkpoint stores the adapter whole, and the
-    diffusers LoRA file beside it holds the same tensors."""
+@pytest.mark.parametrize("launch", ["fsdp", "deepspeed_zero3"])
+def test_sharded_lora_run_writes_the_gathered_diffusers_lora(tmp_path, launch):
+    """LoRA under FSDP or ZeRO-3: the base weights are sharded too (frozen), the checkpoint stores the adapter whole,
+    and the diffusers LoRA file beside it holds the same tensors."""
     run = tmp_path / "lora"
-    _launch("fsdp.yaml", run, **{"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "train.iterations": 2})
+    _launch(f"{launch}.yaml", run, **{"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "train.iterations": 2})
     checkpoint = _checkpoint(run, 2)
     adapter = load_file(checkpoint / "denoiser.safetensors")
     lora = load_file(checkpoint / "pytorch_lora_weights.safetensors")
@@ -200,17 +236,6 @@ def test_fsdp_lora_run_writes_the_gathered_diffusers_lora(tmp_path):
     by_norm = sorted(v.norm().item() for v in adapter.values())
     assert by_norm == sorted(v.norm().item() for v in lora.values())
     assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it was trained
-
-
-def test_a_deepspeed_launch_is_refused_in_one_sentence_before_anything_is_written(tmp_path, monkeypatch):
-    from flowrl.config import load_config
-    from flowrl.errors import FlowRLError
-    from flowrl.trainer import Trainer
-
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch sets from deepspeed_zero*.yaml
-    with pytest.raises(FlowRLError, match=r"^DeepSpeed launches are not supported yet .*fsdp\.yaml, the same sharding as ZeRO-3\.$"):
-        Trainer(load_config(GRPO, fast_overrides(tmp_path / "run")))
-    assert not (tmp_path / "run").exists()
 
 
 def test_cpu_offload_on_cpu_processes_is_refused_in_one_sentence(monkeypatch):

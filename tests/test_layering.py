@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "flowrl"
 
 # The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, int]] = [
-    ("flowrl.types", 0), ("flowrl.errors", 0), ("flowrl.seeding", 0), ("flowrl.checkpoint", 0), ("flowrl.distributed", 0), ("flowrl.data", 0),
+    ("flowrl.types", 0), ("flowrl.errors", 0), ("flowrl.seeding", 0), ("flowrl.checkpoint", 0), ("flowrl.distributed", 0), ("flowrl.deepspeed_zero", 0), ("flowrl.data", 0),
     ("flowrl.samplers", 1),
     ("flowrl.objectives", 2), ("flowrl.reward_models", 2),
     ("flowrl.pipelines", 3),
