@@ -12,8 +12,9 @@ memory of a 2-process CPU run of flowrl with and without sharding.
    KL reference copy of a full fine-tuning run with beta > 0 (2 bytes a parameter, not sharded by flowrl).
 2. The measurement: the embedded digits model widened (``--width``: block channels [w, 2w], randomly
    initialised, so that its parameters and AdamW state dominate the process's memory) trained for one GRPO
-   iteration as 1 process, 2 processes DDP and 2 processes FSDP (configs/accelerate/), CPU over gloo. Each
-   process reports the bytes of its own parameters + gradients + AdamW state (exact, from its tensors) and its
+   iteration as 1 process, 2 processes DDP, FSDP, DeepSpeed ZeRO-2 and ZeRO-3 (configs/accelerate/), CPU over
+   gloo. Each process reports the bytes of its own parameters + gradients + AdamW state (exact, from its tensors;
+   not for DeepSpeed, whose engine keeps gradients and fp32 master partitions in its own buffers) and its
    peak resident memory (ru_maxrss, which also counts the Python/torch runtime and the full weights every
    process loads before sharding) after loading, through training (rollouts, update, evaluation), and with
    the final checkpoint (under FSDP the main process gathers the whole model and AdamW state to write it).
@@ -116,6 +117,13 @@ def worker(overrides: list[str], report: Path) -> None:
 
     params = [p for p in trainer.module.parameters()]
     state = [v for s in trainer.optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    if trainer.deepspeed:  # the engine keeps gradients and fp32 master partitions in its own buffers: only RSS is comparable
+        row = {"rank": trainer.rank, "world": trainer.world, "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+               "param_bytes": None, "grad_bytes": None, "adam_bytes": None, "load_peak_rss_bytes": load_peak,
+               "train_peak_rss_bytes": peaks[0], "peak_rss_bytes": peak()}
+        with open(report, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return
     row = {"rank": trainer.rank, "world": trainer.world, "parameters": sum(p.numel() for p in params),
            "param_bytes": sum(local_bytes(p) for p in params), "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
            "adam_bytes": sum(local_bytes(v) for v in state), "load_peak_rss_bytes": load_peak,
@@ -168,7 +176,9 @@ def main() -> None:
         scratch = Path(tmp)
         model = widened_model(args.width, scratch / "model")
         results = {name: measure(model, launch, scratch) for name, launch in (("1 process", None), ("2 processes DDP", "ddp"),
-                                                                               ("2 processes FSDP", "fsdp"))}
+                                                                               ("2 processes FSDP", "fsdp"),
+                                                                               ("2 processes ZeRO-2", "deepspeed_zero2"),
+                                                                               ("2 processes ZeRO-3", "deepspeed_zero3"))}
     n = results["1 process"][0]["parameters"]
     print(f"\nMeasured: digits UNet widened to [{args.width}, {2 * args.width}] channels ({n / 1e6:.1f} M parameters), one GRPO "
           "iteration, CPU (gloo), per process (MiB):\n")
@@ -176,17 +186,20 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, rows in results.items():
         for r in rows:
-            total = r["param_bytes"] + r["grad_bytes"] + r["adam_bytes"]
-            print(f"| {name} | {r['rank']} | {r['param_bytes'] / 2**20:.0f} | {r['grad_bytes'] / 2**20:.0f} | {r['adam_bytes'] / 2**20:.0f} | "
-                  f"{total / 2**20:.0f} | {r['load_peak_rss_bytes'] / 2**20:.0f} | {r['train_peak_rss_bytes'] / 2**20:.0f} | "
+            mib = {k: "-" if r[k] is None else f"{r[k] / 2**20:.0f}" for k in ("param_bytes", "grad_bytes", "adam_bytes")}
+            total = "-" if r["param_bytes"] is None else f"{(r['param_bytes'] + r['grad_bytes'] + r['adam_bytes']) / 2**20:.0f}"
+            print(f"| {name} | {r['rank']} | {mib['param_bytes']} | {mib['grad_bytes']} | {mib['adam_bytes']} | "
+                  f"{total} | {r['load_peak_rss_bytes'] / 2**20:.0f} | {r['train_peak_rss_bytes'] / 2**20:.0f} | "
                   f"{r['peak_rss_bytes'] / 2**20:.0f} |")
-    state = {k: max(r["param_bytes"] + r["grad_bytes"] + r["adam_bytes"] for r in v) for k, v in results.items()}
-    ratio = {}
-    for key in ("train_peak_rss_bytes", "peak_rss_bytes"):
-        per_rank = [f[key] / d[key] for f, d in zip(results["2 processes FSDP"], results["2 processes DDP"])]
-        ratio[key] = ", ".join(f"rank {i} {x:.2f}x" for i, x in enumerate(per_rank))
-    print(f"\nFSDP / DDP per process: params + grads + AdamW {state['2 processes FSDP'] / state['2 processes DDP']:.2f}x; "
-          f"peak RSS through training {ratio['train_peak_rss_bytes']}; with the checkpoint {ratio['peak_rss_bytes']} (same run)")
+    state = {k: max(r["param_bytes"] + r["grad_bytes"] + r["adam_bytes"] for r in v) for k, v in results.items() if v[0]["param_bytes"] is not None}
+    print(f"\nFSDP / DDP per process: params + grads + AdamW {state['2 processes FSDP'] / state['2 processes DDP']:.2f}x")
+    for name in ("2 processes FSDP", "2 processes ZeRO-2", "2 processes ZeRO-3"):
+        ratio = {}
+        for key in ("train_peak_rss_bytes", "peak_rss_bytes"):
+            per_rank = [f[key] / d[key] for f, d in zip(results[name], results["2 processes DDP"])]
+            ratio[key] = ", ".join(f"rank {i} {x:.2f}x" for i, x in enumerate(per_rank))
+        print(f"{name.split()[-1]} / DDP per process: peak RSS through training {ratio['train_peak_rss_bytes']}; "
+              f"with the checkpoint {ratio['peak_rss_bytes']} (same run)")
 
 
 if __name__ == "__main__":
