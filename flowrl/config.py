@@ -258,6 +258,21 @@ class DiffusionDPOConfig(Section):
     preference: Literal["stored", "human"] = "stored"  # stored: the pairs' own order; human: their labels.jsonl (flowrl label)
 
 
+class SePPOConfig(Section):
+    """SePPO: winners from a dataset, losers sampled by a previous checkpoint, the anchor-based flipper (docs/objectives/seppo.md)."""
+
+    name: Literal["seppo"] = "seppo"
+    beta: float = Field(5000.0, gt=0)  # Diffusion-DPO's scale for SD latents
+    reference_strategy: Literal["latest", "rpc", "psm"] = "rpc"  # newest checkpoint / uniform over all (initial included) / softmax of quality
+    ref_update_every: int = Field(1, ge=1)  # iterations between checkpoint snapshots
+    max_checkpoints: int = Field(8, ge=1)  # snapshots held in memory (and in each checkpoint), the initial one always among them
+    psm_temperature: float = Field(0.1, gt=0)  # psm: p ~ exp(quality / T), quality = mean reward of a checkpoint's samples
+    flip_margin: float = Field(0.0, ge=0)  # |implicit-reward gap| (loss-logit units) at or below which a reference sample is skipped
+    winners: str = "embedded"  # the embedded digits data, a .jsonl of {"prompt", "image"} lines, or a folder of images + .txt prompts
+    winners_select: str | None = None  # a reward name (e.g. ink): keep the best winners_top_fraction of each metadata group by it
+    winners_top_fraction: float = Field(1.0, gt=0, le=1)
+
+
 class AdjointMatchingConfig(Section):
     """Adjoint Matching: regress the control onto the lean adjoint of the reward gradient (needs a differentiable
     reward and a memoryless sampler: flow_memoryless for flow models, ddim with eta 1 for diffusion models)."""
@@ -332,7 +347,7 @@ class BGPOConfig(DLLMObjectiveBase):
     naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
 
 
-ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffusionDPOConfig, AdjointMatchingConfig, DiffusionNFTConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
+ObjectiveConfig = Annotated[Union[GRPOConfig, DDPOConfig, D3POConfig, DiffusionDPOConfig, SePPOConfig, AdjointMatchingConfig, DiffusionNFTConfig, DiffuGRPOConfig, UniGRPOConfig, DCoLTConfig, BGPOConfig],
                             Field(discriminator="name")]
 
 
@@ -510,7 +525,7 @@ class Config(Section):
 
 
 def _describe(error: dict) -> str:
-    tags = {"flow_sde", "flow_cps", "flow_memoryless", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "adjoint_matching", "diffusion_nft", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
+    tags = {"flow_sde", "flow_cps", "flow_memoryless", "ddim", "ode", "masked", "grpo", "ddpo", "d3po", "diffusion_dpo", "seppo", "adjoint_matching", "diffusion_nft", "diffu_grpo", "unigrpo", "dcolt", "bgpo", "digits", "dllm"}
     loc = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and p in tags))
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":

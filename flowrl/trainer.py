@@ -438,7 +438,7 @@ class Trainer:
         """Stop a run that cannot learn instead of training on nothing: every reward of this iteration non-finite,
         or more than train.max_nonfinite_fraction of the last train.nonfinite_window iterations' rewards. Offline
         pairs are labelled already (their rewards are only logged), so they are exempt."""
-        if self.objective.trains_on == "offline_pairs" or not self._nonfinite:
+        if self.objective.trains_on in ("offline_pairs", "reference_rollouts") or not self._nonfinite:  # SePPO only logs its reward
             return
         tc = self.config.train
         bad, total = self._nonfinite[-1]

@@ -237,7 +237,7 @@ class Reward(Protocol):
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput: ...
 
 
-TrainingData = Literal["rollouts", "offline_pairs", "reward_gradient_rollouts"]
+TrainingData = Literal["rollouts", "offline_pairs", "reward_gradient_rollouts", "reference_rollouts"]
 """What an objective trains on, i.e. what the loop's collect and score phases hand to ``prepare``:
 
 - ``"rollouts"``: on-policy trajectories from the rollout sampler, with their per-step log-probs when
@@ -247,6 +247,8 @@ TrainingData = Literal["rollouts", "offline_pairs", "reward_gradient_rollouts"]
   sampling (Diffusion-DPO).
 - ``"reward_gradient_rollouts"``: on-policy trajectories plus the gradient of the reward with respect
   to the final state, ``Trajectory.reward_grads`` (Adjoint Matching); the reward must be differentiable.
+- ``"reference_rollouts"``: (winner, reference sample) rows: a winner from a dataset and a clean sample
+  of a reference model the objective chooses among previous checkpoints (SePPO); the reward is only logged.
 """
 
 ReferenceModel = Literal["none", "initial"]
@@ -269,7 +271,7 @@ class Objective(Protocol):
     needs_log_probs: bool  # the rollout sampler must be stochastic and record per-step log-probs
     reference: ReferenceModel  # the frozen model losses() may switch to with pipeline.reference()
     minibatch_unit: int  # rows that stay together when minibatches are shuffled (2: winner/loser pairs)
-    extra_module: "torch.nn.Module | None"  # the objective's own trainable module (DCoLT's head), checkpointed with the model
+    extra_module: "torch.nn.Module | None"  # the objective's own module (DCoLT's head; SePPO's checkpoint ring, no parameters), checkpointed with the model
     extra_lr_scale: float  # extra_module's learning rate relative to train.learning_rate
 
     def prepare(self, batch: Trajectory) -> Trajectory:

@@ -16,6 +16,7 @@ from ..errors import FlowRLError
 from ..evaluation.diversity import seed_diversity
 from ..evaluation.held_out import HeldOut, held_out_images
 from ..objectives import build_objective
+from ..objectives.seppo import reference_pair_batch, winners_for
 from ..pipelines import build_pipeline
 from ..pipelines.guidance import training_guidance_scale
 from ..preference_labels import labelled_pairs
@@ -58,6 +59,7 @@ class ImageModality:
         self.train_pool = prompt_pool(pc.dataset, pc.train_split, file=pc.train_file)
         self.held_out: HeldOut = held_out_images(config, self.pipeline, device)
         self.pairs: PreferencePairs | None = self._read_pairs() if self.objective.trains_on == "offline_pairs" else None
+        self.winners = winners_for(self.objective, self.pipeline) if self.objective.trains_on == "reference_rollouts" else None  # SePPO
 
     def check(self) -> None:
         objective, tc = self.objective, self.config.train
@@ -67,7 +69,7 @@ class ImageModality:
             raise FlowRLError(f"sampler '{self.sampler.name}' is deterministic and rollout.same_noise_in_group is true, so every sample of a "
                               "prompt group would be the same and no group has anything to compare; set rollout.same_noise_in_group=false.")
         unit = objective.minibatch_unit
-        generations = 2 if objective.trains_on == "offline_pairs" else tc.num_generations  # offline: rows are (winner, loser)
+        generations = 2 if objective.trains_on in ("offline_pairs", "reference_rollouts") else tc.num_generations  # rows are (winner, loser)
         if generations % unit or tc.batch_size % unit:
             raise FlowRLError(f"objective '{objective.name}' trains pairs of samples: train.num_generations ({tc.num_generations}) "
                               f"and train.batch_size ({tc.batch_size}) must be multiples of {unit}.")
@@ -75,6 +77,11 @@ class ImageModality:
     # -- collect ------------------------------------------------------------------------------------
     def collect(self, iteration: int, rank: int, world: int) -> Trajectory:
         """On-policy rollouts of this process's prompt groups, or (offline objectives) the iteration's pairs."""
+        if self.winners is not None:  # SePPO: dataset winners beside a previous checkpoint's samples
+            rc = self.config.rollout
+            return reference_pair_batch(self.objective, self.pipeline, self.sampler, self.winners, seed=self.config.seed, iteration=iteration,
+                                        rank=rank, world=world, pairs=self.config.train.prompts_per_iteration // world,
+                                        num_inference_steps=rc.num_inference_steps, guidance_scale=rc.guidance_scale, chunk=rc.batch_size)
         return self._pair_batch(iteration, rank, world) if self.pairs is not None else self._rollouts(iteration, rank, world)
 
     def for_update(self, batch: Trajectory) -> Trajectory:

@@ -10,6 +10,7 @@ from .ddpo import build_ddpo
 from .diffusion_dpo import DiffusionDPOObjective
 from .diffusion_nft import build_diffusion_nft
 from .grpo import build_grpo
+from .seppo import build_seppo
 
 __all__ = ["build_objective"]
 
@@ -26,6 +27,8 @@ def build_objective(config, reward_weights: dict[str, float] | None = None) -> O
         return build_d3po(**kwargs)
     if config.name == "diffusion_dpo":
         return DiffusionDPOObjective(**kwargs)
+    if config.name == "seppo":
+        return build_seppo(**kwargs)
     if config.name == "adjoint_matching":
         kwargs.pop("allow_non_memoryless")  # checked with the sampler when the config is validated
         return build_adjoint_matching(**kwargs)

@@ -51,6 +51,12 @@ def noised_and_target(pipeline: Pipeline, x0: Tensor, noise: Tensor, sigma: Tens
     return x_t, (noise if pipeline.prediction_type == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * x0)
 
 
+def denoising_errors(pipeline: Pipeline, x_t: Tensor, sigma: Tensor, cond, target: Tensor, guidance_scale: float) -> Tensor:
+    """Per-sample mean squared error of the model's prediction against its regression target (B,)."""
+    pred = pipeline.predict(x_t, sigma, cond, guidance_scale).float()
+    return (pred - target).pow(2).flatten(1).mean(1)
+
+
 @dataclass
 class DiffusionDPOObjective:
     name: str = "diffusion_dpo"
@@ -66,19 +72,15 @@ class DiffusionDPOObjective:
     def prepare(self, batch: Trajectory) -> Trajectory:
         return batch  # the pairs arrive winner first
 
-    def _errors(self, pipeline: Pipeline, x_t: Tensor, sigma: Tensor, cond, target: Tensor, guidance_scale: float) -> Tensor:
-        pred = pipeline.predict(x_t, sigma, cond, guidance_scale).float()
-        return (pred - target).pow(2).flatten(1).mean(1)
-
     def losses(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, generator: torch.Generator) -> Iterator[LossOutput]:
         x0 = batch.latents[:, -1].float()  # (2P, *S): winner, loser, winner, loser, ...
         pairs = x0.shape[0] // 2
         sigma = training_sigmas(pipeline, pairs, generator).to(x0.device).repeat_interleave(2)
         noise = torch.randn(x0[0::2].shape, generator=generator).to(x0.device).repeat_interleave(2, dim=0)
         x_t, target = noised_and_target(pipeline, x0, noise, sigma)
-        err = self._errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
+        err = denoising_errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
         with torch.no_grad(), pipeline.reference():
-            ref_err = self._errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
+            ref_err = denoising_errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
         loss_per_pair = diffusion_dpo_loss(err[0::2], err[1::2], ref_err[0::2], ref_err[1::2], self.beta)
         loss = loss_per_pair.mean()
         with torch.no_grad():

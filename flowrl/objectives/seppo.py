@@ -1,0 +1,220 @@
+"""SePPO (Zhang et al., arXiv:2410.05255): semi-policy preference optimisation for diffusion alignment.
+
+Diffusion-DPO needs (winner, loser) pairs. SePPO needs only winners (real images, as for SFT): the loser
+of each pair is an on-policy sample of a *reference model*, a previous checkpoint of the policy, and the
+DPO reference of the pair's loss is that same checkpoint. Per iteration:
+
+1. the checkpoint ring (``reference_ring.py``) takes a snapshot when one is due and picks the reference:
+   ``latest`` (SPIN's previous iterate), ``rpc`` (random previous checkpoint, uniform, the initial model
+   included) or ``psm`` (probability-based: softmax of each checkpoint's measured quality, see below);
+2. ``prompts_per_iteration`` winners are drawn from the dataset (``flowrl/data/winners.py``) and the
+   reference model samples one image for each winner's prompt with the rollout sampler (chosen in the
+   config; the digits presets use the ODE, the model's own distribution);
+3. each pair (winner x_w, reference sample x_r) is noised with one shared time and noise, and the
+   Anchor-based Adaptive Flipper decides, per pair, how x_r enters the loss.
+
+The flipper. With Diffusion-DPO's implicit reward scaled like the loss logit,
+``s(x) = -beta/2 * (err_theta(x) - err_ref(x))`` (err: the per-sample mean squared error of the
+prediction against the regression target, ``diffusion_dpo.denoising_errors``), the winner is the anchor:
+``delta = s(x_r) - s(x_w)``, and
+
+    I = +1 (loser)   if delta < -flip_margin   the policy already prefers the winner: x_r is a loser
+    I = -1 (winner)  if delta >  flip_margin   the policy rates x_r above the real winner: learn it as one
+    I =  0 (skip)    otherwise                 undecided (always so while policy == reference)
+
+    loss = -log sigmoid(-beta/2 * [(err_theta(x_w) - err_ref(x_w)) - I (err_theta(x_r) - err_ref(x_r))])
+
+which is ``functional.diffusion_dpo_loss`` with the reference sample's errors multiplied by I: the
+loser case is Diffusion-DPO's loss exactly, the flipped case raises both likelihoods, a skipped reference
+sample leaves only the winner's term. I is decided without gradient, at the same (t, noise) as the loss.
+
+PSM quality: the running mean of the training reward of a checkpoint's reference samples over the
+iterations it was drawn (scored by the run's reward, so psm, unlike latest and rpc, needs one).
+
+Every choice the paper leaves open is listed in docs/objectives/seppo.md.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+from torch import Tensor
+
+from .. import seeding
+from ..data.winners import Winners, load_winners, top_fraction
+from ..errors import FlowRLError
+from ..samplers.rollout import rollout
+from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from .diffusion_dpo import denoising_errors, noised_and_target, training_sigmas
+from .functional import diffusion_dpo_loss
+from .reference_ring import ReferenceRing, Strategy, running_mean
+
+# Stream tags for seeding.derive_seed, far from seeding.PURPOSES' small numbers: SePPO's own draws per iteration.
+_WINNERS, _REFERENCE_NOISE, _REFERENCE_CHOICE = 0x5E990, 0x5E991, 0x5E992
+
+
+def anchor_flip(err: Tensor, ref_err: Tensor, beta: float, margin: float) -> Tensor:
+    """The flipper's decision I per pair (P,) from rows (2i, 2i + 1) = (winner, reference sample) of the
+    policy's and the reference's errors (2P,): +1 loser, -1 learned as a winner, 0 skipped."""
+    s = -0.5 * beta * (err - ref_err)  # implicit reward, on the scale of the loss logit
+    delta = s[1::2] - s[0::2]
+    return torch.where(delta > margin, -1.0, torch.where(delta < -margin, 1.0, 0.0))
+
+
+def seppo_pair_loss(err: Tensor, ref_err: Tensor, beta: float, margin: float) -> tuple[Tensor, Tensor]:
+    """Per-pair loss (P,) and the flipper's decisions (P,): Diffusion-DPO's loss with the reference sample's
+    errors multiplied by I, decided without gradient."""
+    with torch.no_grad():
+        flip = anchor_flip(err.detach(), ref_err.detach(), beta, margin)
+    return diffusion_dpo_loss(err[0::2], flip * err[1::2], ref_err[0::2], flip * ref_err[1::2], beta), flip
+
+
+@dataclass
+class SePPOObjective:
+    name: str = "seppo"
+    beta: float = 5000.0
+    reference_strategy: Strategy = "rpc"
+    ref_update_every: int = 1  # iterations between snapshots
+    max_checkpoints: int = 8
+    psm_temperature: float = 0.1
+    flip_margin: float = 0.0
+    winners: str = "embedded"
+    winners_select: str | None = None  # a reward name: keep the best winners_top_fraction of each metadata group by it
+    winners_top_fraction: float = 1.0
+    trains_on: TrainingData = field(default="reference_rollouts", init=False)
+    needs_log_probs: bool = field(default=False, init=False)
+    reference: ReferenceModel = field(default="none", init=False)  # the reference is a snapshot of the ring, not the trainer's
+    minibatch_unit: int = field(default=2, init=False)  # rows (2i, 2i + 1) are (winner, reference sample)
+    extra_module: ReferenceRing = field(init=False)  # the checkpoint ring, saved with the weights
+    extra_lr_scale: float = field(default=1.0, init=False)
+
+    def __post_init__(self) -> None:
+        self.extra_module = ReferenceRing(self.ref_update_every, self.max_checkpoints)
+        self.current: int | None = None  # the iteration of this iteration's reference snapshot
+        self.quality: dict[int, list[float]] = {}  # PSM: checkpoint iteration -> [mean reward of its samples, count]
+
+    @property
+    def ring(self) -> ReferenceRing:
+        return self.extra_module
+
+    def begin_iteration(self, pipeline: Pipeline, seed: int, iteration: int) -> int:
+        """Snapshot the current weights if due, then choose this iteration's reference (same on every process)."""
+        self.ring.maybe_snapshot(pipeline, iteration)
+        gen = torch.Generator().manual_seed(seeding.derive_seed(seed, iteration, 0, _REFERENCE_CHOICE))
+        self.current = self.ring.choose(self.reference_strategy, gen, {k: v[0] for k, v in self.quality.items()}, self.psm_temperature)
+        return self.current
+
+    def prepare(self, batch: Trajectory) -> Trajectory:
+        """Rows arrive (winner, reference sample); PSM folds the reference samples' reward into the quality
+        of the checkpoint that drew them."""
+        if batch.rewards is not None and self.current is not None:
+            r = batch.rewards[1::2].float()
+            r = r[torch.isfinite(r)]
+            if r.numel():
+                running_mean(self.quality, self.current, float(r.mean()))
+        return batch
+
+    def losses(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, generator: torch.Generator) -> Iterator[LossOutput]:
+        if self.current is None:
+            raise FlowRLError("SePPO trains on its reference model's samples: no reference was chosen (the batch was not collected by SePPO).")
+        x0 = batch.latents[:, -1].float()
+        pairs = x0.shape[0] // 2
+        sigma = training_sigmas(pipeline, pairs, generator).to(x0.device).repeat_interleave(2)
+        noise = torch.randn(x0[0::2].shape, generator=generator).to(x0.device).repeat_interleave(2, dim=0)
+        x_t, target = noised_and_target(pipeline, x0, noise, sigma)
+        # The reference first: swapping its weights in copies into the live parameters, which would
+        # invalidate a graph built before (see reference_ring.py).
+        with torch.no_grad(), self.ring.swapped_in(pipeline, self.current):
+            ref_err = denoising_errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
+        err = denoising_errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
+        per_pair, flip = seppo_pair_loss(err, ref_err, self.beta, self.flip_margin)
+        loss = per_pair.mean()  # a skipped reference sample still leaves its winner's term
+        with torch.no_grad():
+            metrics = {"loss/policy": loss.detach(), "seppo/loser_fraction": (flip > 0).float().mean(),
+                       "seppo/flipped_fraction": (flip < 0).float().mean(), "seppo/skipped_fraction": (flip == 0).float().mean(),
+                       "seppo/reference_iteration": torch.tensor(float(self.current)),
+                       "seppo/checkpoints": torch.tensor(float(len(self.ring.snapshots))),
+                       "dpo/err_winner": err[0::2].mean(), "dpo/err_reference_sample": err[1::2].mean()}
+        yield LossOutput(loss=loss, metrics=metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        # JSON: keys become strings. The snapshots themselves travel as the extra_module's tensors.
+        return {"quality": {str(k): v for k, v in self.quality.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.quality = {int(k): [float(v[0]), int(v[1])] for k, v in state.get("quality", {}).items()}
+
+
+def build_seppo(**kwargs: Any) -> SePPOObjective:
+    return SePPOObjective(**kwargs)
+
+
+# -- what the modality needs: the winners and the iteration's batch -----------------------------------
+def winners_for(objective: SePPOObjective, pipeline: Pipeline) -> Winners:
+    """The objective's winners at the model's pixel size, filtered by ``winners_select`` when set."""
+    channels, size = pixel_shape(pipeline)
+    winners = load_winners(objective.winners, channels, size)
+    if objective.winners_select is not None and objective.winners_top_fraction < 1.0:
+        from ..reward_models import build_reward
+
+        scores = build_reward(objective.winners_select)(winners.images, winners.prompts, winners.metadata).scores
+        winners = top_fraction(winners, scores, objective.winners_top_fraction)
+    return winners
+
+
+def pixel_shape(pipeline: Pipeline) -> tuple[int, tuple[int, int]]:
+    """(channels, (height, width)) of the images a pipeline decodes to; a model whose samples SePPO cannot
+    encode winners for (no 2-D image latents, or a VAE with per-channel latent statistics) is refused here,
+    before anything is written."""
+    vae, shape = getattr(pipeline, "vae", None), tuple(pipeline.latent_shape())
+    if len(shape) != 3 or (vae is not None and getattr(vae.config, "latents_mean", None) is not None):
+        raise FlowRLError(f"SePPO encodes its winners for pixel-space image models and 2-D VAE latents (Stable Diffusion 1.5/2, SDXL, SD3, FLUX); "
+                          f"{type(pipeline).__name__}'s samples of shape {shape} are not supported.")
+    if vae is None:  # pixel-space models (the embedded digits): the latents are the images
+        return shape[0], shape[1:]
+    return 3, pipeline.sample_size()
+
+
+@torch.no_grad()
+def winner_latents(pipeline: Pipeline, images: Tensor) -> Tensor:
+    """Images in [0, 1] -> the model's sample space (the inverse of ``pipeline.decode``)."""
+    vae = getattr(pipeline, "vae", None)
+    x = images.to(pipeline.device) * 2 - 1
+    if vae is None:
+        return x
+    z = vae.encode(x.to(vae.device, vae.dtype)).latent_dist.mode().float()
+    return ((z - (getattr(vae.config, "shift_factor", None) or 0.0)) * vae.config.scaling_factor).to(pipeline.device)
+
+
+@torch.no_grad()
+def reference_pair_batch(objective: SePPOObjective, pipeline: Pipeline, sampler: Sampler, winners: Winners, *, seed: int, iteration: int,
+                         rank: int, world: int, pairs: int, num_inference_steps: int, guidance_scale: float, chunk: int) -> Trajectory:
+    """This process's ``pairs`` (winner, reference sample) rows for ``iteration``. Winners and initial noise are
+    drawn for the whole world and sliced, so the rows do not depend on the number of processes."""
+    objective.begin_iteration(pipeline, seed, iteration)
+    rng = random.Random(seeding.derive_seed(seed, iteration, 0, _WINNERS))
+    mine = slice(rank * pairs, (rank + 1) * pairs)
+    idx = [rng.randrange(len(winners)) for _ in range(pairs * world)][mine]
+    prompts, metadata = [winners.prompts[i] for i in idx], [dict(winners.metadata[i]) for i in idx]
+    x_w = winner_latents(pipeline, winners.images[idx])
+    gen = torch.Generator().manual_seed(seeding.derive_seed(seed, iteration, 0, _REFERENCE_NOISE))
+    noise = pipeline.initial_noise(pairs * world, gen)[mine]
+    step_gen = torch.Generator(device=noise.device).manual_seed(seeding.derive_seed(seed, iteration, rank + 1, _REFERENCE_NOISE))
+    sigmas = pipeline.schedule.sigmas(num_inference_steps).to(noise.device)
+    group_ids = torch.arange(pairs) + rank * pairs
+    pipeline.denoiser.eval()
+    samples = []
+    with objective.ring.swapped_in(pipeline, objective.current):
+        for start in range(0, pairs, chunk):
+            sl = slice(start, start + chunk)
+            samples.append(rollout(pipeline, sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, step_gen, guidance_scale,
+                                   initial_noise=noise[sl], decode=False).latents[:, -1])
+    x_r = torch.cat(samples)
+    x0 = torch.stack([x_w, x_r.to(x_w)], 1).flatten(0, 1)  # winner, reference sample, winner, ...
+    rows_prompts, rows_metadata = [p for p in prompts for _ in range(2)], [dict(m) for m in metadata for _ in range(2)]
+    return Trajectory(latents=x0[:, None], sigmas=torch.zeros(1), log_probs=x0.new_zeros(len(rows_prompts), 0),
+                      stochastic=torch.zeros(0, dtype=torch.bool), cond=pipeline.encode(rows_prompts), prompts=rows_prompts,
+                      metadata=rows_metadata, group_ids=group_ids.repeat_interleave(2), samples=pipeline.decode(x0), guidance_scale=1.0)

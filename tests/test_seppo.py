@@ -1,0 +1,275 @@
+"""SePPO: the flipper's decisions and the pair loss against hand-derived values, log 2 at reference == policy,
+the checkpoint ring (eviction, seeded choice, bit-exact swaps, exact resume), winners from a folder and a
+JSONL file with one-sentence errors, and real iterations on the flow, DDPM and tiny Stable Diffusion models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import CONFIGS, fast_overrides
+from flowrl.config import load_config
+from flowrl.data.winners import load_winners, top_fraction
+from flowrl.errors import FlowRLError
+from flowrl.objectives.reference_ring import ReferenceRing
+from flowrl.objectives.seppo import anchor_flip, seppo_pair_loss, winner_latents
+from tiny_components import replace_overrides, two_iterations_change_every_parameter
+
+SEPPO = CONFIGS / "digits" / "seppo.yaml"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _rows(*pairs):
+    """(err, ref_err) interleaved (winner, reference sample) from ((err_w, ref_w), (err_r, ref_r)) per pair."""
+    err = torch.tensor([x for (w, r) in pairs for x in (w[0], r[0])], dtype=torch.float64)
+    ref = torch.tensor([x for (w, r) in pairs for x in (w[1], r[1])], dtype=torch.float64)
+    return err, ref
+
+
+def test_flipper_and_loss_hand_values():
+    # beta 10, margin 0.5. Implicit reward s = -5 (err - ref_err). Every winner: s_w = -5 (0.30 - 0.40) = 0.5.
+    err, ref = _rows(((0.30, 0.40), (0.50, 0.45)),   # s_r = -0.25, delta = -0.75 < -0.5: loser
+                     ((0.30, 0.40), (0.10, 0.40)),   # s_r =  1.5,  delta =  1.0  >  0.5: learned as a winner
+                     ((0.30, 0.40), (0.40, 0.42)),   # s_r =  0.1,  delta = -0.4: skipped
+                     ((0.30, 0.40), (0.30, 0.40)))   # s_r =  0.5,  delta =  0: skipped
+    loss, flip = seppo_pair_loss(err, ref, 10.0, 0.5)
+    assert flip.tolist() == [1.0, -1.0, 0.0, 0.0]
+    # loser:   z = -5 ((0.30 - 0.40) - (0.50 - 0.45)) = 0.75 (Diffusion-DPO's logit)
+    # flipped: z = -5 ((0.30 - 0.40) + (0.10 - 0.40)) = 2.0
+    # skipped: z = -5 (0.30 - 0.40) = 0.5, the winner's term alone
+    expected = [math.log1p(math.exp(-z)) for z in (0.75, 2.0, 0.5, 0.5)]
+    assert loss.tolist() == pytest.approx(expected, abs=1e-12)
+    # the margin is a closed band: a gap of exactly the margin is skipped, just above it decides
+    assert anchor_flip(*_rows(((0.0, 0.0), (0.0, 0.1))), beta=10.0, margin=0.5).tolist() == [0.0]
+    assert anchor_flip(*_rows(((0.0, 0.0), (0.0, 0.1))), beta=10.0, margin=0.49).tolist() == [-1.0]
+    assert anchor_flip(*_rows(((0.0, 0.0), (0.1, 0.0))), beta=10.0, margin=0.49).tolist() == [1.0]
+
+
+def test_flipper_decisions_carry_no_gradient_and_the_loser_case_is_diffusion_dpo():
+    from flowrl.objectives.functional import diffusion_dpo_loss
+
+    err = torch.tensor([0.2, 0.6, 0.3, 0.1], requires_grad=True)
+    ref = torch.tensor([0.25, 0.5, 0.3, 0.3])
+    loss, flip = seppo_pair_loss(err, ref, 20.0, 0.0)
+    assert flip.tolist() == [1.0, -1.0] and not flip.requires_grad
+    torch.testing.assert_close(loss[0], diffusion_dpo_loss(err[0:1], err[1:2], ref[0:1], ref[1:2], 20.0)[0])
+    (g,) = torch.autograd.grad(loss.sum(), err)
+    # flipped pair (z = -10 (0 + (-0.2)) = 2): d loss / d err_w = d loss / d err_r = 10 sigmoid(-2)
+    assert g[2:].tolist() == pytest.approx([10 / (1 + math.exp(2))] * 2, rel=1e-6)
+    # loser pair: opposite signs on winner and reference sample
+    assert g[0] > 0 and g[1] < 0 and g[0].item() == pytest.approx(-g[1].item())
+
+
+class _Weights:
+    """The two calls of a pipeline the ring uses, over a real module."""
+
+    def __init__(self):
+        self.module = torch.nn.Linear(3, 2)
+
+    def trainable_state_dict(self):
+        return dict(self.module.state_dict())
+
+    def load_trainable_state_dict(self, weights):
+        self.module.load_state_dict(weights)
+
+
+def test_ring_keeps_the_initial_snapshot_and_swaps_bit_exactly():
+    pipe, ring = _Weights(), ReferenceRing(every=2, capacity=3)
+    for it in range(8):
+        with torch.no_grad():
+            pipe.module.weight.fill_(float(it))
+        ring.maybe_snapshot(pipe, it)
+    assert sorted(ring.snapshots) == [0, 4, 6]  # snapshots at 0, 2, 4, 6; 2 evicted, the initial one kept
+    assert float(ring.snapshots[4]["weight"][0, 0]) == 4.0
+    before = {k: v.clone() for k, v in pipe.trainable_state_dict().items()}
+    with ring.swapped_in(pipe, 0):
+        assert torch.equal(pipe.module.weight, ring.snapshots[0]["weight"])
+    assert all(torch.equal(before[k], v) for k, v in pipe.trainable_state_dict().items())
+    # the ring round-trips through the tensors the trainer saves with the weights
+    copy = ReferenceRing(every=2, capacity=3)
+    copy.load_state_dict(ring.state_dict())
+    assert sorted(copy.snapshots) == [0, 4, 6] and all(torch.equal(copy.snapshots[i]["bias"], ring.snapshots[i]["bias"]) for i in (0, 4, 6))
+    assert list(copy.parameters()) == []  # nothing for the optimizer
+
+
+def test_ring_choice_per_strategy_is_seeded():
+    ring = ReferenceRing(every=1, capacity=8)
+    ring.snapshots = {0: {}, 5: {}, 10: {}}
+
+    def draws(strategy, quality=None, n=3000):
+        gen = torch.Generator().manual_seed(7)
+        return [ring.choose(strategy, gen, quality, temperature=0.1) for _ in range(n)]
+
+    assert set(draws("latest", n=5)) == {10}
+    rpc = draws("rpc")
+    assert rpc == draws("rpc")  # same seed, same choices
+    assert all(abs(rpc.count(k) / len(rpc) - 1 / 3) < 0.04 for k in (0, 5, 10))  # uniform, the initial model included
+    # psm: softmax(q / 0.1); 10 never measured takes the best measured quality (1.2):
+    # p = (e^10, e^12, e^12) / (e^10 + 2 e^12), p(0) = 1 / (1 + 2 e^2) = 0.0634
+    psm = draws("psm", {0: 1.0, 5: 1.2})
+    assert psm.count(0) / len(psm) == pytest.approx(1 / (1 + 2 * math.e**2), abs=0.015)
+    assert psm.count(5) / len(psm) == pytest.approx(math.e**2 / (1 + 2 * math.e**2), abs=0.03)
+
+
+def _png(path, value, size=(8, 8), mode="L"):
+    from PIL import Image
+
+    Image.new(mode, size, value).save(path)
+    return path
+
+
+def test_winners_from_folder_jsonl_and_embedded(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _png(folder / "a.png", 255)
+    (folder / "a.txt").write_text("digit 1\n")
+    _png(folder / "b.png", 51, size=(16, 16))  # resized to the model's 8x8
+    (folder / "b.txt").write_text("digit 2")
+    w = load_winners(str(folder), 1, (8, 8))
+    assert w.prompts == ["digit 1", "digit 2"] and w.images.shape == (2, 1, 8, 8)
+    assert w.images[0].eq(1.0).all() and w.images[1].sub(0.2).abs().max() < 1e-6
+
+    lines = [{"prompt": "digit 3", "image": "folder/a.png", "digit": 3}, {"prompt": "digit 4", "image": str(folder / "b.png"), "digit": 4}]
+    (tmp_path / "w.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    w = load_winners(str(tmp_path / "w.jsonl"), 3, (8, 8))
+    assert w.prompts == ["digit 3", "digit 4"] and w.metadata == [{"digit": 3}, {"digit": 4}] and w.images.shape == (2, 3, 8, 8)
+
+    emb = load_winners("embedded", 1, (8, 8))
+    assert len(emb) == 1797 * 4 and emb.images.min() >= 0 and emb.images.max() <= 1
+    ink = emb.images.flatten(1).mean(1)
+    best = top_fraction(emb, ink, 0.1)
+    for d in range(10):  # the boldest tenth of every class: no kept image of a digit is fainter than a dropped one
+        kept = {i for i, m in enumerate(best.metadata) if m["digit"] == d}
+        assert kept and min(best.images[i].mean() for i in kept) >= ink[[i for i, m in enumerate(emb.metadata) if m["digit"] == d]].quantile(0.85)
+
+
+def test_bad_winners_fail_in_one_sentence(tmp_path):
+    (tmp_path / "w.jsonl").write_text('{"prompt": "digit 3", "image": "missing.png"}\n')
+    with pytest.raises(FlowRLError, match=r"image '.*missing.png' \(line 1 of .*\) does not exist"):
+        load_winners(str(tmp_path / "w.jsonl"), 1, (8, 8))
+    (tmp_path / "w.jsonl").write_text('{"prompt": "digit 3", "image": "a.png"}\nnot json\n')
+    _png(tmp_path / "a.png", 0)
+    with pytest.raises(FlowRLError, match="line 2 of winners file .* is not valid JSON"):
+        load_winners(str(tmp_path / "w.jsonl"), 1, (8, 8))
+    (tmp_path / "w.jsonl").write_text('{"prompt": 3, "image": "a.png"}\n')
+    with pytest.raises(FlowRLError, match="line 1 .* needs a string 'prompt'"):
+        load_winners(str(tmp_path / "w.jsonl"), 1, (8, 8))
+    (tmp_path / "bad.png").write_text("not an image")
+    (tmp_path / "w.jsonl").write_text('{"prompt": "digit 3", "image": "bad.png"}\n')
+    with pytest.raises(FlowRLError, match="could not be read"):
+        load_winners(str(tmp_path / "w.jsonl"), 1, (8, 8))
+    folder = tmp_path / "f"
+    folder.mkdir()
+    with pytest.raises(FlowRLError, match="holds no images"):
+        load_winners(str(folder), 1, (8, 8))
+    _png(folder / "x.png", 0)
+    with pytest.raises(FlowRLError, match="has no prompt file 'x.txt'"):
+        load_winners(str(folder), 1, (8, 8))
+    with pytest.raises(FlowRLError, match="neither 'embedded'"):
+        load_winners(str(tmp_path / "nothing.txt"), 1, (8, 8))
+    with pytest.raises(FlowRLError, match="1x8x8 images"):
+        load_winners("embedded", 3, (16, 16))
+
+
+def _overrides(run, **extra):
+    return fast_overrides(run, **{"train.num_generations": 2, "train.learning_rate": 1e-3, "train.weight_decay": 0.0, **extra})
+
+
+def test_first_iteration_is_log2_all_skipped_and_reference_samples_are_the_initial_models(tmp_path):
+    """Iteration 0: the only snapshot is the current model, so every DPO logit is 0 (loss log 2 for any I) and
+    the flipper cannot decide; the reference samples are the ODE samples of the weights in place."""
+    from flowrl.samplers.rollout import rollout
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(load_config(SEPPO, _overrides(tmp_path / "run")))
+    batch = trainer.objective.prepare(trainer.score(trainer.collect(0)))
+    assert len(batch) == 4 and batch.prompts[0::2] == batch.prompts[1::2]
+    (out,) = trainer.objective.losses(trainer.pipeline, trainer.sampler, batch, torch.Generator().manual_seed(0))
+    assert out.loss.item() == pytest.approx(math.log(2), abs=1e-7)
+    assert out.metrics["seppo/skipped_fraction"].item() == 1.0 and out.metrics["seppo/reference_iteration"].item() == 0.0
+    # the reference rows are what the weights in place sample from the stream collect() used
+    from flowrl import seeding
+    from flowrl.objectives import seppo
+
+    gen = torch.Generator().manual_seed(seeding.derive_seed(0, 0, 0, seppo._REFERENCE_NOISE))
+    noise = trainer.pipeline.initial_noise(2, gen)
+    again = rollout(trainer.pipeline, trainer.sampler, batch.prompts[1::2], batch.metadata[1::2], torch.arange(2),
+                    trainer.pipeline.schedule.sigmas(4), gen, 1.0, initial_noise=noise)
+    torch.testing.assert_close(batch.latents[1::2, -1], again.latents[:, -1])
+
+
+@pytest.mark.parametrize("model", ["digits_flow", "digits_ddpm"])
+def test_two_iterations_change_every_parameter(tmp_path, model):
+    extra = {"objective.ref_update_every": 1, "objective.reference_strategy": "latest"}
+    if model == "digits_ddpm":
+        extra.update({"pipeline.pretrained": "digits_ddpm", "sampler": "{name: ddim, eta: 0.0}"})
+    trainer = two_iterations_change_every_parameter(_overrides(tmp_path / "run", **extra), SEPPO)
+    rows = trainer.logger.records()
+    assert rows[2]["seppo/reference_iteration"] == 1.0  # iteration 1 drew the newest snapshot, taken after iteration 0
+    assert rows[2]["seppo/skipped_fraction"] == 1.0  # ... equal to the weights in place, one optimizer step per iteration
+    assert sorted(trainer.objective.ring.snapshots) == [0, 1]
+
+
+def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
+    """The paper's setting: an epsilon UNet in VAE latents; winners are PNGs encoded by the VAE."""
+    from test_family_stable_diffusion import build_tiny_sd
+    from tiny_components import family_config
+
+    directory = build_tiny_sd(tmp_path / "sd")
+    lines = []
+    for d in range(3):
+        _png(tmp_path / f"{d}.png", (40 * d, 200, 90), size=(16, 16), mode="RGB")
+        lines.append(json.dumps({"prompt": f"digit {d}", "image": f"{d}.png", "digit": d}))
+    (tmp_path / "w.jsonl").write_text("\n".join(lines))
+    overrides = replace_overrides(family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim"), ("objective.",),
+                                  ["objective.name=seppo", f"objective.winners={tmp_path / 'w.jsonl'}", "objective.beta=5000"])
+    trainer = two_iterations_change_every_parameter(overrides)
+    winners = trainer.modality.winners
+    assert winners.images.shape == (3, 3, 16, 16) and winners.metadata == [{"digit": d} for d in range(3)]
+    # the latents are the VAE's mode times its scaling factor (the inverse of the adapter's decode)
+    vae = trainer.pipeline.vae
+    z = vae.encode(winners.images * 2 - 1).latent_dist.mode() * vae.config.scaling_factor
+    torch.testing.assert_close(winner_latents(trainer.pipeline, winners.images), z)
+
+
+def test_resume_restores_the_ring_and_continues_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    from flowrl.trainer import Trainer
+
+    extra = {"train.iterations": 4, "eval.every": 2, "log.checkpoint_every": 2, "objective.ref_update_every": 1,
+             "objective.max_checkpoints": 3, "objective.reference_strategy": "psm"}
+    Trainer(load_config(SEPPO, _overrides(tmp_path / "full", **extra))).fit()
+    Trainer(load_config(SEPPO, _overrides(tmp_path / "cut", **extra, **{"train.stop_after": 3}))).fit()
+    resumed = Trainer(load_config(SEPPO, _overrides(tmp_path / "cut", **extra, resume_from="latest")))
+    assert resumed.fit()["iterations_completed"] == 4
+
+    def metrics(run):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert metrics(tmp_path / "cut") == metrics(tmp_path / "full")
+    a = load_file(tmp_path / "full" / "checkpoints" / "step_000004" / "denoiser.safetensors")
+    b = load_file(tmp_path / "cut" / "checkpoints" / "step_000004" / "denoiser.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted({k.split(".")[1] for k in a if k.startswith("objective.")}) == ["0", "2", "3"]  # the ring, saved with the weights
+    assert sorted(resumed.objective.ring.snapshots) == [0, 2, 3]
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
+    assert set(state["objective"][0]["quality"]) <= {"0", "1", "2", "3"} and state["objective"][0]["quality"]
+
+
+def test_bad_winners_refused_before_anything_is_written(tmp_path):
+    from flowrl.trainer import Trainer
+
+    for winners, needle in ((tmp_path / "none.jsonl", "winners file .* does not exist"), ("embedded", "1x8x8 images")):
+        overrides = _overrides(tmp_path / "run", **{"objective.winners": str(winners)})
+        if winners == "embedded":  # the embedded digits beside a model of another sample shape: the 2-D toy
+            overrides += ["pipeline.name=toy2d", "prompts.dataset=toy2d", "reward.components={linear2d: 1.0}", "eval.judge=null"]
+        with pytest.raises(FlowRLError, match=needle if winners != "embedded" else "are not supported"):
+            Trainer(load_config(SEPPO, overrides))
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(FlowRLError, match="unknown reward 'boldness'"):
+        Trainer(load_config(SEPPO, _overrides(tmp_path / "run", **{"objective.winners_select": "boldness"})))
+    assert not (tmp_path / "run").exists()
