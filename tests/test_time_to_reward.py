@@ -34,6 +34,15 @@ def _bench():
     return module
 
 
+@pytest.fixture
+def one_thread():
+    """The tiny runs are latency-bound: one intra-op thread is faster than two on a busy 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _trajectory(sigmas: list[float]) -> Trajectory:
     k = len(sigmas) - 1
     return Trajectory(latents=torch.randn(2, k + 1, 1, 2, 2), sigmas=torch.tensor(sigmas), log_probs=torch.zeros(2, k),
@@ -60,7 +69,7 @@ def test_noise_level_weights_hand_values():
     assert noise_level_step_weights(dance).tolist() == pytest.approx([1.0] * 4, abs=1e-6)
 
 
-def test_weighting_scales_each_step_policy_loss_and_leaves_ratios(tmp_path):
+def test_weighting_scales_each_step_policy_loss_and_leaves_ratios(tmp_path, one_thread):
     # The real digits model and GRPO objective on a real rollout of 3 steps (grid 1, 2/3, 1/3, 0), every step
     # trained. Flow-GRPO stds: 0.7 [sqrt(3) sqrt(1/3), sqrt(2) sqrt(1/3), sqrt(1/2) sqrt(1/3)] = 0.7 [1, sqrt(2/3),
     # sqrt(1/6)]; weights = those / their mean = 3 [1, sqrt(2/3), sqrt(1/6)] / (1 + sqrt(2/3) + sqrt(1/6)).
@@ -85,7 +94,7 @@ def test_weighting_scales_each_step_policy_loss_and_leaves_ratios(tmp_path):
         assert out.metrics["loss/policy"].item() == pytest.approx(-1.0, rel=1e-5)
 
 
-def test_bench_counts_denoiser_work_by_hand():
+def test_bench_counts_denoiser_work_by_hand(one_thread):
     # One iteration, 2 prompts x 2 samples = 4 rows, 3 steps, evaluation 20 held-out prompts x 1 seed on 3 steps.
     bench = _bench()
     tiny = {"rollout.num_inference_steps": 3, "train.prompts_per_iteration": 2, "train.num_generations": 2,
