@@ -232,11 +232,23 @@ class Trainer:
             for k, v in loss_out.metrics.items():
                 per_step.setdefault(k, []).append(v)
         metrics = {k: torch.stack(v).mean() for k, v in per_step.items()}
+        self._average_objective_gradients()
         if self.config.train.max_grad_norm is not None:
             norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), self.config.train.max_grad_norm)
             metrics["train/grad_norm"] = torch.as_tensor(norm).detach()
         self.optimizer.step()
         return metrics
+
+    def _average_objective_gradients(self) -> None:
+        """An objective's own module (DCoLT's unmasking-policy head) lives outside the module accelerate wrapped, so
+        DDP does not average its gradients: average them here, or every process's copy of it would drift apart."""
+        params = [p for p in self._objective_parameters() if p.requires_grad]
+        if self.world == 1 or not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]  # a process may not have reached it
+        flat = self.accelerator.reduce(torch.cat([g.flatten() for g in grads]), reduction="mean")
+        for p, g in zip(params, torch.split(flat, [g.numel() for g in grads])):
+            p.grad = g.view_as(p).clone()
 
     def _deepspeed_step(self, batch, gen: torch.Generator) -> dict[str, torch.Tensor]:
         """The same minibatch step driven through DeepSpeed's engine: every loss back-propagated, the accumulation

@@ -253,3 +253,43 @@ def test_cpu_offload_on_cpu_processes_is_refused_in_one_sentence(monkeypatch):
     with pytest.raises(FlowRLError, match=r"^fsdp_offload_params moves the shards .* launch with configs/accelerate/fsdp\.yaml\.$"):
         enable_fsdp_on_cpu(SimpleNamespace(state=state))
     assert state.distributed_type == DistributedType.MULTI_CPU and state.fsdp_plugin is None
+
+
+HEAD_WORKER = '''
+import json, sys
+from accelerate.utils import gather_object
+from flowrl.config import load_config
+from flowrl.trainer import Trainer
+
+trainer = Trainer(load_config(sys.argv[1], sys.argv[3:]))
+head = trainer.objective.extra_module
+before = {k: v.tolist() for k, v in head.state_dict().items()}
+trainer.fit()
+after = gather_object([{k: v.tolist() for k, v in head.state_dict().items()}])
+if trainer.is_main:
+    open(sys.argv[2], "w").write(json.dumps({"before": before, "after": after}))
+'''
+
+
+def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
+    """DCoLT's unmasking-policy head lives outside the module accelerate wraps, so DDP does not average its gradients;
+    the trainer does. Each process samples other completions, so without the averaging the two copies differ."""
+    script, report = tmp_path / "worker.py", tmp_path / "heads.json"
+    script.write_text(HEAD_WORKER)
+    overrides = [f"output_dir={tmp_path / 'run'}", "train.iterations=2", "train.prompts_per_iteration=2", "train.num_generations=4",
+                 "train.batch_size=4", "prompts.eval_size=4", "eval.every=0", "log.checkpoint_every=0", "log.progress=false",
+                 "train.learning_rate=1e-3"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / "ddp.yaml"), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(script), str(CONFIGS / "dllm" / "dcolt.yaml"), str(report), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    heads = json.loads(report.read_text())
+    rank0, rank1 = (torch.tensor(sum(map(_flat, h.values()), [])) for h in heads["after"])
+    start = torch.tensor(sum(map(_flat, heads["before"].values()), []))
+    assert not torch.equal(rank0, start)  # trained
+    assert (rank0 - rank1).abs().max() <= 1e-6, (rank0 - rank1).abs().max()
+
+
+def _flat(x) -> list:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
