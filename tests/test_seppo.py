@@ -273,3 +273,23 @@ def test_bad_winners_refused_before_anything_is_written(tmp_path):
     with pytest.raises(FlowRLError, match="unknown reward 'boldness'"):
         Trainer(load_config(SEPPO, _overrides(tmp_path / "run", **{"objective.winners_select": "boldness"})))
     assert not (tmp_path / "run").exists()
+
+
+def test_lora_snapshots_hold_only_the_adapter(tmp_path):
+    """A LoRA run snapshots the adapter tensors alone (the frozen base is shared), and a reference forward
+    with the initial snapshot equals the base model's (LoRA B starts at zero)."""
+    extra = {"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "objective.ref_update_every": 1}
+    trainer = two_iterations_change_every_parameter(_overrides(tmp_path / "run", **extra), SEPPO)
+    ring, pipe = trainer.objective.ring, trainer.pipeline
+    names = {n for n, p in pipe.denoiser.named_parameters() if p.requires_grad}
+    assert sorted(ring.snapshots) == [0, 1] and all(set(s) == set(pipe.trainable_state_dict()) for s in ring.snapshots.values())
+    assert all("lora" in k for k in ring.snapshots[0]) and len(ring.snapshots[0]) == len(names)
+    x, sigma, cond = torch.randn(2, 1, 8, 8), torch.tensor(0.5), pipe.encode(["digit 1", "digit 2"])
+    with torch.no_grad():
+        with ring.swapped_in(pipe, 0):
+            initial = pipe.predict(x, sigma, cond)
+        with pipe.reference():  # adapters switched off: the base model
+            base = pipe.predict(x, sigma, cond)
+        current = pipe.predict(x, sigma, cond)
+    torch.testing.assert_close(initial, base)
+    assert not torch.allclose(current, base)
