@@ -195,7 +195,7 @@ def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     frames = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=steps, guidance_scale=scale,
                        latents=noise.clone(), max_sequence_length=16, output_type="pt").frames
     # atol 5e-5: the latents agree to ~1.3e-6 (float summation order), and the video VAE's decode amplifies that
-    # about tenfold (1.18e-5 measured with diffusers 0.42.1); a decoding mismatch (scaling, clamping) is ~1e-1
+    # about tenfold (1.18e-5 measured with diffusers 0.42.1); a wrong latent scaling or clamp would be far larger
     torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=5e-5, rtol=0)
 
 
