@@ -74,6 +74,13 @@ class RowGenerators:
 
     def randn(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(B, *shape[1:]) standard normal noise, row b drawn from stream b; ``shape[0]`` must equal B."""
+        return self._rows(torch.randn, shape, dtype)
+
+    def rand(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(B, *shape[1:]) uniforms on [0, 1), row b drawn from stream b."""
+        return self._rows(torch.rand, shape, dtype)
+
+    def _rows(self, draw, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if shape[0] != len(self.generators):
             raise ValueError(f"{shape[0]} rows asked of {len(self.generators)} row streams")
-        return torch.stack([torch.randn(tuple(shape[1:]), generator=g, device=g.device, dtype=dtype) for g in self.generators])
+        return torch.stack([draw(tuple(shape[1:]), generator=g, device=g.device, dtype=dtype) for g in self.generators])

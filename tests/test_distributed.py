@@ -293,3 +293,18 @@ def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
 
 def _flat(x) -> list:
     return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+
+
+def test_the_text_shares_of_two_processes_are_the_one_process_batch_split_in_two(tmp_path):
+    """The same for diffusion LMs (DCoLT: token and unmasking-order draws per completion, mask seeds per row)."""
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    overrides = [f"output_dir={tmp_path}", "train.prompts_per_iteration=4", "train.num_generations=4", "log.progress=false"]
+    modality = Trainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", overrides)).modality
+    whole = modality.collect(1, 0, 1)
+    shares = [modality.collect(1, rank, 2) for rank in (0, 1)]
+    assert [p for s in shares for p in s.prompts] == whole.prompts and len(set(whole.prompts)) > 1
+    assert [c for s in shares for c in s.completions] == whole.completions and len(set(whole.completions)) > 4
+    assert torch.equal(torch.cat([s.mask_seeds for s in shares]), whole.mask_seeds)
+    assert torch.equal(torch.cat([s.group_ids for s in shares]), whole.group_ids)

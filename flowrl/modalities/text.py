@@ -78,17 +78,21 @@ class TextModality:
 
     @torch.no_grad()
     def collect(self, iteration: int, rank: int, world: int) -> TokenTrajectory:
-        tc = self.config.train
-        groups = tc.prompts_per_iteration // world
-        chosen = sample_prompts(self.train_pool, groups, seeding.python_rng(self.config.seed, iteration, rank, "prompts"))
-        prompts = [p for p, _ in chosen for _ in range(tc.num_generations)]
-        gen = seeding.torch_generator(self.config.seed, iteration, rank, "rollout")
+        tc, seed = self.config.train, self.config.seed
+        groups, n = tc.prompts_per_iteration // world, tc.num_generations
+        # Every draw is made for the whole world and keyed by global indices, as for images (seeding.RowGenerators):
+        # an N-process run generates exactly the completions of a 1-process run, split in N.
+        chosen = seeding.global_draw(lambda k: sample_prompts(self.train_pool, k, seeding.python_rng(seed, iteration, 0, "prompts")), groups, rank, world)
+        prompts = [p for p, _ in chosen for _ in range(n)]
+        group_ids = torch.arange(groups).repeat_interleave(n) + rank * groups
+        rows = group_ids * n + torch.arange(n).repeat(groups)  # global sample index
         self.pipeline.model.eval()
-        traj = self._generate(prompts, self.config.sampler.temperature, gen)
-        traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(tc.num_generations)]
-        traj.group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + rank * groups
-        traj.mask_seeds = draw_mask_seeds(groups, tc.num_generations, self.config.objective.num_mask_seeds,
-                                          self.config.objective.group_shared_masks, gen)
+        traj = self._generate(prompts, self.config.sampler.temperature, seeding.RowGenerators.keyed(seed, iteration, "rollout", rows))
+        traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(n)]
+        traj.group_ids = group_ids
+        oc = self.config.objective
+        traj.mask_seeds = draw_mask_seeds(groups * world, n, oc.num_mask_seeds, oc.group_shared_masks,
+                                          seeding.torch_generator(seed, iteration, 0, "rollout"))[rows]
         # The rollout policy's log-likelihood estimates (and the reference's) are part of the record, computed
         # with the weights that generated it, before any update: the first ratio is exactly 1.
         self.objective.old_and_ref(self.pipeline, traj)

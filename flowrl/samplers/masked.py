@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..seeding import RowGenerators
 from ..types import MaskedLM, TokenTrajectory
 
 Remasking = Literal["low_confidence", "random", "policy"]
@@ -38,9 +39,17 @@ def transfer_schedule(n_masked: int, steps: int) -> list[int]:
     return [base + 1] * rem + [base] * (steps - rem)
 
 
-def _gumbel(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> Tensor:
+def _uniform(shape: torch.Size, generator: torch.Generator | RowGenerators | None, device: torch.device) -> Tensor:
+    """float64 U(0, 1) of ``shape``; from :class:`~flowrl.seeding.RowGenerators`, row b from its own stream (training
+    rollouts: a completion's draws do not depend on the process or batch it is generated in)."""
+    if isinstance(generator, RowGenerators):
+        return generator.rand(tuple(shape), dtype=torch.float64).to(device)
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
+
+
+def _gumbel(shape: torch.Size, generator: torch.Generator | RowGenerators | None, device: torch.device) -> Tensor:
     """Standard Gumbel noise in float64: -log(-log U), U ~ U(0, 1)."""
-    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
+    u = _uniform(shape, generator, device)
     # U = 0 would give -inf noise; clamping keeps every category reachable and the noise finite.
     return -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))
 
@@ -51,7 +60,7 @@ def _index(token: int, like: Tensor) -> Tensor:
 
 
 def gumbel_sample(
-    logits: Tensor, temperature: float, generator: torch.Generator | None = None, exclude: int | None = None
+    logits: Tensor, temperature: float, generator: torch.Generator | RowGenerators | None = None, exclude: int | None = None
 ) -> Tensor:
     """Sample token ids (...,) from logits (..., V) at ``temperature`` (0 = argmax), never ``exclude``.
 
@@ -109,7 +118,7 @@ def _scores(
     state: Tensor,
     remasking: str,
     position_scorer: PositionScorer | None,
-    generator: torch.Generator | None,
+    generator: torch.Generator | RowGenerators | None,
     temperature: float,
 ) -> Tensor:
     """Return float64 scores (B, G) ranking masked positions for unmasking (eligibility applied later).
@@ -121,7 +130,7 @@ def _scores(
     if remasking == "low_confidence":
         return log_p.exp()
     if remasking == "random":
-        return torch.rand(log_p.shape, generator=generator, device=log_p.device, dtype=torch.float64)
+        return _uniform(log_p.shape, generator, log_p.device)
     # Gumbel-top-k: sorting scores + i.i.d. Gumbel noise yields a Plackett-Luce sample without
     # replacement from softmax(scores); the sorted order is the sequential sampling order.
     s = position_scorer(logits, state).to(torch.float64)
@@ -226,7 +235,7 @@ def generate(
     threshold: float | None = None,
     position_scorer: PositionScorer | None = None,
     logit_shift: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | RowGenerators | None = None,
 ) -> TokenTrajectory:
     """Generate completions (B, gen_length) for prompts (B, P) by masked diffusion and record the trajectory.
 
