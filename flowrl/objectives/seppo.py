@@ -202,7 +202,7 @@ def reference_pair_batch(objective: SePPOObjective, pipeline: Pipeline, sampler:
     x_w = winner_latents(pipeline, winners.images[idx])
     gen = torch.Generator().manual_seed(seeding.derive_seed(seed, iteration, 0, _REFERENCE_NOISE))
     noise = pipeline.initial_noise(pairs * world, gen)[mine]
-    step_gen = torch.Generator(device=noise.device).manual_seed(seeding.derive_seed(seed, iteration, rank + 1, _REFERENCE_NOISE))
+    step_gen = seeding.RowGenerators.keyed(seed, iteration, "rollout", range(rank * pairs, (rank + 1) * pairs))  # an SDE's step noise per pair
     sigmas = pipeline.schedule.sigmas(num_inference_steps).to(noise.device)
     group_ids = torch.arange(pairs) + rank * pairs
     pipeline.denoiser.eval()
@@ -210,7 +210,7 @@ def reference_pair_batch(objective: SePPOObjective, pipeline: Pipeline, sampler:
     with objective.ring.swapped_in(pipeline, objective.current):
         for start in range(0, pairs, chunk):
             sl = slice(start, start + chunk)
-            samples.append(rollout(pipeline, sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, step_gen, guidance_scale,
+            samples.append(rollout(pipeline, sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, step_gen[sl], guidance_scale,
                                    initial_noise=noise[sl], decode=False).latents[:, -1])
     x_r = torch.cat(samples)
     x0 = torch.stack([x_w, x_r.to(x_w)], 1).flatten(0, 1)  # winner, reference sample, winner, ...
