@@ -93,6 +93,7 @@ def worker(overrides: list[str], report: Path) -> None:
     import torch
 
     from flowrl.config import load_config
+    from flowrl.distributed import end_process_group
     from flowrl.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -123,6 +124,7 @@ def worker(overrides: list[str], report: Path) -> None:
                "train_peak_rss_bytes": peaks[0], "peak_rss_bytes": peak()}
         with open(report, "a") as f:
             f.write(json.dumps(row) + "\n")
+        end_process_group()
         return
     row = {"rank": trainer.rank, "world": trainer.world, "parameters": sum(p.numel() for p in params),
            "param_bytes": sum(local_bytes(p) for p in params), "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
@@ -130,6 +132,7 @@ def worker(overrides: list[str], report: Path) -> None:
            "train_peak_rss_bytes": peaks[0], "peak_rss_bytes": peak()}
     with open(report, "a") as f:
         f.write(json.dumps(row) + "\n")
+    end_process_group()
 
 
 def _free_port() -> int:

@@ -181,9 +181,12 @@ def _train(args) -> int:
     from .run_logger import json_line
     from .trainer import Trainer
 
+    from .distributed import end_process_group
+
     config = load_config(args.config, args.overrides)
     summary = Trainer(config).fit()
     print(json_line(summary))
+    end_process_group()
     return 0
 
 

@@ -36,6 +36,17 @@ except ImportError:  # pragma: no cover - older torch has no FSDP2 and nothing h
     DTensor, distribute_tensor = (), None
 
 
+def end_process_group() -> None:
+    """Leave the process group at the end of a launched run, every process together. A process that exits with
+    its group alive can abort at interpreter shutdown ("terminate called without an active exception", a
+    gloo thread destroyed while running), which fails the launch after the run itself finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def enable_fsdp_on_cpu(accelerator) -> None:
     """An FSDP launch of CPU processes: hand accelerate's state the FSDP plugin its CPU branch leaves out."""
     from accelerate.state import PartialState

@@ -259,6 +259,7 @@ HEAD_WORKER = '''
 import json, sys
 from accelerate.utils import gather_object
 from flowrl.config import load_config
+from flowrl.distributed import end_process_group
 from flowrl.trainer import Trainer
 
 trainer = Trainer(load_config(sys.argv[1], sys.argv[3:]))
@@ -268,6 +269,7 @@ trainer.fit()
 after = gather_object([{k: v.tolist() for k, v in head.state_dict().items()}])
 if trainer.is_main:
     open(sys.argv[2], "w").write(json.dumps({"before": before, "after": after}))
+end_process_group()
 '''
 
 
