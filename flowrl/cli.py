@@ -178,10 +178,9 @@ def _label(args) -> int:
 
 def _train(args) -> int:
     from .config import load_config
+    from .distributed import end_process_group
     from .run_logger import json_line
     from .trainer import Trainer
-
-    from .distributed import end_process_group
 
     config = load_config(args.config, args.overrides)
     summary = Trainer(config).fit()

@@ -91,21 +91,20 @@ def zero_stage(engine) -> int:
     return int(engine.zero_optimization_stage())
 
 
-def backward_minibatch(engine, losses: Iterable, on_loss: Callable) -> int:
+def backward_minibatch(engine, losses: Iterable, on_loss: Callable) -> None:
     """Back-propagate every loss of one minibatch through the engine with the accumulation boundary on the last,
-    then take the one optimizer step; ``on_loss(loss_output)`` sees each (its metrics). Returns the number of losses."""
-    pending, count = None, 0
+    then take the one optimizer step; ``on_loss(loss_output)`` sees each (its metrics)."""
+    pending = None
     for loss_out in losses:
         if pending is not None:
             engine.set_gradient_accumulation_boundary(False)
             engine.backward(pending.loss, scale_wrt_gas=False)
-        pending, count = loss_out, count + 1
+        pending = loss_out
         on_loss(loss_out)
     if pending is not None:
         engine.set_gradient_accumulation_boundary(True)
         engine.backward(pending.loss, scale_wrt_gas=False)
         engine.step()
-    return count
 
 
 def grad_norm(engine) -> torch.Tensor | None:

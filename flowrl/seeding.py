@@ -39,6 +39,12 @@ def global_draw(draw, per_process: int, rank: int, world: int) -> list:
     return list(draw(per_process * world))[rank * per_process : (rank + 1) * per_process]
 
 
+def global_rows(group_ids: torch.Tensor, per_group: int) -> torch.Tensor:
+    """The global sample index of each row of a batch laid out group by group, ``per_group`` rows a group:
+    the key of each row's own random stream (``RowGenerators``)."""
+    return group_ids * per_group + torch.arange(per_group).repeat(len(group_ids) // per_group)
+
+
 _ROW_STREAM = 2**31
 
 
@@ -56,9 +62,10 @@ class RowGenerators:
         self.generators = generators
 
     @classmethod
-    def keyed(cls, seed: int, iteration: int, purpose: str, keys, device: str | torch.device = "cpu") -> "RowGenerators":
+    def keyed(cls, seed: int, iteration: int, purpose: str, keys) -> "RowGenerators":
+        """CPU streams (the draws are moved to the model's device), one per key."""
         tag = _ROW_STREAM + PURPOSES[purpose]  # where a per-process stream has its rank: never a rank, so no stream is shared
-        return cls([torch.Generator(device=device).manual_seed(derive_seed(seed, iteration, tag, int(k))) for k in keys])
+        return cls([torch.Generator().manual_seed(derive_seed(seed, iteration, tag, int(k))) for k in keys])
 
     def __len__(self) -> int:
         return len(self.generators)
@@ -67,10 +74,6 @@ class RowGenerators:
         if isinstance(index, slice):
             return RowGenerators(self.generators[index])
         return RowGenerators([self.generators[int(i)] for i in index])
-
-    @property
-    def device(self) -> torch.device:
-        return self.generators[0].device
 
     def randn(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(B, *shape[1:]) standard normal noise, row b drawn from stream b; ``shape[0]`` must equal B."""

@@ -33,10 +33,9 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, gather_object
 from tqdm import tqdm
 
-from . import seeding
+from . import deepspeed_zero, seeding
 from .checkpoint import atomic_path, find_latest, load_optimizer, read_checkpoint, save_checkpoint, writing
 from .config import Config, resolve_device, to_yaml
-from . import deepspeed_zero
 from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
 from .errors import FlowRLError
 from .modalities import build_modality
@@ -44,6 +43,7 @@ from .reward_models import build_reward_from_config
 from .reward_models.gradients import require_differentiable
 from .run_logger import RunLogger, json_line, nanmean
 from .trackers import Trackers
+from .types import PAIRED_ROWS
 from .visualize import save_instruments, save_reward_curve
 
 
@@ -66,7 +66,8 @@ class Trainer:
         self.trackers = Trackers(config, Path(config.output_dir))  # a tracker's missing package is refused before anything is written
         self.accelerator = _accelerator(config, self.trackers.log_with())
         enable_fsdp_on_cpu(self.accelerator)  # an FSDP launch of CPU processes shards as it would on GPUs
-        if deepspeed_zero.is_deepspeed(self.accelerator):
+        self.deepspeed = deepspeed_zero.is_deepspeed(self.accelerator)
+        if self.deepspeed:
             deepspeed_zero.load_models_whole()  # before any model is loaded: only the trained module is partitioned, at prepare
         self.is_main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
@@ -89,7 +90,6 @@ class Trainer:
                                       weight_decay=config.train.weight_decay)
         if is_fsdp(self.accelerator):  # the family's blocks become FSDP units (flowrl/distributed.py)
             choose_blocks_to_wrap(self.accelerator, self.module)
-        self.deepspeed = deepspeed_zero.is_deepspeed(self.accelerator)
         if self.deepspeed:  # micro batch, accumulation boundary and clipping are flowrl's (flowrl/deepspeed_zero.py)
             deepspeed_zero.configure(self.accelerator, config.train.batch_size, config.train.max_grad_norm)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
@@ -318,17 +318,17 @@ class Trainer:
             weights.update({f"objective.{k}": v for k, v in extra.state_dict().items()})
         return weights
 
-    def load_weights(self, weights: dict[str, torch.Tensor], objective_only: bool = False) -> None:
-        """Load a checkpoint's weights: the model's trained part and the objective's own module (only that one
-        with ``objective_only``: a DeepSpeed engine loads the model's from its own checkpoint)."""
-        extra = self.objective.extra_module
-        if extra is not None:
-            extra.load_state_dict({k[len("objective."):]: v for k, v in weights.items() if k.startswith("objective.")})
-        if objective_only:
-            return
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load a checkpoint's weights: the model's trained part and the objective's own module."""
+        self._load_objective_module(weights)
         if is_fsdp(self.accelerator):  # the checkpoint's full tensors, split into this process's shards
             weights = shard_state_dict(self.module.state_dict(), weights)
         self.pipeline.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
+
+    def _load_objective_module(self, weights: dict[str, torch.Tensor]) -> None:
+        extra = self.objective.extra_module
+        if extra is not None:
+            extra.load_state_dict({k[len("objective."):]: v for k, v in weights.items() if k.startswith("objective.")})
 
     def load(self, spec: str) -> None:
         if spec == "latest":  # the newest checkpoint that verifies, said out loud
@@ -345,7 +345,7 @@ class Trainer:
                               "files; resume it under the same DeepSpeed launch (flowrl export reads its weights under any launch).")
         try:
             if self.deepspeed:  # weights, fp32 master copies and AdamW moments from the engine's own checkpoint
-                self.load_weights({k: v for k, v in weights.items() if k.startswith("objective.")}, objective_only=True)
+                self._load_objective_module(weights)
                 deepspeed_zero.load_engine_state(self.module, directory)
             else:
                 self.load_weights(weights)
@@ -450,7 +450,7 @@ class Trainer:
         """Stop a run that cannot learn instead of training on nothing: every reward of this iteration non-finite,
         or more than train.max_nonfinite_fraction of the last train.nonfinite_window iterations' rewards. Offline
         pairs are labelled already (their rewards are only logged), so they are exempt."""
-        if self.objective.trains_on in ("offline_pairs", "reference_rollouts") or not self._nonfinite:  # SePPO only logs its reward
+        if self.objective.trains_on in PAIRED_ROWS or not self._nonfinite:  # pairs are labelled already, or (SePPO) the reward is only logged
             return
         tc = self.config.train
         bad, total = self._nonfinite[-1]
@@ -507,7 +507,7 @@ class Trainer:
             "eval_reward_initial": evals[0]["eval/reward/mean"] if evals else None,
             "eval_reward_final": evals[-1]["eval/reward/mean"] if evals else None,
             "eval_reward_final_step": evals[-1]["step"] if evals else None,  # the weights the final reward measured
-            "samples_per_iteration": self.config.train.prompts_per_iteration * (2 if self.objective.trains_on in ("offline_pairs", "reference_rollouts") else self.config.train.num_generations),
+            "samples_per_iteration": self.config.train.prompts_per_iteration * (2 if self.objective.trains_on in PAIRED_ROWS else self.config.train.num_generations),
             "wall_seconds_this_process": round(seconds, 1),
             "stopped_early": self.iteration < self.config.train.iterations,
         }

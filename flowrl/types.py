@@ -251,6 +251,9 @@ TrainingData = Literal["rollouts", "offline_pairs", "reward_gradient_rollouts", 
   of a reference model the objective chooses among previous checkpoints (SePPO); the reward is only logged.
 """
 
+PAIRED_ROWS: tuple[TrainingData, ...] = ("offline_pairs", "reference_rollouts")
+"""The kinds whose batch rows come in (winner, loser) pairs, two per prompt, labelled before training."""
+
 ReferenceModel = Literal["none", "initial"]
 """Which frozen model ``pipeline.reference()`` must provide: none, or the initial (pre-training)
 weights (LoRA: the adapters switched off; full fine-tuning: a frozen copy)."""

@@ -26,7 +26,7 @@ from ..reward_models.gradients import reward_and_gradient
 from ..samplers import build_sampler
 from ..samplers.branching import branched_rollout, trained_steps
 from ..samplers.rollout import keyed_noise, rollout, sde_window
-from ..types import Pipeline, Reward, RewardOutput, Sampler, Trajectory
+from ..types import PAIRED_ROWS, Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..run_logger import nanmean
 from ..visualize import save_grid, save_points, save_videos
 
@@ -69,7 +69,7 @@ class ImageModality:
             raise FlowRLError(f"sampler '{self.sampler.name}' is deterministic and rollout.same_noise_in_group is true, so every sample of a "
                               "prompt group would be the same and no group has anything to compare; set rollout.same_noise_in_group=false.")
         unit = objective.minibatch_unit
-        generations = 2 if objective.trains_on in ("offline_pairs", "reference_rollouts") else tc.num_generations  # rows are (winner, loser)
+        generations = 2 if objective.trains_on in PAIRED_ROWS else tc.num_generations  # rows are (winner, loser)
         if generations % unit or tc.batch_size % unit:
             raise FlowRLError(f"objective '{objective.name}' trains pairs of samples: train.num_generations ({tc.num_generations}) "
                               f"and train.batch_size ({tc.batch_size}) must be multiples of {unit}.")
@@ -99,7 +99,7 @@ class ImageModality:
         prompts = [p for p, _ in chosen for _ in range(tc.num_generations)]
         metadata = [m for _, m in chosen for _ in range(tc.num_generations)]
         group_ids = torch.arange(groups).repeat_interleave(tc.num_generations) + rank * groups
-        rows = group_ids * tc.num_generations + torch.arange(tc.num_generations).repeat(groups)  # global sample index
+        rows = seeding.global_rows(group_ids, tc.num_generations)
         gen = seeding.RowGenerators.keyed(seed, iteration, "rollout", rows)
         noise = keyed_noise(self.pipeline, seeding.RowGenerators.keyed(seed, iteration, "initial_noise", group_ids if cfg.same_noise_in_group else rows))
         self.pipeline.denoiser.eval()  # rollouts sample the policy deterministically in its layers (dropout off), as the peers do; update() sets train()

@@ -85,7 +85,7 @@ class TextModality:
         chosen = seeding.global_draw(lambda k: sample_prompts(self.train_pool, k, seeding.python_rng(seed, iteration, 0, "prompts")), groups, rank, world)
         prompts = [p for p, _ in chosen for _ in range(n)]
         group_ids = torch.arange(groups).repeat_interleave(n) + rank * groups
-        rows = group_ids * n + torch.arange(n).repeat(groups)  # global sample index
+        rows = seeding.global_rows(group_ids, n)
         self.pipeline.model.eval()
         traj = self._generate(prompts, self.config.sampler.temperature, seeding.RowGenerators.keyed(seed, iteration, "rollout", rows))
         traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(n)]
