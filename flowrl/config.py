@@ -269,7 +269,7 @@ class SePPOConfig(Section):
     psm_temperature: float = Field(0.1, gt=0)  # psm: p ~ exp(quality / T), quality = mean reward of a checkpoint's samples
     flip_margin: float = Field(0.0, ge=0)  # |implicit-reward gap| (loss-logit units) at or below which a reference sample is skipped
     winners: str = "embedded"  # the embedded digits data, a .jsonl of {"prompt", "image"} lines, or a folder of images + .txt prompts
-    winners_select: str | None = None  # a reward name (e.g. ink): keep the best winners_top_fraction of each metadata group by it
+    winners_select: str | dict[str, float] | None = None  # a reward name (ink) or weighted names ({ink: 1, digit_classifier: 1}): keep the best winners_top_fraction of each metadata group by it
     winners_top_fraction: float = Field(1.0, gt=0, le=1)
 
 

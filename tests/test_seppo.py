@@ -144,6 +144,24 @@ def test_winners_from_folder_jsonl_and_embedded(tmp_path):
     for d in range(10):  # the boldest tenth of every class: no kept image of a digit is fainter than a dropped one
         kept = {i for i, m in enumerate(best.metadata) if m["digit"] == d}
         assert kept and min(best.images[i].mean() for i in kept) >= ink[[i for i, m in enumerate(emb.metadata) if m["digit"] == d]].quantile(0.85)
+        # the fraction counts distinct images (each listed once per prompt phrasing), and a kept image keeps all its rows
+        images_of_d = sum(m["digit"] == d for m in emb.metadata) // 4
+        assert len(kept) == 4 * round(0.1 * images_of_d)
+        assert len({best.images[i].numpy().tobytes() for i in kept}) == round(0.1 * images_of_d)
+
+    # weighted rewards select by their weighted sum (the preset: the evaluation reward's own direction)
+    from types import SimpleNamespace
+
+    from flowrl.objectives.seppo import SePPOObjective, winners_for
+    from flowrl.reward_models import build_reward
+
+    weights = {"ink": 1.0, "digit_classifier": 0.5}
+    chosen = winners_for(SePPOObjective(winners_select=weights, winners_top_fraction=0.02), SimpleNamespace(latent_shape=lambda: (1, 8, 8)))
+    score = sum(w * build_reward(n)(emb.images, emb.prompts, emb.metadata).scores for n, w in weights.items())
+    expected = top_fraction(emb, score, 0.02)
+    assert chosen.prompts == expected.prompts and torch.equal(chosen.images, expected.images)
+    ink_only = top_fraction(emb, build_reward("ink")(emb.images, emb.prompts, emb.metadata).scores, 0.02)
+    assert not torch.equal(expected.images, ink_only.images)  # the classifier term changes the choice
 
 
 def test_bad_winners_fail_in_one_sentence(tmp_path):
@@ -175,7 +193,9 @@ def test_bad_winners_fail_in_one_sentence(tmp_path):
 
 
 def _overrides(run, **extra):
-    return fast_overrides(run, **{"train.num_generations": 2, "train.learning_rate": 1e-3, "train.weight_decay": 0.0, **extra})
+    # a constant rate: the preset's cosine would reach 0 at the second of fast_overrides' two iterations
+    return fast_overrides(run, **{"train.num_generations": 2, "train.learning_rate": 1e-3, "train.weight_decay": 0.0,
+                                  "train.lr_schedule": "constant", **extra})
 
 
 def test_first_iteration_is_log2_all_skipped_and_reference_samples_are_the_initial_models(tmp_path):

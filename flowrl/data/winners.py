@@ -55,15 +55,19 @@ def load_winners(source: str, channels: int, size: tuple[int, int]) -> Winners:
 
 
 def top_fraction(winners: Winners, scores: Tensor, fraction: float) -> Winners:
-    """Keep the best-scoring ``fraction`` of every group of winners with equal metadata (the digits: each
-    class), at least one per group, in their original order; ties keep the earlier example."""
-    groups: dict[str, list[int]] = {}
+    """Keep the best-scoring ``fraction`` of the distinct images of every group of winners with equal metadata
+    (the digits: each class), at least one image per group, with all of each kept image's rows (an image
+    listed once per prompt phrasing counts once), in their original order; ties keep the earlier image."""
+    groups: dict[str, dict[bytes, list[int]]] = {}
     for i, m in enumerate(winners.metadata):
-        groups.setdefault(json.dumps(m, sort_keys=True, default=str), []).append(i)
+        image_rows = groups.setdefault(json.dumps(m, sort_keys=True, default=str), {})
+        image_rows.setdefault(winners.images[i].numpy().tobytes(), []).append(i)
     keep = []
-    for members in groups.values():
-        order = sorted(members, key=lambda i: -float(scores[i]))  # sorted() is stable
-        keep += order[: max(1, round(fraction * len(members)))]
+    for image_rows in groups.values():
+        rows = list(image_rows.values())
+        order = sorted(rows, key=lambda r: -max(float(scores[i]) for i in r))  # sorted() is stable
+        for r in order[: max(1, round(fraction * len(rows)))]:
+            keep += r
     return winners.subset(sorted(keep))
 
 

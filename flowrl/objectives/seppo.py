@@ -82,7 +82,7 @@ class SePPOObjective:
     psm_temperature: float = 0.1
     flip_margin: float = 0.0
     winners: str = "embedded"
-    winners_select: str | None = None  # a reward name: keep the best winners_top_fraction of each metadata group by it
+    winners_select: str | dict[str, float] | None = None  # a reward name or {name: weight}: keep the best winners_top_fraction of each metadata group by it
     winners_top_fraction: float = 1.0
     trains_on: TrainingData = field(default="reference_rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)
@@ -160,7 +160,9 @@ def winners_for(objective: SePPOObjective, pipeline: Pipeline) -> Winners:
     if objective.winners_select is not None and objective.winners_top_fraction < 1.0:
         from ..reward_models import build_reward
 
-        scores = build_reward(objective.winners_select)(winners.images, winners.prompts, winners.metadata).scores
+        select = objective.winners_select
+        weights = {select: 1.0} if isinstance(select, str) else select
+        scores = sum(w * build_reward(name)(winners.images, winners.prompts, winners.metadata).scores for name, w in weights.items())
         winners = top_fraction(winners, scores, objective.winners_top_fraction)
     return winners
 
