@@ -159,10 +159,12 @@ def winners_for(objective: SePPOObjective, pipeline: Pipeline) -> Winners:
     winners = load_winners(objective.winners, channels, size)
     if objective.winners_select is not None and objective.winners_top_fraction < 1.0:
         from ..reward_models import build_reward
+        from ..reward_models.combine import WeightedSum
 
         select = objective.winners_select
         weights = {select: 1.0} if isinstance(select, str) else select
-        scores = sum(w * build_reward(name)(winners.images, winners.prompts, winners.metadata).scores for name, w in weights.items())
+        score = WeightedSum({name: build_reward(name) for name in weights}, weights)
+        scores = score(winners.images, winners.prompts, winners.metadata).scores
         winners = top_fraction(winners, scores, objective.winners_top_fraction)
     return winners
 
