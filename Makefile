@@ -1,33 +1,59 @@
-# make install   create .venv with flowrl and its test dependencies (CPU torch unless a GPU is present;
-#                as root on Debian also chromium + chromium-driver for the labelling page's browser test)
-# make test      install, then run the whole test suite (what CI runs)
+# make install       create .venv with flowrl and what its core needs (CPU torch unless a GPU is present); extras are
+#                    opt-in: .venv/bin/pip install -e ".[lora,server,video,...]" (README, "Installing")
+# make install-test  flowrl with every test dependency, at the versions of .ci/constraints.txt (as root on Debian
+#                    also chromium + chromium-driver for the labelling page's browser test)
+# make test          install-test, then the ruff checks (lint + format) and the whole test suite (what CI runs)
+# make lint          the ruff checks alone; `make format` applies ruff's fixes and formatting
+# make constraints   rewrite .ci/constraints.txt from .venv, once the suite passes with newer versions
 # make train     the README's main job: GRPO on the embedded digits model
 # make bench     framework-overhead benchmark
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test train bench assets
+.PHONY: install install-test test lint format constraints train bench assets
+CONSTRAINTS := .ci/constraints.txt
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 install: $(BIN)/python
 	PYTHON=$(BIN)/python bash scripts/install_torch.sh
-	bash scripts/install_browser.sh
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e .
 
-test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+# The versions the suite last passed with (torch and its CUDA wheels aside: scripts/install_torch.sh picks those), so
+# a new major release of a dependency cannot change numbers unseen; `make constraints` refreshes the file.
+install-test: $(BIN)/python
+	PIP_CONSTRAINT=$(CONSTRAINTS) PYTHON=$(BIN)/python bash scripts/install_torch.sh
+	bash scripts/install_browser.sh
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(BIN)/python -m pip install -q -e ".[test]"
+
+constraints:
+	@echo "# The versions the test suite last passed with (make test installs with them). Refresh after a green suite" > $(CONSTRAINTS)
+	@echo "# on newer versions: make constraints. torch and its CUDA wheels are left to scripts/install_torch.sh." >> $(CONSTRAINTS)
+	$(BIN)/python -m pip freeze --exclude-editable | grep -viE '^(torch|nvidia-|triton)' >> $(CONSTRAINTS)
+
+# Two pytest-xdist workers, one test file each at a time (a file's module fixtures are built once), one torch thread
+# each (tests/conftest.py): on 2 cores 1.75x faster than one process, with the same tests.
+test: install-test lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format:
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 train: install
-	$(BIN)/flowrl train configs/digits/grpo.yaml
+	$(BIN)/flowrl train digits/grpo
 
-bench: install
+bench: install-test
 	$(BIN)/python bench/overhead.py
 
 # Re-create the shipped weights (about 20 minutes per generator on one core).
-assets: install
+assets: install-test
 	$(BIN)/python -m flowrl.reward_models.train_digit_classifier
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind flow
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind ddpm

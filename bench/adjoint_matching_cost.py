@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +44,9 @@ PHASES = ("total", "rollout", "score", "update")
 
 
 def trainer(preset: str, tmp: str, overrides: list[str]) -> Trainer:
-    return Trainer(load_config(REPO / "configs" / "digits" / preset, [f"output_dir={tmp}/{preset}-{len(overrides)}", "log.progress=false", *overrides]))
+    return Trainer(
+        load_config(REPO / "configs" / "digits" / preset, [f"output_dir={tmp}/{preset}-{len(overrides)}", "log.progress=false", *overrides])
+    )
 
 
 def timed_iteration(t: Trainer, iteration: int) -> tuple[float, ...]:
@@ -70,9 +72,14 @@ def time_ratio(reps: int, threads: int) -> list[dict]:
                 runs[name].append(timed_iteration(am, rep + 1))
     med = {name: [statistics.median(r[i] for r in rs) for i in range(len(PHASES))] for name, rs in runs.items()}
     for name in ams:
-        rows.append({"setting": name, **{f"{p}_s": round(med[name][i], 3) for i, p in enumerate(PHASES)},
-                     **{f"grpo_{p}_s": round(med["GRPO"][i], 3) for i, p in enumerate(PHASES)},
-                     "ratio": round(med[name][0] / med["GRPO"][0], 3)})
+        rows.append(
+            {
+                "setting": name,
+                **{f"{p}_s": round(med[name][i], 3) for i, p in enumerate(PHASES)},
+                **{f"grpo_{p}_s": round(med["GRPO"][i], 3) for i, p in enumerate(PHASES)},
+                "ratio": round(med[name][0] / med["GRPO"][0], 3),
+            }
+        )
     return rows
 
 
@@ -86,8 +93,16 @@ def status_kb(field: str) -> int:
 def memory_one(steps: int, samples: int) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        t = trainer("adjoint_matching.yaml", tmp, [f"rollout.num_inference_steps={steps}", f"train.batch_size={samples}",
-                                                  f"train.prompts_per_iteration={samples // 8}", "train.num_generations=8"])
+        t = trainer(
+            "adjoint_matching.yaml",
+            tmp,
+            [
+                f"rollout.num_inference_steps={steps}",
+                f"train.batch_size={samples}",
+                f"train.prompts_per_iteration={samples // 8}",
+                "train.num_generations=8",
+            ],
+        )
         t.train_iteration(0)  # warm-up: optimizer state, allocator
         batch = t.advantages(t.score(t.collect(1)))
         stored = sum(x.nbytes for x in (batch.latents, batch.log_probs, batch.reward_grads) if x is not None)
@@ -117,7 +132,11 @@ def main() -> None:
         print(f"one iteration, 64 samples, 10 steps, {a.threads} threads, median of {a.reps} (seconds)")
         print(f"{'setting':<30}" + "".join(f"{ph + ' AM':>12}{ph + ' GRPO':>13}" for ph in PHASES) + f"{'ratio':>8}")
         for r in rows:
-            print(f"{r['setting']:<30}" + "".join(f"{r[ph + '_s']:>12.3f}{r['grpo_' + ph + '_s']:>13.3f}" for ph in PHASES) + f"{r['ratio']:>8.3f}")
+            print(
+                f"{r['setting']:<30}"
+                + "".join(f"{r[ph + '_s']:>12.3f}{r['grpo_' + ph + '_s']:>13.3f}" for ph in PHASES)
+                + f"{r['ratio']:>8.3f}"
+            )
         result["time"] = rows
         print(f"am_over_grpo_ratio={rows[0]['ratio']:.3f}")
     if a.skip_memory:
@@ -126,8 +145,13 @@ def main() -> None:
     mem = []
     for malloc, env in (("default", {}), ("mmap>64KiB", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
         for k in a.steps:
-            out = subprocess.run([sys.executable, __file__, "--samples", str(a.samples), "--one", str(k)], capture_output=True, text=True,
-                                 check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+            out = subprocess.run(
+                [sys.executable, __file__, "--samples", str(a.samples), "--one", str(k)],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            )
             mem.append({"malloc": malloc, **json.loads(out.stdout.strip().splitlines()[-1])})
     print(f"Adjoint Matching update, {a.samples} samples in one minibatch, 1 thread: peak resident memory rise (MB)")
     print(f"{'malloc':<12}{'steps K':>8}{'trajectory MB':>15}{'peak rise MB':>14}")

@@ -36,14 +36,19 @@ from flowrl.trainer import Trainer  # noqa: E402
 def evaluate(trainer: Trainer) -> dict[str, float]:
     """Held-out reward, its parts and seed diversity: flowrl's own ``eval/diversity``, which every evaluation logs
     (flowrl/evaluation/diversity.py::seed_diversity over all the held-out samples)."""
-    metrics, _ = trainer.evaluate()
-    return {"reward": metrics["eval/reward/mean"], "ink": metrics["eval/reward/ink"],
-            "classifier": metrics["eval/reward/digit_classifier"], "diversity": metrics["eval/diversity"]}
+    metrics = trainer.evaluate()
+    return {
+        "reward": metrics["eval/reward/mean"],
+        "ink": metrics["eval/reward/ink"],
+        "classifier": metrics["eval/reward/digit_classifier"],
+        "diversity": metrics["eval/diversity"],
+    }
 
 
 def build(preset: str, tmp: str, extra: list[str]) -> Trainer:
-    config = load_config(REPO / "configs" / "digits" / preset, [f"output_dir={tmp}/{preset}", "log.progress=false",
-                                                                 "log.grid_prompts=1000", *extra])
+    config = load_config(
+        REPO / "configs" / "digits" / preset, [f"output_dir={tmp}/{preset}", "log.progress=false", "log.grid_prompts=1000", *extra]
+    )
     return Trainer(config)
 
 
@@ -77,11 +82,15 @@ def main() -> None:
         rows[f"Adjoint Matching ({n_am} it)"] = {**evaluate(am), "iterations": n_am, "train_s": t_am}
         rows.pop(f"GRPO, preset length ({j} it)", None)  # the same model as the next row
         rows[f"GRPO, equal wall time ({j} it)"] = {**evaluate(grpo), "iterations": j, "train_s": t_grpo}
-    print(f"digits_flow, held-out 20 prompts x 4 seeds, 10-step ODE; {torch.get_num_threads()} threads; "
-          f"training time only (Trainer.train_iteration), interleaved")
+    print(
+        f"digits_flow, held-out 20 prompts x 4 seeds, 10-step ODE; {torch.get_num_threads()} threads; "
+        f"training time only (Trainer.train_iteration), interleaved"
+    )
     print(f"{'model':<34}{'iters':>6}{'train s':>9}{'reward':>9}{'ink':>8}{'classif.':>10}{'diversity':>11}")
     for name, r in rows.items():
-        print(f"{name:<34}{r['iterations']:>6}{r['train_s']:>9.1f}{r['reward']:>9.4f}{r['ink']:>8.3f}{r['classifier']:>10.3f}{r['diversity']:>11.3f}")
+        print(
+            f"{name:<34}{r['iterations']:>6}{r['train_s']:>9.1f}{r['reward']:>9.4f}{r['ink']:>8.3f}{r['classifier']:>10.3f}{r['diversity']:>11.3f}"
+        )
     result = {"rows": {k: {m: round(v, 4) for m, v in r.items()} for k, r in rows.items()}, "threads": torch.get_num_threads()}
     if a.json:
         a.json.write_text(json.dumps(result) + "\n")

@@ -24,10 +24,9 @@ def measure(naive: bool, n: int, batch: int) -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from flowrl.config import BGPOConfig, MaskedSamplerConfig
-    from flowrl.objectives.dllm.policy import build_dllm_objective
-    from flowrl.pipelines.dllm import load_masked_lm
+    from flowrl.config import BGPOConfig
     from flowrl.data.arith import PROMPT_LEN, problems
+    from flowrl.pipelines.dllm import load_masked_lm
     from flowrl.samplers.masked import generate
 
     torch.manual_seed(0)
@@ -41,7 +40,7 @@ def measure(naive: bool, n: int, batch: int) -> dict:
     traj.group_ids = torch.arange(batch) // 8
     traj.rewards = torch.rand(batch, generator=torch.Generator().manual_seed(1))
     traj.mask_seeds = torch.randint(0, 2**62, (batch, 1), generator=torch.Generator().manual_seed(2))
-    objective = build_dllm_objective(BGPOConfig(num_mc_samples=n, naive=naive), MaskedSamplerConfig())
+    objective = BGPOConfig(num_mc_samples=n, naive=naive).build()
     objective.old_and_ref(lm, traj)
     traj = objective.prepare(traj)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -63,8 +62,12 @@ def main() -> None:
     rows = []
     for naive in (True, False):
         for n in a.samples:
-            out = subprocess.run([sys.executable, __file__, "--batch", str(a.batch), "--one", str(int(naive)), str(n)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--batch", str(a.batch), "--one", str(int(naive)), str(n)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"peak memory rise during one update, batch {a.batch}, completion 16 + prompt 24 tokens (MB)")
     print(f"{'n MC samples':<14}" + "".join(f"{n:>8}" for n in a.samples))
@@ -72,7 +75,9 @@ def main() -> None:
         print(f"{method:<14}" + "".join(f"{r['peak_rise_mb']:>8}" for r in rows if r["method"] == method))
     naive = [r["peak_rise_mb"] for r in rows if r["method"] == "naive ELBO-GRPO"]
     bgpo = [r["peak_rise_mb"] for r in rows if r["method"] == "BGPO"]
-    print(f"growth from n={a.samples[0]} to n={a.samples[-1]}: naive x{naive[-1] / max(naive[0], 1e-9):.2f}, BGPO x{bgpo[-1] / max(bgpo[0], 1e-9):.2f}")
+    print(
+        f"growth from n={a.samples[0]} to n={a.samples[-1]}: naive x{naive[-1] / max(naive[0], 1e-9):.2f}, BGPO x{bgpo[-1] / max(bgpo[0], 1e-9):.2f}"
+    )
 
 
 if __name__ == "__main__":

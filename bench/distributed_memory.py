@@ -64,8 +64,10 @@ def per_gpu_bytes(trained: float, frozen: float, gpus: int) -> dict[str, float]:
 
 
 def table(gpus: int, rank: int) -> str:
-    rows = [f"| model | mode | trained params | " + " | ".join(per_gpu_bytes(1, 0, gpus)) + " |",
-            "| --- | --- | ---: | " + " | ".join("---:" for _ in per_gpu_bytes(1, 0, gpus)) + " |"]
+    rows = [
+        "| model | mode | trained params | " + " | ".join(per_gpu_bytes(1, 0, gpus)) + " |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in per_gpu_bytes(1, 0, gpus)) + " |",
+    ]
     for name, (total, projections) in MODELS.items():
         lora = lora_parameters(projections, rank)
         for mode, trained, frozen in (("full", total, 0.0), (f"LoRA r={rank}", lora, total)):
@@ -98,6 +100,7 @@ def worker(overrides: list[str], report: Path) -> None:
 
     torch.set_num_threads(1)
     trainer = Trainer(load_config(REPO / "configs" / "digits" / "grpo.yaml", overrides))
+
     def peak() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -119,17 +122,32 @@ def worker(overrides: list[str], report: Path) -> None:
     params = [p for p in trainer.module.parameters()]
     state = [v for s in trainer.optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     if trainer.deepspeed:  # the engine keeps gradients and fp32 master partitions in its own buffers: only RSS is comparable
-        row = {"rank": trainer.rank, "world": trainer.world, "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-               "param_bytes": None, "grad_bytes": None, "adam_bytes": None, "load_peak_rss_bytes": load_peak,
-               "train_peak_rss_bytes": peaks[0], "peak_rss_bytes": peak()}
+        row = {
+            "rank": trainer.rank,
+            "world": trainer.world,
+            "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "param_bytes": None,
+            "grad_bytes": None,
+            "adam_bytes": None,
+            "load_peak_rss_bytes": load_peak,
+            "train_peak_rss_bytes": peaks[0],
+            "peak_rss_bytes": peak(),
+        }
         with open(report, "a") as f:
             f.write(json.dumps(row) + "\n")
         end_process_group()
         return
-    row = {"rank": trainer.rank, "world": trainer.world, "parameters": sum(p.numel() for p in params),
-           "param_bytes": sum(local_bytes(p) for p in params), "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-           "adam_bytes": sum(local_bytes(v) for v in state), "load_peak_rss_bytes": load_peak,
-           "train_peak_rss_bytes": peaks[0], "peak_rss_bytes": peak()}
+    row = {
+        "rank": trainer.rank,
+        "world": trainer.world,
+        "parameters": sum(p.numel() for p in params),
+        "param_bytes": sum(local_bytes(p) for p in params),
+        "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "adam_bytes": sum(local_bytes(v) for v in state),
+        "load_peak_rss_bytes": load_peak,
+        "train_peak_rss_bytes": peaks[0],
+        "peak_rss_bytes": peak(),
+    }
     with open(report, "a") as f:
         f.write(json.dumps(row) + "\n")
     end_process_group()
@@ -143,15 +161,36 @@ def _free_port() -> int:
 
 def measure(model: Path, launch: str | None, scratch: Path) -> list[dict]:
     report = scratch / f"{launch or 'single'}.jsonl"
-    overrides = [f"output_dir={scratch / (launch or 'single')}", f"pipeline.pretrained={model}", "train.iterations=1",
-                 "train.prompts_per_iteration=2", "train.num_generations=2", "train.batch_size=2", "rollout.num_inference_steps=2",
-                 "eval.every=0", "eval.samples_per_prompt=1", "log.checkpoint_every=0", "log.progress=false", "eval.judge=null"]
+    overrides = [
+        f"output_dir={scratch / (launch or 'single')}",
+        f"pipeline.pretrained={model}",
+        "train.iterations=1",
+        "train.prompts_per_iteration=2",
+        "train.num_generations=2",
+        "train.batch_size=2",
+        "rollout.num_inference_steps=2",
+        "eval.every=0",
+        "eval.samples_per_prompt=1",
+        "log.checkpoint_every=0",
+        "log.progress=false",
+        "eval.judge=null",
+    ]
     script = [str(Path(__file__).resolve()), "--worker", str(report), *overrides]
     if launch is None:
         cmd = [sys.executable, *script]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs" / "accelerate" / f"{launch}.yaml"),
-               "--num_processes", "2", "--main_process_port", str(_free_port()), *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "configs" / "accelerate" / f"{launch}.yaml"),
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(_free_port()),
+            *script,
+        ]
     # Every tensor of 128 KiB or more in its own mmap, returned to the OS when freed (glibc's adaptive threshold
     # otherwise moves freed buffers into the heap, where they stay resident): the peak is that of live memory.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -178,31 +217,47 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         model = widened_model(args.width, scratch / "model")
-        results = {name: measure(model, launch, scratch) for name, launch in (("1 process", None), ("2 processes DDP", "ddp"),
-                                                                               ("2 processes FSDP", "fsdp"),
-                                                                               ("2 processes ZeRO-2", "deepspeed_zero2"),
-                                                                               ("2 processes ZeRO-3", "deepspeed_zero3"))}
+        results = {
+            name: measure(model, launch, scratch)
+            for name, launch in (
+                ("1 process", None),
+                ("2 processes DDP", "ddp"),
+                ("2 processes FSDP", "fsdp"),
+                ("2 processes ZeRO-2", "deepspeed_zero2"),
+                ("2 processes ZeRO-3", "deepspeed_zero3"),
+            )
+        }
     n = results["1 process"][0]["parameters"]
-    print(f"\nMeasured: digits UNet widened to [{args.width}, {2 * args.width}] channels ({n / 1e6:.1f} M parameters), one GRPO "
-          "iteration, CPU (gloo), per process (MiB):\n")
+    print(
+        f"\nMeasured: digits UNet widened to [{args.width}, {2 * args.width}] channels ({n / 1e6:.1f} M parameters), one GRPO "
+        "iteration, CPU (gloo), per process (MiB):\n"
+    )
     print("| run | rank | params | grads | AdamW state | params + grads + AdamW | peak RSS: loading | + training | + checkpoint |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, rows in results.items():
         for r in rows:
             mib = {k: "-" if r[k] is None else f"{r[k] / 2**20:.0f}" for k in ("param_bytes", "grad_bytes", "adam_bytes")}
             total = "-" if r["param_bytes"] is None else f"{(r['param_bytes'] + r['grad_bytes'] + r['adam_bytes']) / 2**20:.0f}"
-            print(f"| {name} | {r['rank']} | {mib['param_bytes']} | {mib['grad_bytes']} | {mib['adam_bytes']} | "
-                  f"{total} | {r['load_peak_rss_bytes'] / 2**20:.0f} | {r['train_peak_rss_bytes'] / 2**20:.0f} | "
-                  f"{r['peak_rss_bytes'] / 2**20:.0f} |")
-    state = {k: max(r["param_bytes"] + r["grad_bytes"] + r["adam_bytes"] for r in v) for k, v in results.items() if v[0]["param_bytes"] is not None}
+            print(
+                f"| {name} | {r['rank']} | {mib['param_bytes']} | {mib['grad_bytes']} | {mib['adam_bytes']} | "
+                f"{total} | {r['load_peak_rss_bytes'] / 2**20:.0f} | {r['train_peak_rss_bytes'] / 2**20:.0f} | "
+                f"{r['peak_rss_bytes'] / 2**20:.0f} |"
+            )
+    state = {
+        k: max(r["param_bytes"] + r["grad_bytes"] + r["adam_bytes"] for r in v)
+        for k, v in results.items()
+        if v[0]["param_bytes"] is not None
+    }
     print(f"\nFSDP / DDP per process: params + grads + AdamW {state['2 processes FSDP'] / state['2 processes DDP']:.2f}x")
     for name in ("2 processes FSDP", "2 processes ZeRO-2", "2 processes ZeRO-3"):
         ratio = {}
         for key in ("train_peak_rss_bytes", "peak_rss_bytes"):
             per_rank = [f[key] / d[key] for f, d in zip(results[name], results["2 processes DDP"])]
             ratio[key] = ", ".join(f"rank {i} {x:.2f}x" for i, x in enumerate(per_rank))
-        print(f"{name.split()[-1]} / DDP per process: peak RSS through training {ratio['train_peak_rss_bytes']}; "
-              f"with the checkpoint {ratio['peak_rss_bytes']} (same run)")
+        print(
+            f"{name.split()[-1]} / DDP per process: peak RSS through training {ratio['train_peak_rss_bytes']}; "
+            f"with the checkpoint {ratio['peak_rss_bytes']} (same run)"
+        )
 
 
 if __name__ == "__main__":

@@ -48,9 +48,12 @@ def main() -> None:
 
         def best(n):
             start = time.perf_counter()
-            curve = best_of_n(pipe, ode, reward, held.prompts, held.metadata, n, held.sigmas, held.generator(), held.guidance_scale,
-                              batch).scaling_curve()
-            print(f"  best-of-{n}: {time.perf_counter() - start:.0f} s; " + ", ".join(f"N={k}: {v:.4f}" for k, v in curve.items()), flush=True)
+            curve = best_of_n(
+                pipe, ode, reward, held.prompts, held.metadata, n, held.sigmas, held.generator(), held.guidance_scale, batch
+            ).scaling_curve()
+            print(
+                f"  best-of-{n}: {time.perf_counter() - start:.0f} s; " + ", ".join(f"N={k}: {v:.4f}" for k, v in curve.items()), flush=True
+            )
             return curve
 
         print(f"{len(held)} held-out items (configs/digits/grpo.yaml evaluation)")

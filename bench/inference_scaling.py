@@ -25,11 +25,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flowrl.trainer import Trainer  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.best_of_n import best_of_n  # noqa: E402
 from flowrl.inference.noise_search import zero_order_search  # noqa: E402
 from flowrl.inference.svdd import svdd_in_batches  # noqa: E402
+from flowrl.trainer import Trainer  # noqa: E402
 
 
 class ForwardCounter:
@@ -51,7 +51,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(load_config(REPO / "configs" / "digits" / "grpo.yaml", [f"output_dir={tmp}", "log.progress=false", *args.overrides]))
+        trainer = Trainer(
+            load_config(REPO / "configs" / "digits" / "grpo.yaml", [f"output_dir={tmp}", "log.progress=false", *args.overrides])
+        )
         counter = ForwardCounter(trainer.pipeline)
         pipe, held, reward, batch = trainer.pipeline, trainer.modality.held_out, trainer.reward, trainer.config.rollout.batch_size
         ode, sde = trainer.modality.eval_sampler, trainer.sampler
@@ -65,8 +67,21 @@ def main() -> None:
 
         def zero_order(m):
             gen, noise = start_noise()
-            return zero_order_search(pipe, ode, reward, held.prompts, held.metadata, max(1, (m - 1) // 3), 3, 0.5, held.sigmas, gen,
-                                     held.guidance_scale, batch, initial_noise=noise)
+            return zero_order_search(
+                pipe,
+                ode,
+                reward,
+                held.prompts,
+                held.metadata,
+                max(1, (m - 1) // 3),
+                3,
+                0.5,
+                held.sigmas,
+                gen,
+                held.guidance_scale,
+                batch,
+                initial_noise=noise,
+            )
 
         def svdd(m):
             gen, noise = start_noise()
@@ -77,15 +92,19 @@ def main() -> None:
             value = fn()
             return value, counter.rows, time.perf_counter() - start
 
-        plain, plain_rows, plain_s = measure(lambda: trainer.evaluate()[0]["eval/reward/mean"])
-        print(f"plain evaluation: reward {plain:.4f}, {plain_rows} sample-forwards, {plain_s:.1f} s "
-              f"({len(held)} items, sampler ode, {trainer.config.rollout.num_inference_steps} steps)")
+        plain, plain_rows, plain_s = measure(lambda: trainer.evaluate()["eval/reward/mean"])
+        print(
+            f"plain evaluation: reward {plain:.4f}, {plain_rows} sample-forwards, {plain_s:.1f} s "
+            f"({len(held)} items, sampler ode, {trainer.config.rollout.num_inference_steps} steps)"
+        )
         print(f"{'method':<14}{'M':>4}{'reward':>9}{'gain':>9}{'forwards x':>12}{'wall s':>8}")
         gains = {}
         for m in args.budgets:
-            for name, fn in (("best-of-N", lambda: best(m).scaling_curve()[m]),
-                             ("zero-order", lambda: float(zero_order(m).scores.mean())),
-                             ("svdd-pm", lambda: float(svdd(m).scores.mean()))):
+            for name, fn in (
+                ("best-of-N", lambda m=m: best(m).scaling_curve()[m]),
+                ("zero-order", lambda m=m: float(zero_order(m).scores.mean())),
+                ("svdd-pm", lambda m=m: float(svdd(m).scores.mean())),
+            ):
                 reward, rows, seconds = measure(fn)
                 gains[name, m] = reward - plain
                 print(f"{name:<14}{m:>4}{reward:>9.4f}{reward - plain:>+9.4f}{rows / plain_rows:>12.2f}{seconds:>8.1f}")

@@ -42,7 +42,7 @@ def raw_iteration(trainer: Trainer, stats: dict[str, float]) -> None:
         for start in range(0, n, cfg.rollout.batch_size):
             x = torch.randn(min(cfg.rollout.batch_size, n - start), 1, 8, 8)
             c = ctx[: x.shape[0]]
-            for k in range(k_steps):
+            for _ in range(k_steps):
                 xin, cin = (torch.cat([x, x]), torch.cat([c, c])) if cfg_mult == 2 else (x, c)
                 x = x - 0.1 * unet(xin, torch.full((xin.shape[0],), 500.0), cin).sample[: x.shape[0]]
             outs.append(x)
@@ -82,8 +82,10 @@ def main() -> None:
             raw.append((time.perf_counter() - t0, s["rollout"], s["score"], s["update"]))
     med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
     n = config.train.prompts_per_iteration * config.train.num_generations
-    print(f"GRPO iteration on digits_flow: {n} samples, {config.rollout.num_inference_steps} steps, "
-          f"guidance {config.rollout.guidance_scale}, {torch.get_num_threads()} threads, median of 5")
+    print(
+        f"GRPO iteration on digits_flow: {n} samples, {config.rollout.num_inference_steps} steps, "
+        f"guidance {config.rollout.guidance_scale}, {torch.get_num_threads()} threads, median of 5"
+    )
     print(f"{'phase':<10}{'flowrl s':>10}{'raw s':>10}{'ratio':>8}")
     for i, phase in enumerate(["total", "rollout", "score", "update"]):
         o, r = med(ours, i), med(raw, i)

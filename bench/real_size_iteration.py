@@ -28,21 +28,83 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # Released architectures (the transformer/config.json of each checkpoint).
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-                   joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-                   pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-                 joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-TINY_SD3 = dict(sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-                joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=64, out_channels=16, pos_embed_max_size=64)
-TINY_FLUX = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                 joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
-SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-               down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False,
-               use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609)
-TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 16), layers_per_block=1,
-                down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
-                scaling_factor=1.5305, shift_factor=0.0609)
+SD35_MEDIUM = dict(
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    out_channels=16,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
+)
+FLUX1_DEV = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+TINY_SD3 = dict(
+    sample_size=32,
+    patch_size=2,
+    in_channels=16,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    caption_projection_dim=16,
+    pooled_projection_dim=64,
+    out_channels=16,
+    pos_embed_max_size=64,
+)
+TINY_FLUX = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
+SD3_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=16,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    scaling_factor=1.5305,
+    shift_factor=0.0609,
+)
+TINY_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=16,
+    block_out_channels=(8, 16),
+    layers_per_block=1,
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    norm_num_groups=4,
+    scaling_factor=1.5305,
+    shift_factor=0.0609,
+)
 
 
 def text_encoders(real: bool, family: str):
@@ -52,23 +114,53 @@ def text_encoders(real: bool, family: str):
     from flowrl.data.digits import build_tokenizer
 
     def clip(width, projection):
-        cfg = CLIPTextConfig(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1, num_attention_heads=max(1, width // 64),
-                             projection_dim=width, vocab_size=1000, max_position_embeddings=77, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+        cfg = CLIPTextConfig(
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=1,
+            num_attention_heads=max(1, width // 64),
+            projection_dim=width,
+            vocab_size=1000,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=2,
+            pad_token_id=1,
+        )
         return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg)
 
-    t5 = T5EncoderModel(T5Config(vocab_size=1000, d_model=4096 if real else 32, d_kv=64 if real else 8, d_ff=10240 if real else 37,
-                                 num_layers=1, num_heads=64 if real else 4))
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=1000,
+            d_model=4096 if real else 32,
+            d_kv=64 if real else 8,
+            d_ff=10240 if real else 37,
+            num_layers=1,
+            num_heads=64 if real else 4,
+        )
+    )
     tok = build_tokenizer()
     if family == "sd3":
         widths = (768, 1280) if real else (32, 32)
-        return dict(text_encoder=clip(widths[0], True), tokenizer=tok, text_encoder_2=clip(widths[1], True), tokenizer_2=tok,
-                    text_encoder_3=t5, tokenizer_3=tok)
+        return dict(
+            text_encoder=clip(widths[0], True),
+            tokenizer=tok,
+            text_encoder_2=clip(widths[1], True),
+            tokenizer_2=tok,
+            text_encoder_3=t5,
+            tokenizer_3=tok,
+        )
     return dict(text_encoder=clip(768 if real else 32, False), tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok)
 
 
 def build_checkpoint(family: str, real: bool, directory: Path) -> None:
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -78,8 +170,9 @@ def build_checkpoint(family: str, real: bool, directory: Path) -> None:
             scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
         else:
             transformer = FluxTransformer2DModel(**(FLUX1_DEV if real else TINY_FLUX))
-            scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                        base_image_seq_len=256, max_image_seq_len=4096)
+            scheduler = FlowMatchEulerDiscreteScheduler(
+                use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+            )
         vae = AutoencoderKL(**(SD3_VAE if real else TINY_VAE))
         encoders = text_encoders(real, family)
     cls = StableDiffusion3Pipeline if family == "sd3" else FluxPipeline
@@ -99,8 +192,8 @@ def main() -> None:
     real = args.size == "real"
     cuda = torch.cuda.is_available()
 
-    from flowrl.trainer import Trainer
     from flowrl.config import load_config
+    from flowrl.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -110,16 +203,33 @@ def main() -> None:
             torch.cuda.empty_cache()
         resolution = args.resolution if real else 32
         overrides = {
-            "pipeline.name": args.family, "pipeline.pretrained": str(Path(tmp) / "model"), "pipeline.dtype": "bfloat16",
-            "pipeline.lora": f"{{r: {args.lora_rank}, alpha: {2 * args.lora_rank}}}", "pipeline.gradient_checkpointing": True,
-            "pipeline.height": resolution, "pipeline.width": resolution, "pipeline.device": "auto" if cuda else "cpu",
-            "train.mixed_precision": "bf16", "sampler.name": "flow_sde", "objective.name": "grpo",
-            "rollout.num_inference_steps": args.steps, "rollout.batch_size": args.group,
+            "pipeline.name": args.family,
+            "pipeline.pretrained": str(Path(tmp) / "model"),
+            "pipeline.dtype": "bfloat16",
+            "pipeline.lora": f"{{r: {args.lora_rank}, alpha: {2 * args.lora_rank}}}",
+            "pipeline.gradient_checkpointing": True,
+            "pipeline.height": resolution,
+            "pipeline.width": resolution,
+            "pipeline.device": "auto" if cuda else "cpu",
+            "train.mixed_precision": "bf16",
+            "sampler.name": "flow_sde",
+            "objective.name": "grpo",
+            "rollout.num_inference_steps": args.steps,
+            "rollout.batch_size": args.group,
             "rollout.guidance_scale": 3.5 if args.family == "flux" else 4.5,
             "rollout.guidance_mode": "embedded" if args.family == "flux" else "cfg",
-            "train.iterations": 1, "train.prompts_per_iteration": 1, "train.num_generations": args.group, "train.batch_size": args.group,
-            "reward.components": "{ink: 1.0}", "eval.every": 0, "eval.samples_per_prompt": 1, "log.grid_prompts": 1,
-            "log.checkpoint_every": 0, "log.progress": False, "output_dir": str(Path(tmp) / "run"), "prompts.dataset": "digits",
+            "train.iterations": 1,
+            "train.prompts_per_iteration": 1,
+            "train.num_generations": args.group,
+            "train.batch_size": args.group,
+            "reward.components": "{ink: 1.0}",
+            "eval.every": 0,
+            "eval.samples_per_prompt": 1,
+            "log.grid_prompts": 1,
+            "log.checkpoint_every": 0,
+            "log.progress": False,
+            "output_dir": str(Path(tmp) / "run"),
+            "prompts.dataset": "digits",
         }
         trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
         params = sum(p.numel() for p in trainer.pipeline.denoiser.parameters())
@@ -134,9 +244,16 @@ def main() -> None:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         result = {
-            "family": args.family, "size": args.size, "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "transformer_params": params, "lora_params": lora, "resolution": resolution, "steps": args.steps, "samples": args.group,
-            "seconds_per_iteration": round(seconds, 2), "rollout_s": round(metrics["perf/rollout_s"], 2),
+            "family": args.family,
+            "size": args.size,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "transformer_params": params,
+            "lora_params": lora,
+            "resolution": resolution,
+            "steps": args.steps,
+            "samples": args.group,
+            "seconds_per_iteration": round(seconds, 2),
+            "rollout_s": round(metrics["perf/rollout_s"], 2),
             "update_s": round(metrics["perf/update_s"], 2),
             "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             "checkpoint_build_s": round(built, 1),

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from flowrl.checkpoint import read_weights  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
-from flowrl.samplers import FlowCPSSampler, FlowSDESampler  # noqa: E402
+from flowrl.samplers import FlowCPSConfig, FlowSDEConfig  # noqa: E402
 from flowrl.samplers.rollout import rollout  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
 
@@ -65,19 +65,31 @@ def main() -> None:
         steps = held.sigmas.numel() - 1
 
         def run(sampler, seed):
-            traj = rollout(pipe, sampler, held.prompts, held.metadata, ids, held.sigmas, torch.Generator().manual_seed(seed),
-                           held.guidance_scale, initial_noise=noise)
+            traj = rollout(
+                pipe,
+                sampler,
+                held.prompts,
+                held.metadata,
+                ids,
+                held.sigmas,
+                torch.Generator().manual_seed(seed),
+                held.guidance_scale,
+                initial_noise=noise,
+            )
             x_last, sigma = traj.latents[:, -2], held.sigmas[-2]
             with torch.no_grad():
                 x0_hat = x_last - sigma * pipe.predict(x_last, sigma, traj.cond, held.guidance_scale).float()
             final = traj.latents[:, -1]
             return (final + 1) / 2, (final - x0_hat) / 2, traj
 
-        ode_pixels, _, ode_traj = run(FlowSDESampler(noise_level=0.0), 0)
+        ode_pixels, _, ode_traj = run(FlowSDEConfig(noise_level=0.0).build(), 0)
         ode_hf = hf_energy(ode_pixels)
         rows = {}
-        samplers = {"ode": FlowSDESampler(noise_level=0.0), f"flow_sde (a={args.noise_level})": FlowSDESampler(noise_level=args.noise_level),
-                    f"flow_cps (a={args.noise_level})": FlowCPSSampler(noise_level=args.noise_level)}
+        samplers = {
+            "ode": FlowSDEConfig(noise_level=0.0).build(),
+            f"flow_sde (a={args.noise_level})": FlowSDEConfig(noise_level=args.noise_level).build(),
+            f"flow_cps (a={args.noise_level})": FlowCPSConfig(noise_level=args.noise_level).build(),
+        }
         for name, sampler in samplers.items():
             res, ratio, rew, jud = [], [], [], []
             for r in range(args.repeats if name != "ode" else 1):
@@ -87,14 +99,21 @@ def main() -> None:
                 rew.append(reward(traj.samples, traj.prompts, traj.metadata).scores)
                 if judge is not None:
                     jud.append(judge(traj.samples, traj.prompts, traj.metadata).scores)
-            rows[name] = {"last_step_residual": float(torch.cat(res).mean().sqrt()), "hf_ratio": float(torch.cat(ratio).mean()),
-                          "hf_ratio_median": float(torch.cat(ratio).median()), "reward": float(torch.cat(rew).mean()),
-                          "judge": float(torch.cat(jud).mean()) if jud else None, "samples": int(torch.cat(res).numel())}
+            rows[name] = {
+                "last_step_residual": float(torch.cat(res).mean().sqrt()),
+                "hf_ratio": float(torch.cat(ratio).mean()),
+                "hf_ratio_median": float(torch.cat(ratio).median()),
+                "reward": float(torch.cat(rew).mean()),
+                "judge": float(torch.cat(jud).mean()) if jud else None,
+                "samples": int(torch.cat(res).numel()),
+            }
     print(f"{len(held)} held-out start noises, {steps} steps, checkpoint: {args.checkpoint or 'base model'}")
     print(f"{'sampler':<20}{'last-step residual':>20}{'HF / ODE (mean)':>17}{'(median)':>10}{'reward':>9}{'judge':>8}{'n':>6}")
     for name, r in rows.items():
-        print(f"{name:<20}{r['last_step_residual']:>20.4f}{r['hf_ratio']:>17.3f}{r['hf_ratio_median']:>10.3f}{r['reward']:>9.4f}"
-              f"{(r['judge'] if r['judge'] is not None else float('nan')):>8.4f}{r['samples']:>6}")
+        print(
+            f"{name:<20}{r['last_step_residual']:>20.4f}{r['hf_ratio']:>17.3f}{r['hf_ratio_median']:>10.3f}{r['reward']:>9.4f}"
+            f"{(r['judge'] if r['judge'] is not None else float('nan')):>8.4f}{r['samples']:>6}"
+        )
     print(json.dumps({"steps": steps, "checkpoint": args.checkpoint, "repeats": args.repeats, "rows": rows}))
 
 

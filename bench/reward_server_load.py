@@ -48,8 +48,14 @@ def batch(n: int, seed: int):
 
 def summary(latencies: list[float], wall: float, samples: int, calls: int) -> dict:
     ms = np.array(latencies) * 1000
-    return {"requests_per_s": len(latencies) / wall, "samples_per_s": samples / wall, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "requests": len(latencies), "samples_per_call": samples / max(calls, 1)}
+    return {
+        "requests_per_s": len(latencies) / wall,
+        "samples_per_s": samples / wall,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "requests": len(latencies),
+        "samples_per_call": samples / max(calls, 1),
+    }
 
 
 def in_process(n: int, seconds: float) -> tuple[list[float], float, int]:
@@ -72,8 +78,9 @@ class Server:
         path.write_text(yaml.safe_dump({"reward": {"components": COMPONENTS}, "port": 0, "device": "cpu", **config}))
         env = dict(os.environ, FLOWRL_REWARD_TOKEN=TOKEN, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         self.log = open(tmp / "server.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "flowrl.reward_server", str(path)], stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=REPO)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flowrl.reward_server", str(path)], stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO
+        )
         line = self.proc.stdout.readline().strip()
         match = re.fullmatch(r"flowrl reward server listening on (http://\S+)", line)
         if not match:
@@ -140,8 +147,7 @@ def main() -> None:
             for i, wait in enumerate(waits):
                 folder = Path(tmp) / str(i)
                 folder.mkdir()
-                servers[wait] = Server(folder, coalesce=wait is not None, max_wait_ms=wait or 0.0,
-                                       max_batch=max(256, args.batch * 16))
+                servers[wait] = Server(folder, coalesce=wait is not None, max_wait_ms=wait or 0.0, max_batch=max(256, args.batch * 16))
             for _ in range(args.repeats):
                 base = in_process(args.batch, args.seconds)
                 cell = cells.setdefault(("in-process reward", 1), [[], 0.0, 0, 0])
@@ -162,11 +168,13 @@ def main() -> None:
             for server in servers.values():
                 server.stop()
     rows = [dict(setting=k[0], clients=k[1], **summary(lat, wall, samples, calls)) for k, (lat, wall, samples, calls) in cells.items()]
-    print(f"| setting | clients | requests/s | samples/s | p50 ms | p99 ms | samples per reward call |")
+    print("| setting | clients | requests/s | samples/s | p50 ms | p99 ms | samples per reward call |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setting']} | {r['clients']} | {r['requests_per_s']:.0f} | {r['samples_per_s']:.0f} | "
-              f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['samples_per_call']:.1f} |")
+        print(
+            f"| {r['setting']} | {r['clients']} | {r['requests_per_s']:.0f} | {r['samples_per_s']:.0f} | "
+            f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['samples_per_call']:.1f} |"
+        )
     print(json.dumps({"batch": args.batch, "seconds": args.seconds, "repeats": args.repeats, "torch": torch.__version__, "rows": rows}))
 
 

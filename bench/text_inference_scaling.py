@@ -67,8 +67,16 @@ def measure(args) -> None:
     out_path = Path(args.json)
     # a file from an earlier run of the same measurement keeps its finished phases: only the missing ones run
     result: dict = json.loads(out_path.read_text()) if out_path.is_file() else {}
-    result.update({"label": args.label, "checkpoint": args.checkpoint, "items": len(prompts), "temperature": temp, "n": args.n,
-                   "settings": {"gen_length": sc.gen_length, "steps": sc.steps, "block_length": sc.block_length, "remasking": sc.remasking}})
+    result.update(
+        {
+            "label": args.label,
+            "checkpoint": args.checkpoint,
+            "items": len(prompts),
+            "temperature": temp,
+            "n": args.n,
+            "settings": {"gen_length": sc.gen_length, "steps": sc.steps, "block_length": sc.block_length, "remasking": sc.remasking},
+        }
+    )
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every phase: a killed run loses only the phase it was in
@@ -80,38 +88,70 @@ def measure(args) -> None:
         return value, counter.rows, time.perf_counter() - start
 
     if "greedy" not in result:
-        greedy, rows, secs = timed(lambda: text_best_of_n(lm, sc, plen, grader, [], prompts, metadata, 1, 0.0, seed, batch, modality.position_scorer))
+        greedy, rows, secs = timed(
+            lambda: text_best_of_n(lm, sc, plen, grader, [], prompts, metadata, 1, 0.0, seed, batch, modality.position_scorer)
+        )
         result["greedy"] = {"accuracy": greedy.accuracy("majority", 1), "forwards_per_item": rows / len(prompts), "seconds": secs}
         save()
     plain_rows = result["greedy"]["forwards_per_item"] * len(prompts)  # the plain sampler's work (greedy or not: same steps)
-    print(f"{args.label}: {len(prompts)} held-out items; greedy accuracy {result['greedy']['accuracy']:.4f} "
-          f"({plain_rows:.0f} forwards)", flush=True)
+    print(
+        f"{args.label}: {len(prompts)} held-out items; greedy accuracy {result['greedy']['accuracy']:.4f} ({plain_rows:.0f} forwards)",
+        flush=True,
+    )
     if "best_of_n" not in result:
-        best, rows, secs = timed(lambda: text_best_of_n(lm, sc, plen, grader, build_scorers(rules, config.reward), prompts, metadata, args.n,
-                                                        temp, seed, batch, modality.position_scorer))
-        result["best_of_n"] = {"curves": {r: {str(k): v for k, v in c.items()} for r, c in best.curves(rules).items()},
-                               "single_sample_accuracy": best.sample_accuracy(), "forwards_vs_plain": rows / plain_rows, "seconds": secs}
+        best, rows, secs = timed(
+            lambda: text_best_of_n(
+                lm,
+                sc,
+                plen,
+                grader,
+                build_scorers(rules, config.reward),
+                prompts,
+                metadata,
+                args.n,
+                temp,
+                seed,
+                batch,
+                modality.position_scorer,
+            )
+        )
+        result["best_of_n"] = {
+            "curves": {r: {str(k): v for k, v in c.items()} for r, c in best.curves(rules).items()},
+            "single_sample_accuracy": best.sample_accuracy(),
+            "forwards_vs_plain": rows / plain_rows,
+            "seconds": secs,
+        }
         save()
     b = result["best_of_n"]
-    print(f"best-of-{args.n} at T = {temp:g}, accuracy of each rule's choice; pass@N = oracle upper bound ({b['forwards_vs_plain']:.2f}x "
-          f"the plain forwards, {b['seconds']:.0f} s):")
+    print(
+        f"best-of-{args.n} at T = {temp:g}, accuracy of each rule's choice; pass@N = oracle upper bound ({b['forwards_vs_plain']:.2f}x "
+        f"the plain forwards, {b['seconds']:.0f} s):"
+    )
     shown = [r for r in b["curves"] if r != ORACLE]
     print(f"{'N':>4}" + "".join(f"{r:>12}" for r in shown) + f"{'pass@N':>10}")
     for k in b["curves"][ORACLE]:
         print(f"{k:>4}" + "".join(f"{b['curves'][r][k]:>12.4f}" for r in shown) + f"{b['curves'][ORACLE][k]:>10.4f}")
-    print(f"single-sample accuracy at T = {temp:g} over all {args.n * len(prompts)} candidates: {b['single_sample_accuracy']:.4f}", flush=True)
+    print(
+        f"single-sample accuracy at T = {temp:g} over all {args.n * len(prompts)} candidates: {b['single_sample_accuracy']:.4f}", flush=True
+    )
     result.setdefault("svdd", {})
     for m in args.svdd:
         if str(m) in result["svdd"]:
             print(f"svdd M = {m:>2}: accuracy {result['svdd'][str(m)]['accuracy']:.4f} (earlier run)")
             continue
-        out, rows, secs = timed(lambda: masked_svdd_in_batches(lm, sc, plen, build_scorer("likelihood"), prompts, m, temp, seed, batch,
-                                                              modality.position_scorer))
+        out, rows, secs = timed(
+            lambda m=m: masked_svdd_in_batches(
+                lm, sc, plen, build_scorer("likelihood"), prompts, m, temp, seed, batch, modality.position_scorer
+            )
+        )
         acc = float(grader(out.completions, prompts, metadata).scores.float().nanmean())
         assert rows == out.forwards  # the function's own count is the counted work
         result["svdd"][str(m)] = {"accuracy": acc, "forwards_vs_plain": rows / plain_rows, "seconds": secs}
-        print(f"svdd M = {m:>2} (value: likelihood of the one-shot completion): accuracy {acc:.4f}, {rows / plain_rows:.2f}x the plain "
-              f"forwards, {secs:.0f} s", flush=True)
+        print(
+            f"svdd M = {m:>2} (value: likelihood of the one-shot completion): accuracy {acc:.4f}, {rows / plain_rows:.2f}x the plain "
+            f"forwards, {secs:.0f} s",
+            flush=True,
+        )
         save()
 
 
@@ -120,15 +160,18 @@ def plot(args) -> None:
     for path in args.results:
         r = json.loads(Path(path).read_text())
         title = f"{r['label']} ({r['items']} held-out items, T = {r['temperature']:g})"
-        panels[title] = {("pass@N (oracle upper bound)" if rule == ORACLE else f"best-of-N, {rule}"): {int(k): v for k, v in c.items()}
-                         for rule, c in r["best_of_n"]["curves"].items()}
+        panels[title] = {
+            ("pass@N (oracle upper bound)" if rule == ORACLE else f"best-of-N, {rule}"): {int(k): v for k, v in c.items()}
+            for rule, c in r["best_of_n"]["curves"].items()
+        }
         if r["svdd"]:
             # M = 1 is the plain sample at the same seed (tested), which every rule's N = 1 point is too
             svdd = {1: r["best_of_n"]["curves"][ORACLE]["1"], **{int(m): v["accuracy"] for m, v in r["svdd"].items()}}
             panels[title]["SVDD, likelihood (M = N)"] = svdd
         references[title] = {f"greedy decoding {r['greedy']['accuracy']:.3f}": r["greedy"]["accuracy"]}
-    save_scaling_plot(panels, Path(args.out), "held-out exact-match accuracy", references,
-                      title="arith_mdlm: accuracy against candidates per item")
+    save_scaling_plot(
+        panels, Path(args.out), "held-out exact-match accuracy", references, title="arith_mdlm: accuracy against candidates per item"
+    )
     print(f"wrote {args.out}")
 
 

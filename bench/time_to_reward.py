@@ -50,10 +50,14 @@ BASELINE = "full_sde"
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "full_sde": ("grpo.yaml", {"objective.timestep_fraction": 1.0}),
     "dance_grpo": ("grpo.yaml", {"sampler.diffusion": "dance_grpo", "sampler.noise_level": 0.7}),
-    "cps": ("grpo.yaml", {"sampler.name": "flow_cps", "sampler.diffusion": None, "sampler.noise_level": 0.7,
-                          "objective.timestep_fraction": 1.0}),
-    "mixgrpo_window": ("grpo.yaml", {"rollout.sde_window_size": 3, "rollout.sde_window_slide_every": 4,
-                                     "objective.timestep_fraction": 1.0}),
+    "cps": (
+        "grpo.yaml",
+        {"sampler.name": "flow_cps", "sampler.diffusion": None, "sampler.noise_level": 0.7, "objective.timestep_fraction": 1.0},
+    ),
+    "mixgrpo_window": (
+        "grpo.yaml",
+        {"rollout.sde_window_size": 3, "rollout.sde_window_slide_every": 4, "objective.timestep_fraction": 1.0},
+    ),
     "fast_window": ("grpo.yaml", {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0}),
     "tempflow": ("grpo.yaml", {"objective.timestep_fraction": 1.0, "objective.step_weighting": "noise_level"}),
     "diffusion_nft": ("diffusion_nft.yaml", {}),
@@ -74,8 +78,12 @@ def method_config(method: str, seed: int, output_dir: str, overrides: dict[str, 
     """The method's validated config: its preset's tree, the method's changes, the bench's settings, ``overrides``."""
     preset, changes = METHODS[method]
     tree = read_yaml_mapping(REPO / "configs" / "digits" / preset, "config file")
-    settings = {"seed": seed, "output_dir": output_dir, "eval.judge": None,  # no held-out judge: only evaluation time "log.progress": False, "log.trackers": [],
-                "log.grid_prompts": 1000}
+    settings = {
+        "seed": seed,
+        "output_dir": output_dir,
+        "eval.judge": None,  # no held-out judge: only evaluation time "log.progress": False, "log.trackers": [],
+        "log.grid_prompts": 1000,
+    }
     for key, value in {**changes, **settings, **(overrides or {})}.items():
         set_key(tree, key, value)
     return validate(tree)
@@ -112,12 +120,14 @@ class DenoiserWork:
 
     def during(self, phase: str, fn):
         """``fn`` with its denoiser calls counted under ``phase``."""
+
         def wrapped(*args, **kwargs):
             previous, self.phase = self.phase, phase
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.phase = previous
+
         return wrapped
 
     def training_work(self) -> dict[str, int]:
@@ -129,12 +139,13 @@ class DenoiserWork:
 
 def held_out(trainer: Trainer) -> dict[str, float]:
     """The held-out reward and its two parts (so a reward reached by ink alone, the digit lost, shows)."""
-    metrics = trainer.evaluate()[0]
+    metrics = trainer.evaluate()
     return {"reward": metrics["eval/reward/mean"], "ink": metrics["eval/reward/ink"], "classifier": metrics["eval/reward/digit_classifier"]}
 
 
-def run_method(method: str, seed: int, target: float, max_iterations: int, eval_every: int,
-               overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_method(
+    method: str, seed: int, target: float, max_iterations: int, eval_every: int, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Train one method until its held-out reward reaches ``target`` (checked every ``eval_every`` iterations) or
     ``max_iterations``; returns the curve (training seconds, counted work, held-out reward at every evaluation)
     and the first point at or above the target (None if never)."""
@@ -157,7 +168,13 @@ def run_method(method: str, seed: int, target: float, max_iterations: int, eval_
                     reached = curve[-1]
                     break
         work.close()
-    return {"method": method, "seed": seed, "reached": reached, "curve": curve, "eval_work": {k: v for k, v in work.counts.items() if k.startswith("eval")}}
+    return {
+        "method": method,
+        "seed": seed,
+        "reached": reached,
+        "curve": curve,
+        "eval_work": {k: v for k, v in work.counts.items() if k.startswith("eval")},
+    }
 
 
 def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) -> dict[str, Any]:
@@ -167,21 +184,39 @@ def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) 
     for m in methods:
         mine = [r for r in runs if r["method"] == m]
         hit = [r["reached"] for r in mine]
-        per_seed = {str(r["seed"]): None if r["reached"] is None else {
-            "train_s": round(r["reached"]["train_s"], 3), "iterations": r["reached"]["iteration"], "reward": round(r["reached"]["reward"], 4),
-            "ink": round(r["reached"]["ink"], 4), "classifier": round(r["reached"]["classifier"], 4),
-            "forwards": r["reached"]["rollout_forwards"] + r["reached"]["train_forwards"], "rollout_forwards": r["reached"]["rollout_forwards"],
-            "train_forwards": r["reached"]["train_forwards"], "backwards": r["reached"]["train_backwards"]}
-            for r in mine}
+        per_seed = {
+            str(r["seed"]): None
+            if r["reached"] is None
+            else {
+                "train_s": round(r["reached"]["train_s"], 3),
+                "iterations": r["reached"]["iteration"],
+                "reward": round(r["reached"]["reward"], 4),
+                "ink": round(r["reached"]["ink"], 4),
+                "classifier": round(r["reached"]["classifier"], 4),
+                "forwards": r["reached"]["rollout_forwards"] + r["reached"]["train_forwards"],
+                "rollout_forwards": r["reached"]["rollout_forwards"],
+                "train_forwards": r["reached"]["train_forwards"],
+                "backwards": r["reached"]["train_backwards"],
+            }
+            for r in mine
+        }
         all_hit = all(h is not None for h in hit) and len(hit) == len(seeds)
-        med = (lambda key: statistics.median(per_seed[str(s)][key] for s in seeds)) if all_hit else (lambda key: None)
-        out[m] = {"reached_in_all_seeds": all_hit, "seeds_reached": sum(h is not None for h in hit),
-                  "median_train_s": med("train_s"), "median_iterations": med("iterations"),
-                  "median_forwards": med("forwards"), "median_rollout_forwards": med("rollout_forwards"),
-                  "median_train_forwards": med("train_forwards"), "median_backwards": med("backwards"), "median_reached_reward": med("reward"),
-                  "median_reached_ink": med("ink"), "median_reached_classifier": med("classifier"),
-                  "median_final_reward": round(statistics.median(r["curve"][-1]["reward"] for r in mine), 4),
-                  "per_seed": per_seed}
+        med = (lambda key, per_seed=per_seed: statistics.median(per_seed[str(s)][key] for s in seeds)) if all_hit else (lambda key: None)
+        out[m] = {
+            "reached_in_all_seeds": all_hit,
+            "seeds_reached": sum(h is not None for h in hit),
+            "median_train_s": med("train_s"),
+            "median_iterations": med("iterations"),
+            "median_forwards": med("forwards"),
+            "median_rollout_forwards": med("rollout_forwards"),
+            "median_train_forwards": med("train_forwards"),
+            "median_backwards": med("backwards"),
+            "median_reached_reward": med("reward"),
+            "median_reached_ink": med("ink"),
+            "median_reached_classifier": med("classifier"),
+            "median_final_reward": round(statistics.median(r["curve"][-1]["reward"] for r in mine), 4),
+            "per_seed": per_seed,
+        }
     return out
 
 
@@ -241,8 +276,15 @@ def main() -> None:
     if a.quick:
         # target 0: every run "reaches" it at its first evaluation, so the speedup path runs too
         methods, a.seeds, a.max_iterations, a.eval_every, a.target = [BASELINE, "fast_window"], 1, 2, 1, 0.0
-        overrides.update({"rollout.num_inference_steps": 3, "train.prompts_per_iteration": 2, "train.num_generations": 4,
-                          "train.batch_size": 8, "eval.samples_per_prompt": 1})
+        overrides.update(
+            {
+                "rollout.num_inference_steps": 3,
+                "train.prompts_per_iteration": 2,
+                "train.num_generations": 4,
+                "train.batch_size": 8,
+                "eval.samples_per_prompt": 1,
+            }
+        )
     seeds = list(range(a.seeds))
     runs = []
     started = time.perf_counter()
@@ -251,23 +293,44 @@ def main() -> None:
             r = run_method(m, seed, a.target, a.max_iterations, a.eval_every, overrides)
             runs.append(r)
             last = r["reached"] or r["curve"][-1]
-            print(f"seed {seed} {m:<15} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
-                  f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}", file=sys.stderr, flush=True)
+            print(
+                f"seed {seed} {m:<15} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
+                f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
     total_s = time.perf_counter() - started
     summary = summarise(runs, methods, seeds)
     ratio, best = speedup(summary)
-    print(f"digits_flow, target held-out reward {a.target:g} (20 prompts x {overrides['eval.samples_per_prompt']} seeds, ODE); "
-          f"{torch.get_num_threads()} thread(s); median of {len(seeds)} seed(s); training time only; total {total_s:.0f} s")
+    print(
+        f"digits_flow, target held-out reward {a.target:g} (20 prompts x {overrides['eval.samples_per_prompt']} seeds, ODE); "
+        f"{torch.get_num_threads()} thread(s); median of {len(seeds)} seed(s); training time only; total {total_s:.0f} s"
+    )
     print(f"{'method':<16}{'reached':>8}{'time s':>9}{'iters':>7}{'fwd rows':>10}{'bwd rows':>10}{'final rew':>11}")
     for m, s in summary.items():
         fmt = lambda v, w, f: f"{'-':>{w}}" if v is None else format(v, f"{w}{f}")  # noqa: E731
-        print(f"{m:<16}{s['seeds_reached']:>6}/{len(seeds)}{fmt(s['median_train_s'], 9, '.1f')}{fmt(s['median_iterations'], 7, '.0f')}"
-              f"{fmt(s['median_forwards'], 10, '.0f')}{fmt(s['median_backwards'], 10, '.0f')}{s['median_final_reward']:>11.4f}")
+        print(
+            f"{m:<16}{s['seeds_reached']:>6}/{len(seeds)}{fmt(s['median_train_s'], 9, '.1f')}{fmt(s['median_iterations'], 7, '.0f')}"
+            f"{fmt(s['median_forwards'], 10, '.0f')}{fmt(s['median_backwards'], 10, '.0f')}{s['median_final_reward']:>11.4f}"
+        )
     if a.plot:
-        plot(runs, methods, a.target, a.plot, f"digits_flow, held-out reward vs training time, {len(seeds)} seed(s), {torch.get_num_threads()} thread(s)")
-    result = {"speedup_vs_full_sde": ratio, "best_method": best, "target": a.target, "seeds": len(seeds),
-              "threads": torch.get_num_threads(), "total_s": round(total_s, 1), "methods": summary,
-              "curves": {f"{r['method']}/{r['seed']}": [[round(p["train_s"], 2), round(p["reward"], 4)] for p in r["curve"]] for r in runs}}
+        plot(
+            runs,
+            methods,
+            a.target,
+            a.plot,
+            f"digits_flow, held-out reward vs training time, {len(seeds)} seed(s), {torch.get_num_threads()} thread(s)",
+        )
+    result = {
+        "speedup_vs_full_sde": ratio,
+        "best_method": best,
+        "target": a.target,
+        "seeds": len(seeds),
+        "threads": torch.get_num_threads(),
+        "total_s": round(total_s, 1),
+        "methods": summary,
+        "curves": {f"{r['method']}/{r['seed']}": [[round(p["train_s"], 2), round(p["reward"], 4)] for p in r["curve"]] for r in runs},
+    }
     line = json.dumps(result)
     if a.json:
         a.json.write_text(line + "\n")

@@ -12,6 +12,12 @@ the checksums of the files it reads and names the first one that does not match.
 
 Every operating-system failure while writing (permission, not a directory, disk full, read-only file
 system) becomes one FlowRLError sentence naming the path (``writing``).
+
+Files and directories written atomically get the mode an ordinary ``open(path, "w")`` or ``mkdir`` gives
+(0o666 / 0o777 less the umask, or what a default ACL says), like every other file of a run (metrics.jsonl):
+the temporary names are created with those requested modes, not by ``tempfile`` (whose 0o600 / 0o700 would
+survive the rename), and a writer that replaces a file with a private one of its own (safetensors writes
+0o600) has its mode set back before the rename.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import tempfile
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -66,7 +75,9 @@ def os_error_reason(error: BaseException) -> str:
 
 
 def _is_io_error(error: BaseException) -> bool:
-    return isinstance(error, OSError) or (isinstance(error, SafetensorError) and re.search(r"I/O error|IoError|os error", str(error)) is not None)
+    return isinstance(error, OSError) or (
+        isinstance(error, SafetensorError) and re.search(r"I/O error|IoError|os error", str(error)) is not None
+    )
 
 
 def write_error(path: Path | str, error: BaseException) -> FlowRLError:
@@ -109,20 +120,68 @@ def _fsync_tree(root: Path) -> None:
         _fsync(p)
 
 
+def _create_unique(parent: Path, prefix: str, create: Callable[[Path], Any]) -> Path:
+    """``create`` (which must fail with FileExistsError on an existing name) a new ``parent/prefix<random>``."""
+    for _ in range(100):
+        candidate = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            create(candidate)
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(errno.EEXIST, "no unused temporary name", str(parent / prefix))
+
+
+def _new_file(path: Path) -> None:
+    # 0o666 as open(path, "w") asks: the kernel applies the umask (or the directory's default ACL)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+
+
+def temporary_file(parent: Path, prefix: str) -> Path:
+    """A new empty file ``parent/prefix<random>`` with the mode ``open(path, "w")`` would give it."""
+    return _create_unique(parent, prefix, _new_file)
+
+
+def temporary_directory(parent: Path, prefix: str) -> Path:
+    """A new directory ``parent/prefix<random>`` with the mode ``mkdir`` would give it (not mkdtemp's 0o700)."""
+    return _create_unique(parent, prefix, lambda p: os.mkdir(p, 0o777))
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _set_modes(root: Path, file_mode: int, dir_mode: int) -> None:
+    """Give every directory under ``root`` ``dir_mode`` and every file ``file_mode`` (``dir_mode``'s execute bits
+    added for an executable one); symbolic links are left alone."""
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            mode = dir_mode
+        else:
+            mode = file_mode | (dir_mode & 0o111) if _mode(p) & 0o111 else file_mode
+        if _mode(p) != mode:
+            p.chmod(mode)
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary file path beside ``path``; move it into place only if the block succeeds.
 
     The file is fsynced before the rename and the directory after it, so after a power loss ``path`` holds
-    either its old content or the whole new one. OS errors are one sentence naming ``path``."""
+    either its old content or the whole new one. The file gets the mode ``open(path, "w")`` would give a new
+    file (0o666 less the umask). OS errors are one sentence naming ``path``."""
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-        os.close(fd)
+        tmp = temporary_file(path.parent, f".{path.name}-")
+        mode = _mode(tmp)  # what open(path, "w") gives a new file here
     try:
         with writing(path):
-            yield Path(tmp)
+            yield tmp
+            if _mode(tmp) != mode:  # the writer replaced the file with one of its own
+                tmp.chmod(mode)
             _fsync(tmp)
             os.replace(tmp, path)
             _fsync(path.parent)
@@ -134,21 +193,25 @@ def atomic_path(path: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_directory(path: Path, world_readable: bool = True) -> Iterator[Path]:
     """Yield a temporary directory beside ``path``; replace ``path`` with it only if the block succeeds.
-    ``world_readable``: mkdtemp makes the folder private, shipped assets must be readable by everyone.
+    The directory gets the mode ``mkdir`` would give it (0o777 less the umask), as the files written into it
+    do; ``world_readable``: everything is then made readable by everyone (0o644 / 0o755) whatever the umask,
+    for assets shipped in the package.
 
     Every file and directory is fsynced before the rename, the parent after it. An existing ``path`` is
     moved aside first and removed only once the new one is in place."""
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+        tmp = temporary_directory(path.parent, f".{path.name}-")
     old = None
     try:
         with writing(path):
+            probe = temporary_file(tmp, ".mode-")
+            file_mode, dir_mode = _mode(probe), _mode(tmp)  # what open(path, "w") and mkdir give here
+            probe.unlink()
             yield tmp
-            if world_readable:
-                for p in [tmp, *tmp.rglob("*")]:
-                    p.chmod(0o755 if p.is_dir() else 0o644)
+            # writers that make private files of their own (safetensors: 0o600) get the mode every other file has
+            _set_modes(tmp, *((0o644, 0o755) if world_readable else (file_mode, dir_mode)))
             _fsync_tree(tmp)
             if path.exists():
                 old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-old-"))
@@ -192,8 +255,14 @@ def _state_digest(state: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def save_checkpoint(directory: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | dict[str, Any],
-                    trainer_state: dict[str, Any], config_yaml: str, extra: Callable[[Path], Any] | None = None) -> Path:
+def save_checkpoint(
+    directory: Path,
+    weights: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | dict[str, Any],
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    extra: Callable[[Path], Any] | None = None,
+) -> Path:
     """Write a checkpoint directory atomically and durably; ``extra(tmp_dir)`` may add files (e.g. a
     diffusers LoRA). The state file, written last, records the sha256 of every other file."""
     with atomic_directory(directory, world_readable=False) as tmp:
@@ -232,7 +301,9 @@ def verify_checkpoint(directory: Path, names: Iterable[str] | None = None) -> di
     state = _read_state(directory)
     files = state.get("files")
     if files is None:  # written before checksums existed: readable, but nothing can be verified
-        warnings.warn(f"checkpoint '{directory}' carries no checksums (written by an older flowrl); its files are not verified.", stacklevel=2)
+        warnings.warn(
+            f"checkpoint '{directory}' carries no checksums (written by an older flowrl); its files are not verified.", stacklevel=2
+        )
         return state
     if not isinstance(files, dict) or state.get("state_sha256") != _state_digest(state):
         raise FlowRLError(f"checkpoint file '{directory / STATE_FILE}' is corrupt (its checksum does not match its content).")
@@ -262,8 +333,11 @@ def find_latest(output_dir: Path) -> tuple[Path, str]:
     The ``latest`` pointer is only a hint: a crash between writing a checkpoint and the pointer, a deleted
     pointer or a corrupt newest checkpoint must not hide an older valid one."""
     root = Path(output_dir) / "checkpoints"
-    candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None),
-                        key=checkpoint_step, reverse=True) if root.is_dir() else []
+    candidates = (
+        sorted((p for p in root.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None), key=checkpoint_step, reverse=True)
+        if root.is_dir()
+        else []
+    )
     if not candidates:
         raise FlowRLError(f"resume_from=latest but '{output_dir}' has no checkpoint yet.")
     pointer_file = root / "latest"

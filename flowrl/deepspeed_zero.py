@@ -31,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -147,9 +147,14 @@ def load_engine_state(engine, checkpoint: Path) -> None:
     """Resume the engine from the checkpoint's ``deepspeed/`` (same number of processes, same ZeRO stage)."""
     directory = Path(checkpoint) / ENGINE_DIR
     if not (directory / _TAG).is_dir():
-        raise FlowRLError(f"checkpoint '{checkpoint}' holds no DeepSpeed engine state (it was not written by a DeepSpeed run), "
-                          "so this DeepSpeed run cannot resume its optimizer from it; resume it with the launch that wrote it.")
-    path, _ = engine.load_checkpoint(str(directory), tag=_TAG, load_module_strict=True, load_optimizer_states=True,
-                                     load_lr_scheduler_states=False)
+        raise FlowRLError(
+            f"checkpoint '{checkpoint}' holds no DeepSpeed engine state (it was not written by a DeepSpeed run), "
+            "so this DeepSpeed run cannot resume its optimizer from it; resume it with the launch that wrote it."
+        )
+    path, _ = engine.load_checkpoint(
+        str(directory), tag=_TAG, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
     if path is None:
-        raise FlowRLError(f"DeepSpeed could not load the engine state in '{directory}' (written with another number of processes or ZeRO stage?).")
+        raise FlowRLError(
+            f"DeepSpeed could not load the engine state in '{directory}' (written with another number of processes or ZeRO stage?)."
+        )

@@ -57,8 +57,10 @@ def enable_fsdp_on_cpu(accelerator) -> None:
     if wants_fsdp and state.distributed_type == DistributedType.MULTI_CPU:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables accelerate launch set from the config
         if plugin.cpu_offload is not None and type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
-            raise FlowRLError("fsdp_offload_params moves the shards from the GPUs to CPU RAM, but these processes run on the CPU; "
-                              "launch with configs/accelerate/fsdp.yaml.")
+            raise FlowRLError(
+                "fsdp_offload_params moves the shards from the GPUs to CPU RAM, but these processes run on the CPU; "
+                "launch with configs/accelerate/fsdp.yaml."
+            )
         state.fsdp_plugin = plugin
         state.distributed_type = DistributedType.FSDP
         # AcceleratorState() copies PartialState's fields each time it is built (trackers, samplers build one): set both

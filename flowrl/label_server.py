@@ -29,8 +29,12 @@ from .preference_pairs import SLOTS, image_path, read_pair_prompts
 ASSETS = Path(__file__).resolve().parent / "assets" / "label"
 TOKEN_ENV = "FLOWRL_LABEL_TOKEN"
 TOKEN_HEADER = "x-flowrl-token"
-SECURITY_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-                    "Content-Security-Policy": "default-src 'self'; img-src 'self'; frame-ancestors 'none'"}
+SECURITY_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self'; frame-ancestors 'none'",
+}
 
 
 def is_loopback(host: str) -> bool:
@@ -52,15 +56,19 @@ class LabelSession:
     log: LabelLog
 
     @classmethod
-    def open(cls, directory: str | Path) -> "LabelSession":
+    def open(cls, directory: str | Path) -> LabelSession:
         directory = Path(directory)
         prompts = read_pair_prompts(directory)
         if not (directory / "images").is_dir():
-            raise FlowRLError(f"'{directory}' has no images/ folder, so there is nothing to show; build the pairs again with "
-                              "python -m flowrl.preference_pairs, which writes one.")
+            raise FlowRLError(
+                f"'{directory}' has no images/ folder, so there is nothing to show; build the pairs again with "
+                "python -m flowrl.preference_pairs, which writes one."
+            )
         missing: dict[int, list[str]] = {}
         for i in range(len(prompts)):
-            gone = [image_path(directory, i, s).relative_to(directory).as_posix() for s in SLOTS if not image_path(directory, i, s).is_file()]
+            gone = [
+                image_path(directory, i, s).relative_to(directory).as_posix() for s in SLOTS if not image_path(directory, i, s).is_file()
+            ]
             if gone:
                 missing[i] = gone
         return cls(directory, prompts, missing, LabelLog(directory, len(prompts)))
@@ -69,8 +77,11 @@ class LabelSession:
     def progress(self) -> dict[str, Any]:
         state = self.log.state
         last = state.by_seq[state.history[-1]] if state.history else None
-        return {**state.counts(), "missing_images": len(self.missing),
-                "last": {k: last[k] for k in ("seq", "pair", "choice")} if last else None}
+        return {
+            **state.counts(),
+            "missing_images": len(self.missing),
+            "last": {k: last[k] for k in ("seq", "pair", "choice")} if last else None,
+        }
 
     def pair_view(self, pair: int | None) -> dict[str, Any] | None:
         if pair is None:
@@ -78,9 +89,13 @@ class LabelSession:
         left = left_slot(pair)
         sides = {"left": left, "right": SLOTS[1 - SLOTS.index(left)]}
         label = self.log.state.labels.get(pair)
-        return {"pair": pair, "prompt": self.prompts[pair], "missing": self.missing.get(pair, []),
-                "label": label["choice"] if label else None,
-                **{side: f"/image/{pair}/{slot}.png" for side, slot in sides.items()}}
+        return {
+            "pair": pair,
+            "prompt": self.prompts[pair],
+            "missing": self.missing.get(pair, []),
+            "label": label["choice"] if label else None,
+            **{side: f"/image/{pair}/{slot}.png" for side, slot in sides.items()},
+        }
 
     def answer(self, current: int | None, **extra: Any) -> dict[str, Any]:
         return {"progress": self.progress(), "current": self.pair_view(current), **extra}
@@ -90,14 +105,22 @@ class LabelSession:
         """(HTTP status, answer) for a click; a refused click changes nothing and says why in one sentence."""
         state = self.log.state
         if not isinstance(pair, int) or isinstance(pair, bool) or not 0 <= pair < state.total or choice not in CHOICES:
-            return 400, self.answer(state.first_unlabelled(), error=f"a label needs 'pair' (0 to {state.total - 1}) and 'choice' "
-                                    f"({', '.join(CHOICES)}); nothing was saved.")
+            return 400, self.answer(
+                state.first_unlabelled(),
+                error=f"a label needs 'pair' (0 to {state.total - 1}) and 'choice' ({', '.join(CHOICES)}); nothing was saved.",
+            )
         if pair in state.labels:
-            return 409, self.answer(state.first_unlabelled(), error=f"pair {pair} was already labelled '{state.labels[pair]['choice']}' "
-                                    "(in another tab or window); nothing was saved, and this page now shows the next unlabelled pair.")
+            return 409, self.answer(
+                state.first_unlabelled(),
+                error=f"pair {pair} was already labelled '{state.labels[pair]['choice']}' "
+                "(in another tab or window); nothing was saved, and this page now shows the next unlabelled pair.",
+            )
         if pair in self.missing and choice != "skip":
-            return 409, self.answer(pair, error=f"pair {pair} cannot be compared because {', '.join(self.missing[pair])} is missing "
-                                    "from the pairs directory; only skip is possible.")
+            return 409, self.answer(
+                pair,
+                error=f"pair {pair} cannot be compared because {', '.join(self.missing[pair])} is missing "
+                "from the pairs directory; only skip is possible.",
+            )
         try:
             self.log.append({"pair": pair, "choice": choice, "preferred": preferred_slot(pair, choice)})
         except FlowRLError as e:  # the disk refused the write: the file is as before, and the page says so
@@ -111,8 +134,11 @@ class LabelSession:
             return 409, self.answer(state.first_unlabelled(), error="there is no label to undo.")
         last = state.by_seq[state.history[-1]]
         if seq != last["seq"]:
-            return 409, self.answer(state.first_unlabelled(), error=f"the last label is now pair {last['pair']}'s, saved in another tab "
-                                    "or window; nothing was undone, and this page now shows the current state.")
+            return 409, self.answer(
+                state.first_unlabelled(),
+                error=f"the last label is now pair {last['pair']}'s, saved in another tab "
+                "or window; nothing was undone, and this page now shows the current state.",
+            )
         try:
             self.log.append({"undo": last["seq"]})
         except FlowRLError as e:
@@ -144,8 +170,11 @@ def build_app(session: LabelSession, token: str | None, port: int, loopback: boo
         if token is not None:
             given = request.headers.get(TOKEN_HEADER) or request.query_params.get("token") or request.cookies.get(cookie) or ""
             if not secrets.compare_digest(given.encode(), token.encode()):
-                return refuse(401, "this labelling server needs its access token: open the address that `flowrl label` printed "
-                              "(it ends in ?token=...).", api)
+                return refuse(
+                    401,
+                    "this labelling server needs its access token: open the address that `flowrl label` printed (it ends in ?token=...).",
+                    api,
+                )
         if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             return refuse(415, "labels are sent as JSON (Content-Type: application/json); nothing was saved.", api)
         response = await call_next(request)
@@ -157,6 +186,7 @@ def build_app(session: LabelSession, token: str | None, port: int, loopback: boo
     def asset(name: str, media_type: str):
         async def endpoint(request: Request) -> Response:
             return FileResponse(ASSETS / name, media_type=media_type)
+
         return endpoint
 
     async def state(request: Request) -> Response:
@@ -188,10 +218,15 @@ def build_app(session: LabelSession, token: str | None, port: int, loopback: boo
     from starlette.middleware import Middleware
     from starlette.middleware.base import BaseHTTPMiddleware
 
-    routes = [Route("/", asset("index.html", "text/html")), Route("/label.js", asset("label.js", "text/javascript")),
-              Route("/label.css", asset("label.css", "text/css")), Route("/api/state", state),
-              Route("/image/{pair:int}/{slot}.png", image), Route("/api/label", label, methods=["POST"]),
-              Route("/api/undo", undo, methods=["POST"])]
+    routes = [
+        Route("/", asset("index.html", "text/html")),
+        Route("/label.js", asset("label.js", "text/javascript")),
+        Route("/label.css", asset("label.css", "text/css")),
+        Route("/api/state", state),
+        Route("/image/{pair:int}/{slot}.png", image),
+        Route("/api/label", label, methods=["POST"]),
+        Route("/api/undo", undo, methods=["POST"]),
+    ]
     return Starlette(routes=routes, middleware=[Middleware(BaseHTTPMiddleware, dispatch=guard)])
 
 
@@ -223,9 +258,15 @@ def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8765) -> i
     p = session.progress()
     if session.missing:
         first = next(iter(session.missing.values()))[0]
-        print(f"flowrl label: {len(session.missing)} of {p['total']} pairs have a missing image (first: {first}); "
-              "the page shows them as missing and they can only be skipped.", file=sys.stderr, flush=True)
-    print(f"flowrl label: {p['labelled']} of {p['total']} pairs of '{session.directory}' labelled; open {url}  (Ctrl-C to stop)", flush=True)
+        print(
+            f"flowrl label: {len(session.missing)} of {p['total']} pairs have a missing image (first: {first}); "
+            "the page shows them as missing and they can only be skipped.",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"flowrl label: {p['labelled']} of {p['total']} pairs of '{session.directory}' labelled; open {url}  (Ctrl-C to stop)", flush=True
+    )
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     try:
         server.run(sockets=[sock])

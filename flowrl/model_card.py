@@ -81,38 +81,55 @@ def _settings(section: Any, skip: tuple[str, ...] = ()) -> str:
 def _load_snippet(config, kind: str, where: str) -> str:
     p = config.pipeline
     if p.name == "dllm":
-        return (f"```python\nfrom flowrl.config import DLLMPipelineConfig\nfrom flowrl.pipelines import build_pipeline\n\n"
-                f"pipe = build_pipeline(DLLMPipelineConfig(pretrained=\"{where}\"), \"cpu\")\n```")
+        return (
+            f"```python\nfrom flowrl.config import DLLMPipelineConfig\nfrom flowrl.pipelines import build_pipeline\n\n"
+            f'pipe = build_pipeline(DLLMPipelineConfig(pretrained="{where}"), "cpu")\n```'
+        )
     if p.name in EMBEDDED:
         if kind == "lora":
-            loader = "load_lora_into_unet(state, alphas, unet=pipe.denoiser, metadata=metadata)" if p.name == "digits" else \
-                "load_lora_into_transformer(state, transformer=pipe.denoiser, metadata=metadata)"
+            loader = (
+                "load_lora_into_unet(state, alphas, unet=pipe.denoiser, metadata=metadata)"
+                if p.name == "digits"
+                else "load_lora_into_transformer(state, transformer=pipe.denoiser, metadata=metadata)"
+            )
             cls = "StableDiffusionPipeline" if p.name == "digits" else "CogVideoXPipeline"
             unpack = "state, alphas, metadata" if p.name == "digits" else "state, metadata"
-            return (f"The embedded base model `{p.pretrained}` ships with flowrl and has no diffusers pipeline class; its "
-                    f"denoiser takes this LoRA through diffusers' own loader (`pip install flowrl`):\n\n"
-                    f"```python\nfrom diffusers import {cls}\n\nfrom flowrl.config import PipelineConfig\n"
-                    f"from flowrl.pipelines import build_pipeline\n\n"
-                    f"pipe = build_pipeline(PipelineConfig(name=\"{p.name}\", pretrained=\"{p.pretrained}\"), \"cpu\")\n"
-                    f"{unpack} = {cls}.lora_state_dict(\"{where}/pytorch_lora_weights.safetensors\", return_lora_metadata=True)\n"
-                    f"{cls}.{loader}\n```")
-        return (f"An embedded flowrl model (no diffusers pipeline class); load it with flowrl (`pip install flowrl`):\n\n"
-                f"```python\nfrom flowrl.config import PipelineConfig\nfrom flowrl.pipelines import build_pipeline\n\n"
-                f"pipe = build_pipeline(PipelineConfig(name=\"{p.name}\", pretrained=\"{where}\"), \"cpu\")\n```"
-                + (f"\n\nor sample a grid from the command line: `flowrl sample {where} --prompt \"a handwritten seven\"`."
-                   if p.name == "digits" else ""))
+            return (
+                f"The embedded base model `{p.pretrained}` ships with flowrl and has no diffusers pipeline class; its "
+                f"denoiser takes this LoRA through diffusers' own loader (`pip install flowrl`):\n\n"
+                f"```python\nfrom diffusers import {cls}\n\nfrom flowrl.config import PipelineConfig\n"
+                f"from flowrl.pipelines import build_pipeline\n\n"
+                f'pipe = build_pipeline(PipelineConfig(name="{p.name}", pretrained="{p.pretrained}"), "cpu")\n'
+                f'{unpack} = {cls}.lora_state_dict("{where}/pytorch_lora_weights.safetensors", return_lora_metadata=True)\n'
+                f"{cls}.{loader}\n```"
+            )
+        return (
+            f"An embedded flowrl model (no diffusers pipeline class); load it with flowrl (`pip install flowrl`):\n\n"
+            f"```python\nfrom flowrl.config import PipelineConfig\nfrom flowrl.pipelines import build_pipeline\n\n"
+            f'pipe = build_pipeline(PipelineConfig(name="{p.name}", pretrained="{where}"), "cpu")\n```'
+            + (
+                f'\n\nor sample a grid from the command line: `flowrl sample {where} --prompt "a handwritten seven"`.'
+                if p.name == "digits"
+                else ""
+            )
+        )
     output = ".frames[0]" if p.name in VIDEO else ".images[0]"
     if kind == "lora":
-        return (f"```python\nimport torch\nfrom diffusers import DiffusionPipeline\n\n"
-                f"pipe = DiffusionPipeline.from_pretrained(\"{p.pretrained}\", torch_dtype=torch.bfloat16)\n"
-                f"pipe.load_lora_weights(\"{where}\")\nresult = pipe(\"your prompt\"){output}\n```")
-    return (f"```python\nimport torch\nfrom diffusers import DiffusionPipeline\n\n"
-            f"pipe = DiffusionPipeline.from_pretrained(\"{where}\", torch_dtype=torch.bfloat16)\n"
-            f"result = pipe(\"your prompt\"){output}\n```")
+        return (
+            f"```python\nimport torch\nfrom diffusers import DiffusionPipeline\n\n"
+            f'pipe = DiffusionPipeline.from_pretrained("{p.pretrained}", torch_dtype=torch.bfloat16)\n'
+            f'pipe.load_lora_weights("{where}")\nresult = pipe("your prompt"){output}\n```'
+        )
+    return (
+        f"```python\nimport torch\nfrom diffusers import DiffusionPipeline\n\n"
+        f'pipe = DiffusionPipeline.from_pretrained("{where}", torch_dtype=torch.bfloat16)\n'
+        f'result = pipe("your prompt"){output}\n```'
+    )
 
 
-def build_model_card(checkpoint: Path, config, kind: Literal["full", "lora"], where: str,
-                     license: str | None = None, grid_caption: str | None = None):
+def build_model_card(
+    checkpoint: Path, config, kind: Literal["full", "lora"], where: str, license: str | None = None, grid_caption: str | None = None
+):
     """The ``huggingface_hub.ModelCard`` of ``checkpoint`` exported as ``kind``; ``where``: the path or repo id
     the load snippet names; ``grid_caption``: set when the sample grid was copied beside the card."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -126,36 +143,54 @@ def build_model_card(checkpoint: Path, config, kind: Literal["full", "lora"], wh
             summary = json.loads((run / "summary.json").read_text())
         except ValueError:
             summary = {}
-    hub_base = p.name not in EMBEDDED and p.name != "dllm" and not Path(p.pretrained).exists() and "/" in p.pretrained
+    text = p.modality == "text"  # a diffusion language model
+    hub_base = p.name not in EMBEDDED and not text and not Path(p.pretrained).exists() and "/" in p.pretrained
     data = ModelCardData(
-        library_name="transformers" if p.name == "dllm" else "diffusers",
+        library_name="transformers" if text else "diffusers",
         base_model=p.pretrained if hub_base else None,
         license=license,
-        pipeline_tag="text-generation" if p.name == "dllm" else VIDEO.get(p.name, None if p.name == "toy2d" else "text-to-image"),
-        tags=["flowrl", "reinforcement-learning", o.name, *(["lora"] if kind == "lora" else []), p.name])
+        pipeline_tag="text-generation" if text else VIDEO.get(p.name, None if p.name == "toy2d" else "text-to-image"),
+        tags=["flowrl", "reinforcement-learning", o.name, *(["lora"] if kind == "lora" else []), p.name],
+    )
     lora = getattr(p, "lora", None)
-    kind_text = "a LoRA (`pytorch_lora_weights.safetensors`)" if kind == "lora" else \
-        "the full model" + (" with the LoRA merged into the denoiser" if lora else "")
-    base_text = f"[`{p.pretrained}`](https://huggingface.co/{p.pretrained})" if hub_base else \
-        f"`{p.pretrained}` ({'embedded in flowrl' if p.name in EMBEDDED or p.pretrained == 'arith_mdlm' else 'a local model directory'})"
+    kind_text = (
+        "a LoRA (`pytorch_lora_weights.safetensors`)"
+        if kind == "lora"
+        else "the full model" + (" with the LoRA merged into the denoiser" if lora else "")
+    )
+    base_text = (
+        f"[`{p.pretrained}`](https://huggingface.co/{p.pretrained})"
+        if hub_base
+        else f"`{p.pretrained}` ({'embedded in flowrl' if p.name in EMBEDDED or p.pretrained == 'arith_mdlm' else 'a local model directory'})"
+    )
     tc = config.train
-    lines = [f"# {o.name.upper()} fine-tune of {p.pretrained}", "",
-             f"This is {kind_text}, fine-tuned from {base_text} with reinforcement learning by "
-             f"flowrl (objective `{o.name}`"
-             + (f", checkpoint step {step}" if step is not None else "") + ").", "",
-             "## Training", "",
-             f"- **Base model:** {base_text}, family `{p.name}`" + (f", revision `{p.revision}`" if getattr(p, "revision", None) else ""),
-             f"- **Method:** `{o.name}` — {_settings(o, skip=('name',))}",
-             f"- **Sampler:** `{config.sampler.name}` — {_settings(config.sampler, skip=('name',))}; "
-             f"{config.rollout.num_inference_steps} denoising steps, guidance {config.rollout.guidance_scale}",
-             "- **Reward:** " + " + ".join(f"{w:g} × `{n}`" for n, w in r.components.items())
-             + (" (held-out judge, never trained on: " + ", ".join(f"`{n}`" for n in config.eval.judge.components) + ")"
-                if config.eval.judge else ""),
-             f"- **Key config:** {tc.iterations} iterations of {tc.prompts_per_iteration} prompts × {tc.num_generations} samples, "
-             f"learning rate {tc.learning_rate:g} ({tc.lr_schedule}), batch {tc.batch_size}, seed {config.seed}"
-             + (f"; LoRA r={lora.r}, alpha={lora.alpha}" if lora else "; full fine-tuning of the denoiser"),
-             f"- **Prompts:** `{config.prompts.dataset}` (train split `{config.prompts.train_split}`, held-out `{config.prompts.eval_split}`)",
-             "", "## Held-out metrics", ""]
+    lines = [
+        f"# {o.name.upper()} fine-tune of {p.pretrained}",
+        "",
+        f"This is {kind_text}, fine-tuned from {base_text} with reinforcement learning by "
+        f"flowrl (objective `{o.name}`" + (f", checkpoint step {step}" if step is not None else "") + ").",
+        "",
+        "## Training",
+        "",
+        f"- **Base model:** {base_text}, family `{p.name}`" + (f", revision `{p.revision}`" if getattr(p, "revision", None) else ""),
+        f"- **Method:** `{o.name}` — {_settings(o, skip=('name',))}",
+        f"- **Sampler:** `{config.sampler.name}` — {_settings(config.sampler, skip=('name',))}; "
+        f"{config.rollout.num_inference_steps} denoising steps, guidance {config.rollout.guidance_scale}",
+        "- **Reward:** "
+        + " + ".join(f"{w:g} × `{n}`" for n, w in r.components.items())
+        + (
+            " (held-out judge, never trained on: " + ", ".join(f"`{n}`" for n in config.eval.judge.components) + ")"
+            if config.eval.judge
+            else ""
+        ),
+        f"- **Key config:** {tc.iterations} iterations of {tc.prompts_per_iteration} prompts × {tc.num_generations} samples, "
+        f"learning rate {tc.learning_rate:g} ({tc.lr_schedule}), batch {tc.batch_size}, seed {config.seed}"
+        + (f"; LoRA r={lora.r}, alpha={lora.alpha}" if lora else "; full fine-tuning of the denoiser"),
+        f"- **Prompts:** `{config.prompts.dataset}` (train split `{config.prompts.train_split}`, held-out `{config.prompts.eval_split}`)",
+        "",
+        "## Held-out metrics",
+        "",
+    ]
     records = _eval_records(run)
     first = records.get(min(records)) if records else None
     mine = records.get(step) if step is not None else None
@@ -167,30 +202,49 @@ def build_model_card(checkpoint: Path, config, kind: Literal["full", "lora"], wh
             earlier = [s for s in records if step is None or s <= step]
             mine_step = max(earlier) if earlier else None
             mine = records.get(mine_step) if mine_step is not None else None
-        keys = ["eval/reward/mean", *sorted(k for k in first if k.startswith("eval/reward/") and k != "eval/reward/mean"),
-                *[k for k in ("eval/judge/mean", "eval/diversity") if k in first]]
-        lines += [f"Evaluated on held-out prompts and seeds with the deterministic sampler (samples per prompt: {config.eval.samples_per_prompt}"
-                  "); `eval/reward/mean` is the training reward, the judge is scored on the evaluation only.", "",
-                  f"| metric | before training (step {min(records)}) | this model (step {_fmt(mine_step)}) |", "|---|---|---|"]
-        lines += [f"| `{k}` | {_fmt(first.get(k))} | {_fmt((mine or {}).get(k))} |" for k in keys
-                  if first.get(k) is not None or (mine or {}).get(k) is not None]
+        keys = [
+            "eval/reward/mean",
+            *sorted(k for k in first if k.startswith("eval/reward/") and k != "eval/reward/mean"),
+            *[k for k in ("eval/judge/mean", "eval/diversity") if k in first],
+        ]
+        lines += [
+            f"Evaluated on held-out prompts and seeds with the deterministic sampler (samples per prompt: {config.eval.samples_per_prompt}"
+            "); `eval/reward/mean` is the training reward, the judge is scored on the evaluation only.",
+            "",
+            f"| metric | before training (step {min(records)}) | this model (step {_fmt(mine_step)}) |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| `{k}` | {_fmt(first.get(k))} | {_fmt((mine or {}).get(k))} |"
+            for k in keys
+            if first.get(k) is not None or (mine or {}).get(k) is not None
+        ]
         if mine_step != step:
             lines += ["", f"Step {step} was not evaluated; the right column is the nearest earlier evaluation."]
         if summary:
-            lines += ["", f"Run: {summary.get('iterations_completed')} of {summary.get('iterations_planned')} iterations "
-                      f"({summary.get('status')}); held-out reward {_fmt(summary.get('eval_reward_initial'))} → "
-                      f"{_fmt(summary.get('eval_reward_final'))} at step {_fmt(summary.get('eval_reward_final_step'))}."]
+            lines += [
+                "",
+                f"Run: {summary.get('iterations_completed')} of {summary.get('iterations_planned')} iterations "
+                f"({summary.get('status')}); held-out reward {_fmt(summary.get('eval_reward_initial'))} → "
+                f"{_fmt(summary.get('eval_reward_final'))} at step {_fmt(summary.get('eval_reward_final_step'))}.",
+            ]
     lines += ["", "## Samples", ""]
-    lines.append(f"![{grid_caption}]({GRID_FILE})\n\n*{grid_caption}*" if grid_caption else "No sample grid was found next to this checkpoint.")
+    lines.append(
+        f"![{grid_caption}]({GRID_FILE})\n\n*{grid_caption}*" if grid_caption else "No sample grid was found next to this checkpoint."
+    )
     lines += ["", "## How to load it", "", _load_snippet(config, kind, where), "", "## License", ""]
-    lines.append(f"`{license}`." if license else
-                 f"This model inherits the license of its base model, {base_text}; read it before you use or share this model.")
+    lines.append(
+        f"`{license}`."
+        if license
+        else f"This model inherits the license of its base model, {base_text}; read it before you use or share this model."
+    )
     body = "\n".join(lines) + "\n"
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 
 
-def write_model_card(directory: Path, checkpoint: Path, config, kind: Literal["full", "lora"], where: str | None = None,
-                     license: str | None = None) -> Path:
+def write_model_card(
+    directory: Path, checkpoint: Path, config, kind: Literal["full", "lora"], where: str | None = None, license: str | None = None
+) -> Path:
     """Write ``directory/README.md`` (and ``samples.png``, the run's grid, when there is one) for ``checkpoint``
     exported as ``kind``. ``where``: what the load snippet loads from (default: the directory's name)."""
     directory, checkpoint = Path(directory), Path(checkpoint)
@@ -208,7 +262,9 @@ def write_model_card(directory: Path, checkpoint: Path, config, kind: Literal["f
 
 def _is_network_error(error: BaseException) -> bool:
     names = {c.__name__ for c in type(error).__mro__}
-    return isinstance(error, (ConnectionError, TimeoutError)) or bool(names & {"TransportError", "ConnectionError", "Timeout", "ConnectError"})
+    return isinstance(error, (ConnectionError, TimeoutError)) or bool(
+        names & {"TransportError", "ConnectionError", "Timeout", "ConnectError"}
+    )
 
 
 def hub_endpoint() -> str:
@@ -227,15 +283,16 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
     api = HfApi(endpoint=endpoint)
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                          commit_message="Upload model exported by flowrl")
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message="Upload model exported by flowrl")
     except LocalTokenNotFoundError:
         raise FlowRLError("no Hugging Face token: set HF_TOKEN or run `hf auth login`") from None
     except HFValidationError as e:
         raise FlowRLError(f"'{repo_id}' is not a valid hub repository id ({str(e).splitlines()[0].rstrip('.')})") from None
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
-        why = {401: "not authorised: check HF_TOKEN or `hf auth login`", 403: "forbidden: the token cannot write there"}.get(status, f"HTTP {status}")
+        why = {401: "not authorised: check HF_TOKEN or `hf auth login`", 403: "forbidden: the token cannot write there"}.get(
+            status, f"HTTP {status}"
+        )
         raise FlowRLError(f"the hub at {endpoint} refused the upload to '{repo_id}' ({why})") from None
     except Exception as e:  # noqa: BLE001 - the transport's own exception classes are not public API
         if _is_network_error(e):

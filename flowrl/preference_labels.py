@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import _fsync as fsync_path, os_error_reason, writing
+from .checkpoint import _fsync as fsync_path
+from .checkpoint import os_error_reason, writing
 from .errors import FlowRLError
 from .preference_pairs import SLOTS, PreferencePairs, read_pairs
 
@@ -85,8 +86,13 @@ class LabelState:
 
     def counts(self) -> dict[str, int]:
         kinds = [r["preferred"] for r in self.labels.values()]
-        return {"labelled": len(self.labels), "total": self.total, "preferences": sum(k in SLOTS for k in kinds),
-                "ties": kinds.count("tie"), "skips": kinds.count("skip")}
+        return {
+            "labelled": len(self.labels),
+            "total": self.total,
+            "preferences": sum(k in SLOTS for k in kinds),
+            "ties": kinds.count("tie"),
+            "skips": kinds.count("skip"),
+        }
 
 
 def read_labels(path: Path, total: int) -> LabelState:
@@ -109,8 +115,10 @@ def read_labels(path: Path, total: int) -> LabelState:
             state.apply(record)
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             reason = "it is not valid JSON" if isinstance(e, json.JSONDecodeError) else str(e)
-            raise FlowRLError(f"'{path}' line {number} is not a valid label record ({reason}); nothing was changed: "
-                              "fix or delete that line and start again.") from None
+            raise FlowRLError(
+                f"'{path}' line {number} is not a valid label record ({reason}); nothing was changed: "
+                "fix or delete that line and start again."
+            ) from None
     return state
 
 
@@ -132,15 +140,16 @@ class LabelLog:
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:  # os.write may write less than asked
-            view = view[os.write(self._fd, view):]
+            view = view[os.write(self._fd, view) :]
         os.fsync(self._fd)
 
     def append(self, record: dict[str, Any]) -> dict[str, Any]:
         """Write ``record`` (seq and time filled in) durably, then apply it. If the write fails the file is cut
         back to what it held, the state is unchanged, and the one-sentence error says nothing was saved."""
         record = {"seq": self.state.next_seq, **record, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        LabelState(self.state.total, dict(self.state.labels), list(self.state.history), dict(self.state.by_seq),
-                   self.state.next_seq).apply(record)  # validate on a copy: a refused record never reaches the file
+        LabelState(self.state.total, dict(self.state.labels), list(self.state.history), dict(self.state.by_seq), self.state.next_seq).apply(
+            record
+        )  # validate on a copy: a refused record never reaches the file
         end = os.fstat(self._fd).st_size
         try:
             self._write((json.dumps(record) + "\n").encode())
@@ -174,7 +183,9 @@ def labelled_pairs(directory: str | Path) -> LabelledPairs:
     decisive = sorted(i for i, r in state.labels.items() if r["preferred"] in SLOTS)
     counts = state.counts()
     if not decisive:
-        raise FlowRLError(f"'{path}' prefers one sample in none of the {len(pairs)} pairs ({counts['ties']} ties, {counts['skips']} skips, "
-                          f"{len(pairs) - counts['labelled']} unlabelled); label some with `flowrl label {directory}`.")
+        raise FlowRLError(
+            f"'{path}' prefers one sample in none of the {len(pairs)} pairs ({counts['ties']} ties, {counts['skips']} skips, "
+            f"{len(pairs) - counts['labelled']} unlabelled); label some with `flowrl label {directory}`."
+        )
     swap = [state.labels[i]["preferred"] == "loser" for i in decisive]
     return LabelledPairs(pairs.reordered(decisive, swap), counts)

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from .errors import FlowRLError
 
-
 SLOTS = ("winner", "loser")  # the stored order of a pair: the builder's reward ranks the first above the second
 
 
@@ -60,7 +59,7 @@ class PreferencePairs:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def reordered(self, indices: list[int], swap: list[bool]) -> "PreferencePairs":
+    def reordered(self, indices: list[int], swap: list[bool]) -> PreferencePairs:
         """The pairs ``indices``, winner and loser exchanged where ``swap`` (a human preferred the stored loser)."""
         idx, flip = torch.tensor(indices, dtype=torch.long), torch.tensor(swap, dtype=torch.bool)
 
@@ -110,9 +109,16 @@ def write_pairs(directory: str | Path, pairs: PreferencePairs, rewards: tuple[Te
         save_file({"winner": pairs.winners.contiguous(), "loser": pairs.losers.contiguous()}, str(tmp / "pairs.safetensors"))
         if pairs.trajectories is not None:
             t = pairs.trajectories
-            save_file({"winner": t.winners.contiguous(), "loser": t.losers.contiguous(), "sigmas": t.sigmas.contiguous(),
-                       "stochastic": t.stochastic.contiguous()}, str(tmp / "trajectories.safetensors"),
-                      metadata={"guidance_scale": repr(float(t.guidance_scale))})
+            save_file(
+                {
+                    "winner": t.winners.contiguous(),
+                    "loser": t.losers.contiguous(),
+                    "sigmas": t.sigmas.contiguous(),
+                    "stochastic": t.stochastic.contiguous(),
+                },
+                str(tmp / "trajectories.safetensors"),
+                metadata={"guidance_scale": repr(float(t.guidance_scale))},
+            )
         if pairs.images is not None:
             _write_images(tmp, pairs.images)
         with open(tmp / "pairs.jsonl", "w") as f:
@@ -142,7 +148,9 @@ def read_pairs(directory: str | Path) -> PreferencePairs:
         raise FlowRLError(f"'{tensors}' must hold 'winner' and 'loser' tensors of one shape.")
     if len(lines) != data["winner"].shape[0] or not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in lines):
         raise FlowRLError(f"'{rows}' must have one JSON object with a 'prompt' per pair ({data['winner'].shape[0]} pairs).")
-    pairs = PreferencePairs(data["winner"].float(), data["loser"].float(), [r["prompt"] for r in lines], [dict(r.get("metadata") or {}) for r in lines])
+    pairs = PreferencePairs(
+        data["winner"].float(), data["loser"].float(), [r["prompt"] for r in lines], [dict(r.get("metadata") or {}) for r in lines]
+    )
     if (directory / "trajectories.safetensors").exists():
         pairs.trajectories = _read_trajectories(directory / "trajectories.safetensors", pairs)
     return pairs
@@ -162,7 +170,9 @@ def _read_trajectories(path: Path, pairs: PreferencePairs) -> PairTrajectories:
     ok = ok and data["winner"].ndim == len(shape) + 2 and tuple(data["winner"].shape[:1] + data["winner"].shape[2:]) == (n, *shape)
     ok = ok and data["sigmas"].shape == (data["winner"].shape[1],) and data["stochastic"].shape == (data["winner"].shape[1] - 1,)
     if not ok:
-        raise FlowRLError(f"'{path}' must hold 'winner' and 'loser' trajectories ({n}, K+1, {', '.join(map(str, shape))}), 'sigmas' (K+1,) and 'stochastic' (K,).")
+        raise FlowRLError(
+            f"'{path}' must hold 'winner' and 'loser' trajectories ({n}, K+1, {', '.join(map(str, shape))}), 'sigmas' (K+1,) and 'stochastic' (K,)."
+        )
     return PairTrajectories(data["winner"].float(), data["loser"].float(), data["sigmas"].float(), data["stochastic"].bool(), guidance)
 
 
@@ -187,7 +197,9 @@ def read_pair_prompts(directory: str | Path) -> list[str]:
 
 
 @torch.no_grad()
-def build_pairs(config, num_prompts: int, generator: torch.Generator, trajectories: bool = False) -> tuple[PreferencePairs, tuple[Tensor, Tensor], int]:
+def build_pairs(
+    config, num_prompts: int, generator: torch.Generator, trajectories: bool = False
+) -> tuple[PreferencePairs, tuple[Tensor, Tensor], int]:
     """Two ODE samples per training prompt of ``config`` from independent noise, labelled by its reward.
     With ``trajectories``: two samples of the config's rollout sampler instead, from one x_T per pair when
     ``rollout.same_noise_in_group`` (D3PO's online pairs), every state kept.
@@ -196,11 +208,11 @@ def build_pairs(config, num_prompts: int, generator: torch.Generator, trajectori
     their rewards, and the number left out.
     """
     from . import seeding
-    from .config import ODEConfig, resolve_device
     from .pipelines import build_pipeline
-    from .prompts import prompt_pool, sample_prompts
+    from .pipelines.common import resolve_device
+    from .prompts import prompts_for, sample_prompts
     from .reward_models import build_reward_from_config
-    from .samplers import build_sampler
+    from .samplers import ODEConfig, build_sampler
     from .samplers.rollout import rollout
 
     device = resolve_device(config.pipeline.device)  # exactly pipeline.device, refused if this machine lacks it
@@ -210,7 +222,7 @@ def build_pairs(config, num_prompts: int, generator: torch.Generator, trajectori
     reward, rc = build_reward_from_config(config.reward), config.rollout
     if trajectories and not sampler.stochastic:
         raise FlowRLError(f"--trajectories records pairs for D3PO, which needs a stochastic sampler; '{sampler.name}' is deterministic.")
-    pool = prompt_pool(config.prompts.dataset, config.prompts.train_split, file=config.prompts.train_file)
+    pool = prompts_for(config.prompts, "train")
     chosen = sample_prompts(pool, num_prompts, seeding.python_rng(config.seed, 0, 0, "pair_prompts"))
     sigmas = pipeline.schedule.sigmas(rc.num_inference_steps).to(device)
     per_batch = max(1, rc.batch_size // 2)  # prompts per rollout batch of two samples each
@@ -220,10 +232,21 @@ def build_pairs(config, num_prompts: int, generator: torch.Generator, trajectori
         part = chosen[start : start + per_batch]
         ps, ms = [p for p, _ in part for _ in range(2)], [m for _, m in part for _ in range(2)]
         if trajectories:  # as D3PO's online rollout: the pair's two samples are one group
-            traj = rollout(pipeline, sampler, ps, ms, torch.arange(len(part)).repeat_interleave(2), sigmas, generator,
-                           rc.guidance_scale, same_noise_in_group=rc.same_noise_in_group)
+            traj = rollout(
+                pipeline,
+                sampler,
+                ps,
+                ms,
+                torch.arange(len(part)).repeat_interleave(2),
+                sigmas,
+                generator,
+                rc.guidance_scale,
+                same_noise_in_group=rc.same_noise_in_group,
+            )
         else:
-            traj = rollout(pipeline, sampler, ps, ms, torch.arange(len(ps)), sigmas, generator, rc.guidance_scale, same_noise_in_group=False)
+            traj = rollout(
+                pipeline, sampler, ps, ms, torch.arange(len(ps)), sigmas, generator, rc.guidance_scale, same_noise_in_group=False
+            )
         scores = reward(traj.samples, ps, ms).scores.float().cpu()
         x0, decoded = traj.latents[:, -1].cpu(), traj.samples.detach().float().cpu()
         for i, (prompt, meta) in enumerate(part):
@@ -245,30 +268,44 @@ def build_pairs(config, num_prompts: int, generator: torch.Generator, trajectori
         raise FlowRLError("every pair was a tie or had a non-finite reward; no pairs to write.")
     recorded = None
     if trajectories:
-        recorded = PairTrajectories(torch.stack([w for w, _ in states]), torch.stack([lo for _, lo in states]), sigmas.cpu(),
-                                    traj.stochastic.cpu(), float(rc.guidance_scale))
+        recorded = PairTrajectories(
+            torch.stack([w for w, _ in states]),
+            torch.stack([lo for _, lo in states]),
+            sigmas.cpu(),
+            traj.stochastic.cpu(),
+            float(rc.guidance_scale),
+        )
     pairs = PreferencePairs(torch.stack(keep_w), torch.stack(keep_l), prompts, metadata, recorded, torch.stack(images))
     return pairs, (torch.tensor(rw), torch.tensor(rl)), dropped
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flowrl.preference_pairs", description="Build offline preference pairs from a model and a reward.")
+    p = argparse.ArgumentParser(
+        prog="python -m flowrl.preference_pairs", description="Build offline preference pairs from a model and a reward."
+    )
     p.add_argument("config", help="a YAML config: its pipeline, reward, prompts and rollout settings are used")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--num-prompts", type=int, default=512, help="training prompts to draw (with replacement), one pair each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="the pairs directory to write (must not exist)")
-    p.add_argument("--trajectories", action="store_true",
-                   help="sample with the config's stochastic sampler as D3PO does online and keep every state, so D3PO can "
-                   "train on human labels of these pairs (objective.preference: human)")
+    p.add_argument(
+        "--trajectories",
+        action="store_true",
+        help="sample with the config's stochastic sampler as D3PO does online and keep every state, so D3PO can "
+        "train on human labels of these pairs (objective.preference: human)",
+    )
     args = p.parse_args(argv)
     try:
         from .config import load_config
 
         if args.out.exists():
             raise FlowRLError(f"pairs directory '{args.out}' already exists; choose a new one.")
-        pairs, rewards, dropped = build_pairs(load_config(args.config, args.overrides), args.num_prompts, torch.Generator().manual_seed(args.seed),
-                                             trajectories=args.trajectories)
+        pairs, rewards, dropped = build_pairs(
+            load_config(args.config, args.overrides),
+            args.num_prompts,
+            torch.Generator().manual_seed(args.seed),
+            trajectories=args.trajectories,
+        )
         write_pairs(args.out, pairs, rewards)
     except FlowRLError as e:
         print(f"flowrl: error: {e}", file=sys.stderr)

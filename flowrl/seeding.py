@@ -62,7 +62,7 @@ class RowGenerators:
         self.generators = generators
 
     @classmethod
-    def keyed(cls, seed: int, iteration: int, purpose: str, keys) -> "RowGenerators":
+    def keyed(cls, seed: int, iteration: int, purpose: str, keys) -> RowGenerators:
         """CPU streams (the draws are moved to the model's device), one per key."""
         tag = _ROW_STREAM + PURPOSES[purpose]  # where a per-process stream has its rank: never a rank, so no stream is shared
         return cls([torch.Generator().manual_seed(derive_seed(seed, iteration, tag, int(k))) for k in keys])
@@ -70,7 +70,7 @@ class RowGenerators:
     def __len__(self) -> int:
         return len(self.generators)
 
-    def __getitem__(self, index) -> "RowGenerators":
+    def __getitem__(self, index) -> RowGenerators:
         if isinstance(index, slice):
             return RowGenerators(self.generators[index])
         return RowGenerators([self.generators[int(i)] for i in index])

@@ -13,8 +13,17 @@ from .checkpoint import writing
 from .errors import FlowRLError
 
 # accelerate's tracker name -> the pip package that provides it
-PIP_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet_ml": "comet-ml", "aim": "aim", "mlflow": "mlflow",
-                "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio"}
+PIP_PACKAGES = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "comet_ml": "comet-ml",
+    "aim": "aim",
+    "mlflow": "mlflow",
+    "clearml": "clearml",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+    "trackio": "trackio",
+}
 
 
 def supported_trackers() -> list[str]:
@@ -77,8 +86,10 @@ class Trackers:
         available = {str(t) for t in get_available_trackers()}
         for name in self.names:  # refused before anything is written
             if name not in available:
-                raise FlowRLError(f"log.trackers names '{name}' but its package is not installed; pip install {PIP_PACKAGES.get(name, name)} "
-                                  f"(or remove '{name}' from log.trackers).")
+                raise FlowRLError(
+                    f"log.trackers names '{name}' but its package is not installed; pip install {PIP_PACKAGES.get(name, name)} "
+                    f"(or remove '{name}' from log.trackers)."
+                )
 
     def log_with(self) -> list:
         return [_tensorboard_tracker(self.run_dir / "tensorboard") if n == "tensorboard" else n for n in self.names] or None
@@ -101,8 +112,9 @@ class Trackers:
         """The finite numbers of one metrics record."""
         if not self.started:
             return
-        values = {k: v for k, v in record.items()
-                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        values = {
+            k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         with writing(self.run_dir):
             self.accelerator.log(values, step=step)
 

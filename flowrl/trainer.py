@@ -25,22 +25,27 @@ import sys
 import time
 import warnings
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, gather_object
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 from tqdm import tqdm
 
 from . import deepspeed_zero, seeding
-from .checkpoint import atomic_path, find_latest, load_optimizer, read_checkpoint, save_checkpoint, writing
-from .config import Config, resolve_device, to_yaml
+from .checkpoint import atomic_path, checkpoint_step, find_latest, load_optimizer, read_checkpoint, save_checkpoint, writing
+from .config import Config, load_config, resolve_device, set_num_threads, to_yaml
 from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
-from .errors import FlowRLError
+from .errors import FlowRLError, Preempted
 from .modalities import build_modality
+from .prompts import prompts_for
+from .resume_check import check_resume_config
 from .reward_models import build_reward_from_config
 from .reward_models.gradients import require_differentiable
+from .reward_models.mix import probe_user_rewards, required_metadata, rewards_from_python, user_parts
+from .run_lock import RunLock
 from .run_logger import RunLogger, json_line, nanmean
 from .trackers import Trackers
 from .types import PAIRED_ROWS
@@ -59,10 +64,47 @@ def lr_factor(schedule: str, iteration: int, iterations: int, min_fraction: floa
 
 class Trainer:
     """One loop for every model: a :class:`~flowrl.modalities.Modality` supplies the model-side parts
-    (images and video, or masked-diffusion text) and the objective declares what it trains on."""
+    (images and video, or masked-diffusion text) and the objective declares what it trains on.
 
-    def __init__(self, config: Config):
+    ``config``: a :class:`Config`, or a preset name (``"digits/grpo"``) or YAML path, with ``overrides``
+    (``["train.iterations=5"]``). From Python, parts can be given as objects instead of names:
+
+    - ``reward``: the training reward: a function ``fn(samples, prompts, metadata) -> scores``, a reward object, or a
+      mapping ``{name: reward}`` weighted by ``reward_weights`` (default 1 each); it replaces ``config.reward``,
+      whose ``components`` then record the names. ``judge``: the same for ``eval.judge``.
+    - ``pipeline``: a model already in memory, used instead of loading ``pipeline.pretrained``: a diffusers pipeline
+      for image and video families (its components are used, not copied), a transformers model or a
+      ``(model, tokenizer)`` pair for diffusion LMs.
+
+    A user's reward is tried on a small batch shaped like the model's samples before any model loads, so one that
+    cannot score them is one sentence, not a failure minutes into the run.
+    """
+
+    def __init__(
+        self,
+        config: Config | str | os.PathLike,
+        overrides: Sequence[str] = (),
+        *,
+        reward: Any = None,
+        reward_weights: dict[str, float] | None = None,
+        judge: Any = None,
+        pipeline: Any = None,
+    ):
+        if not isinstance(config, Config):
+            config = load_config(config, overrides)
+        elif overrides:
+            config = load_config(None, overrides, base=config)
+        user_reward = user_judge = None
+        if reward is not None:
+            user_reward, recorded = rewards_from_python(reward, reward_weights)
+            config = config.model_copy(update={"reward": recorded})
+        elif reward_weights:
+            raise FlowRLError("reward_weights weighs the rewards given as reward={name: fn}; pass them with it.")
+        if judge is not None:
+            user_judge, recorded = rewards_from_python(judge)
+            config = config.model_copy(update={"eval": config.eval.model_copy(update={"judge": recorded})})
         self.config = config
+        set_num_threads(config)  # one thread for the embedded models: more only add contention (train.num_threads)
         self.trackers = Trackers(config, Path(config.output_dir))  # a tracker's missing package is refused before anything is written
         self.accelerator = _accelerator(config, self.trackers.log_with())
         enable_fsdp_on_cpu(self.accelerator)  # an FSDP launch of CPU processes shards as it would on GPUs
@@ -73,10 +115,15 @@ class Trainer:
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self._check_divisibility()
         self.run_dir = Path(config.output_dir)
-        self.reward = build_reward_from_config(config.reward)
-        self.judge = build_reward_from_config(config.eval.judge) if config.eval.judge is not None else None  # never trained on
+        self.reward = user_reward if user_reward is not None else build_reward_from_config(config.reward)
+        self.judge = (
+            user_judge
+            if user_judge is not None
+            else (build_reward_from_config(config.eval.judge) if config.eval.judge is not None else None)
+        )  # never trained on
+        self._probe_user_rewards()  # before any model loads
         seeding.seed_initialisation(config.seed)  # before anything is initialised at random (LoRA, DCoLT's head)
-        self.modality = build_modality(config, self.accelerator.device)
+        self.modality = build_modality(config, self.accelerator.device, loaded=pipeline)
         self.pipeline, self.sampler, self.objective = self.modality.pipeline, self.modality.sampler, self.modality.objective
         self.modality.check()
         self._check_reward_can_score()
@@ -86,8 +133,12 @@ class Trainer:
             self.pipeline.enable_reference()
         groups = self._parameter_groups()
         self._base_lrs = [g.get("lr", config.train.learning_rate) for g in groups]  # from the config, so a resume with a new rate takes it
-        optimizer = torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=(config.train.adam_beta1, config.train.adam_beta2),
-                                      weight_decay=config.train.weight_decay)
+        optimizer = torch.optim.AdamW(
+            groups,
+            lr=config.train.learning_rate,
+            betas=(config.train.adam_beta1, config.train.adam_beta2),
+            weight_decay=config.train.weight_decay,
+        )
         if is_fsdp(self.accelerator):  # the family's blocks become FSDP units (flowrl/distributed.py)
             choose_blocks_to_wrap(self.accelerator, self.module)
         if self.deepspeed:  # micro batch, accumulation boundary and clipping are flowrl's (flowrl/deepspeed_zero.py)
@@ -96,10 +147,20 @@ class Trainer:
         setattr(self.pipeline, self.modality.module_attr, prepared)
         self.iteration = 0
         self.logger = RunLogger(self.run_dir, enabled=self.is_main, trackers=self.trackers)
-        self._stop_requested = False
+        self._stop_requested: str | bool = False  # "SIGINT" or "SIGTERM" once asked to stop
+        self._run_lock = RunLock(self.run_dir)
         self._updating = False  # True while the optimizer may have changed the weights of an unfinished iteration
         self._saving = False  # True while a checkpoint is being written
         self._nonfinite: deque[tuple[int, int]] = deque(maxlen=config.train.nonfinite_window)  # (non-finite, all) per iteration
+
+    def _probe_user_rewards(self) -> None:
+        """A user's reward (an import path, an entry point, an object passed in) scores two samples shaped like the
+        model's, with the first training prompts, before the model loads (reward_models/mix.py)."""
+        rewards = [self.reward] + ([self.judge] if self.judge is not None else [])
+        if not any(user_parts(r) for r in rewards):
+            return
+        pool = (prompts_for(self.config.prompts, "train")[:2] * 2)[:2]
+        probe_user_rewards(rewards, self.config.pipeline.probe_samples(len(pool)), [p for p, _ in pool], [m for _, m in pool])
 
     @property
     def module(self) -> torch.nn.Module:
@@ -128,27 +189,38 @@ class Trainer:
         """Refuse, before anything runs, a reward that cannot score the configured prompts: a reward declares the
         metadata it needs (``required_metadata``, e.g. the digit classifier's "digit"), and a prompt without it
         would score NaN in every iteration. Components weighted 0 are only watched, so they are not checked."""
-        needs = sorted(_required_metadata(self.reward))
+        needs = sorted(required_metadata(self.reward))
         if not needs:
             return
         from .evaluation.held_out import eval_pool
 
         pc = self.config.prompts
-        pools = [("held-out", eval_pool(self.config), pc.eval_file)]
-        if self.objective.trains_on != "offline_pairs":  # offline pairs carry their own prompts and labels
-            pools.insert(0, ("training", self.modality.train_pool, pc.train_file))
+        pools = [("held-out prompt", eval_pool(self.config), pc.eval_file if pc.dataset in ("file", "hf") else None)]
+        if self.objective.trains_on not in PAIRED_ROWS:  # offline pairs carry their own prompts and labels
+            pools.insert(0, ("training prompt", self.modality.train_pool, pc.train_file if pc.dataset in ("file", "hf") else None))
+        winners = getattr(self.modality, "winners", None)
+        if winners is not None:  # SePPO's winners: their prompts are scored (and logged) like the reference samples'
+            source = self.config.objective.winners
+            pools.insert(0, ("winner", list(zip(winners.prompts, winners.metadata)), None if source == "embedded" else source))
+        pairs = getattr(self.modality, "pairs", None)
+        if pairs is not None:  # offline preference pairs: their samples are scored with their own prompts' metadata
+            pools.insert(0, ("pair", list(zip(pairs.prompts, pairs.metadata)), pc.pairs))
         for what, pool, file in pools:
             for i, (prompt, metadata) in enumerate(pool):
                 for reward_name, key in needs:
                     if metadata.get(key) is None:
-                        where = f" of '{file}'" if pc.dataset == "file" and file else ""
-                        raise FlowRLError(f"reward '{reward_name}' needs '{key}' in every prompt's metadata, but {what} prompt {i + 1}{where} "
-                                          f"({prompt[:60]!r}) has none, so it would score NaN and never train; give the prompts a "
-                                          f"'{key}' (a .jsonl prompt file) or choose another reward.")
+                        where = f" of '{file}'" if file else ""
+                        raise FlowRLError(
+                            f"reward '{reward_name}' needs '{key}' in every prompt's metadata, but {what} {i + 1}{where} "
+                            f"({prompt[:60]!r}) has none, so it would score NaN and never train; give the prompts a "
+                            f"'{key}' (a .jsonl prompt file) or choose another reward."
+                        )
 
     def _check_divisibility(self) -> None:
         if self.config.train.prompts_per_iteration % self.world:
-            raise FlowRLError(f"train.prompts_per_iteration ({self.config.train.prompts_per_iteration}) must be divisible by the number of processes ({self.world}).")
+            raise FlowRLError(
+                f"train.prompts_per_iteration ({self.config.train.prompts_per_iteration}) must be divisible by the number of processes ({self.world})."
+            )
 
     # -- one training iteration, phase by phase ---------------------------------------------------
     def train_iteration(self, iteration: int) -> dict[str, float]:
@@ -166,8 +238,14 @@ class Trainer:
         metrics = self.update(batch, iteration)
         self._updating = False
         t3 = time.perf_counter()
-        return {**metrics, **reward_metrics, "train/learning_rate": lr, "perf/rollout_s": t1 - t0, "perf/score_s": t2 - t1,
-                "perf/update_s": t3 - t2}
+        return {
+            **metrics,
+            **reward_metrics,
+            "train/learning_rate": lr,
+            "perf/rollout_s": t1 - t0,
+            "perf/score_s": t2 - t1,
+            "perf/update_s": t3 - t2,
+        }
 
     def _set_learning_rate(self, iteration: int) -> float:
         """Every parameter group at its base rate times ``lr_factor`` of this iteration; returns the factor."""
@@ -190,7 +268,9 @@ class Trainer:
         scores = out.scores.float()  # on the reward's device: the samples' for images, the CPU for text
         bad = ~torch.isfinite(scores)
         if bad.any():
-            warnings.warn(f"{int(bad.sum())} of {len(scores)} rewards were NaN or infinite; those samples are left out of the update.", stacklevel=2)
+            warnings.warn(
+                f"{int(bad.sum())} of {len(scores)} rewards were NaN or infinite; those samples are left out of the update.", stacklevel=2
+            )
         batch.rewards = torch.where(bad, torch.full_like(scores, float("nan")), scores)
         batch.reward_components = {k: v.float().to(scores.device) for k, v in out.extras.items()}
         if grads is not None:
@@ -219,7 +299,9 @@ class Trainer:
         means = {k: float(torch.stack(v).float().mean()) for k, v in totals.items()}
         if self.world > 1:  # the run's metrics, not the main process's share: each key averaged over the processes that have it
             shares = gather_object([means])
-            means = {k: sum(m[k] for m in shares if k in m) / sum(k in m for m in shares) for k in dict.fromkeys(k for m in shares for k in m)}
+            means = {
+                k: sum(m[k] for m in shares if k in m) / sum(k in m for m in shares) for k in dict.fromkeys(k for m in shares for k in m)
+            }
         return means
 
     def _optimizer_step(self, batch, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -266,12 +348,24 @@ class Trainer:
             metrics["train/grad_norm"] = norm
         return metrics
 
-    def evaluate(self) -> tuple[dict[str, float], object]:
-        """Held-out metrics of the current weights (identical for any number of processes) and the samples shown."""
+    def evaluate(self, return_samples: bool = False) -> dict[str, float] | tuple[dict[str, float], Any]:
+        """Held-out metrics of the current weights (identical for any number of processes); with ``return_samples``
+        also the samples shown in the run directory's grids (images / videos, or text rows)."""
         metrics, shown = self.modality.evaluate(self.reward, self.rank, self.world, judge=self.judge)
         if self.judge is None:  # no judge configured: the held-out reward stands in for it, and says so
             metrics["eval/judge/mean"], metrics["eval/judge/is_eval_reward"] = metrics["eval/reward/mean"], 1.0
-        return metrics, shown
+        return (metrics, shown) if return_samples else metrics
+
+    def sample(self, prompts: str | Sequence[str], num_samples: int = 1, seed: int = 0, **options: Any) -> Any:
+        """Samples of the current weights: ``num_samples`` per prompt, prompt-major. Images and videos come back as a
+        float tensor in [0, 1] (deterministic sampler unless ``sampler="rollout"``; ``num_inference_steps``,
+        ``guidance_scale`` and ``metadata`` as options); a diffusion LM's as completion strings (``temperature``,
+        default the evaluation's)."""
+        return self.modality.sample([prompts] if isinstance(prompts, str) else list(prompts), num_samples, seed, **options)
+
+    def train(self) -> dict[str, Any]:
+        """Run the training loop (``fit``): what ``flowrl train`` does; returns the summary written to summary.json."""
+        return self.fit()
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self) -> Path | None:
@@ -281,7 +375,11 @@ class Trainer:
         self._saving = True
         target = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
         sharded = is_fsdp(self.accelerator)  # every process gathers its shards; the main one writes full tensors
-        gathered = (full_tensors(self._weights_to_save(), self.is_main), full_optimizer_state(self.optimizer.optimizer, self.is_main)) if sharded else None
+        gathered = (
+            (full_tensors(self._weights_to_save(), self.is_main), full_optimizer_state(self.optimizer.optimizer, self.is_main))
+            if sharded
+            else None
+        )
         if self.deepspeed:  # every process writes its partition of the engine's state; the main one the full weights
             staging = target.parent / f".{target.name}.deepspeed"
             if self.is_main and staging.exists():
@@ -293,7 +391,11 @@ class Trainer:
         if self.is_main:
             weights, optimizer = gathered or (self._weights_to_save(), self.optimizer.optimizer)
             lora = functools.partial(self.pipeline.save_lora, state_dict=weights) if gathered else self.pipeline.save_lora
-            state = {"iteration": self.iteration, "objective": states, **({"deepspeed_zero_stage": deepspeed_zero.zero_stage(self.module)} if self.deepspeed else {})}
+            state = {
+                "iteration": self.iteration,
+                "objective": states,
+                **({"deepspeed_zero_stage": deepspeed_zero.zero_stage(self.module)} if self.deepspeed else {}),
+            }
 
             def extra(tmp: Path) -> None:
                 if self.pipeline.has_lora:  # + the LoRA in its library's format
@@ -328,7 +430,7 @@ class Trainer:
     def _load_objective_module(self, weights: dict[str, torch.Tensor]) -> None:
         extra = self.objective.extra_module
         if extra is not None:
-            extra.load_state_dict({k[len("objective."):]: v for k, v in weights.items() if k.startswith("objective.")})
+            extra.load_state_dict({k[len("objective.") :]: v for k, v in weights.items() if k.startswith("objective.")})
 
     def load(self, spec: str) -> None:
         if spec == "latest":  # the newest checkpoint that verifies, said out loud
@@ -341,8 +443,11 @@ class Trainer:
             weights, optim, state = read_checkpoint(directory)
         written_by_deepspeed = "deepspeed_zero_stage" in state
         if written_by_deepspeed and not self.deepspeed:
-            raise FlowRLError(f"checkpoint '{directory}' was written by a DeepSpeed run, whose AdamW state lies in its partitioned deepspeed/ "
-                              "files; resume it under the same DeepSpeed launch (flowrl export reads its weights under any launch).")
+            raise FlowRLError(
+                f"checkpoint '{directory}' was written by a DeepSpeed run, whose AdamW state lies in its partitioned deepspeed/ "
+                "files; resume it under the same DeepSpeed launch (flowrl export reads its weights under any launch)."
+            )
+        check_resume_config(self.config, directory, spec)  # after the launch check: no resume_allow mends that one
         try:
             if self.deepspeed:  # weights, fp32 master copies and AdamW moments from the engine's own checkpoint
                 self._load_objective_module(weights)
@@ -360,9 +465,37 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """Train ``train.iterations`` iterations (or what is left of them after ``resume_from``): the output directory
+        is locked for the whole run (flowrl/run_lock.py), and a run ends with summary.json whatever ends it."""
+        self._take_output_dir()
+        try:
+            return self._fit()
+        finally:
+            if self.is_main:
+                self._run_lock.release()
+
+    def _take_output_dir(self) -> None:
+        """The output directory's lock, taken by the main process and agreed by all: a refusal is every process's."""
+        problem = None
+        if self.is_main:
+            try:
+                self._run_lock.acquire()
+            except FlowRLError as e:
+                problem = str(e)
+        if self.world > 1:
+            problem = broadcast_object_list([problem])[0]
+        if problem:
+            raise FlowRLError(problem)
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.config
-        if cfg.resume_from:  # before anything is written: a bad checkpoint must leave no files behind
-            self.load(cfg.resume_from)
+        resume = cfg.resume_from
+        if resume == "latest" and not self._has_checkpoint():
+            if self.is_main:  # e.g. killed while writing its first checkpoint: there is nothing to resume
+                print(f"flowrl: output_dir '{self.run_dir}' holds no complete checkpoint, so the run starts afresh there.", file=sys.stderr)
+            resume = None
+        if resume:  # before anything is written: a bad checkpoint must leave no files behind
+            self.load(resume)
             self.logger.truncate_after(self.iteration)
         else:
             self._claim_output_dir()
@@ -371,10 +504,16 @@ class Trainer:
         self.trackers.start(self.accelerator, self.config.model_dump(mode="json"))  # the resolved config, as config.yaml holds it
         if self.iteration == 0:
             self._evaluate_and_log(0, tag="before")
-        previous = signal.signal(signal.SIGINT, self._request_stop)
+        previous = self._catch_stop_signals()
         started, first = time.time(), self.iteration
-        bar = tqdm(range(self.iteration, cfg.train.iterations), initial=self.iteration, total=cfg.train.iterations,
-                   desc="flowrl train", disable=not (self.is_main and cfg.log.progress), dynamic_ncols=True)
+        bar = tqdm(
+            range(self.iteration, cfg.train.iterations),
+            initial=self.iteration,
+            total=cfg.train.iterations,
+            desc="flowrl train",
+            disable=not (self.is_main and cfg.log.progress),
+            dynamic_ncols=True,
+        )
         status, reason = "completed", None
         try:
             for iteration in bar:
@@ -382,7 +521,11 @@ class Trainer:
                 self.iteration = iteration + 1
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 if self._after_iteration(metrics):  # log -> evaluate -> checkpoint; True: stop here
-                    status, reason = "interrupted", f"stopped by Ctrl-C after iteration {self.iteration}."
+                    if self._stop_requested == "SIGTERM":
+                        status = "preempted"
+                        reason = f"stopped by SIGTERM (preemption) after iteration {self.iteration}; resume with resume_from=latest."
+                    else:
+                        status, reason = "interrupted", f"stopped by Ctrl-C after iteration {self.iteration}."
                     break
                 if cfg.train.stop_after and self.iteration - first >= cfg.train.stop_after:
                     status, reason = "stopped", f"train.stop_after={cfg.train.stop_after} iterations were done."
@@ -394,7 +537,8 @@ class Trainer:
             self._finish(time.time() - started, "failed", message, quiet=True)
             raise FlowRLError(message) from None
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             bar.close()
         if self.iteration >= cfg.train.iterations:  # a stop requested during the last iteration stopped nothing
             status, reason = "completed", None
@@ -402,11 +546,16 @@ class Trainer:
 
     def _write_config(self) -> None:
         """The resolved config, first thing in the run directory; a directory this created is removed again
-        when the write fails, so an unwritable or full disk leaves nothing behind."""
+        when the write fails, so an unwritable or full disk leaves nothing behind. A resumed run that changed the
+        config keeps the earlier one as config_history/step_<N>.yaml (the config the run had up to step N)."""
         created = [d for d in [self.run_dir, *self.run_dir.parents] if not d.exists()]  # innermost first
+        path, text = self.run_dir / "config.yaml", to_yaml(self.config)
         try:
-            with atomic_path(self.run_dir / "config.yaml") as tmp:
-                tmp.write_text(to_yaml(self.config))
+            if self.config.resume_from and path.is_file() and path.read_text() != text:
+                with atomic_path(self.run_dir / "config_history" / f"step_{self.iteration:06d}.yaml") as tmp:
+                    tmp.write_text(path.read_text())
+            with atomic_path(path) as tmp:
+                tmp.write_text(text)
         except FlowRLError:
             for d in created:
                 try:
@@ -415,14 +564,24 @@ class Trainer:
                     break
             raise
 
+    def _has_checkpoint(self) -> bool:
+        """Whether the output directory holds a checkpoint (valid or not: a corrupt one is named by find_latest)."""
+        return any(checkpoint_step(p) is not None for p in (self.run_dir / "checkpoints").glob("step_*"))
+
     def _claim_output_dir(self) -> None:
-        """A fresh run never mixes its metrics or checkpoints with an earlier run's."""
+        """A fresh run never mixes its metrics or checkpoints with an earlier run's. An earlier run that saved no
+        checkpoint (killed before or while writing its first) has nothing to resume: it is replaced, and said so."""
         previous = [p for p in ("metrics.jsonl", "checkpoints") if (self.run_dir / p).exists()]
         if not previous:
             return
-        if not self.config.overwrite:
-            raise FlowRLError(f"output_dir '{self.run_dir}' already holds a run; continue it with resume_from=latest, "
-                              "choose another output_dir, or set overwrite=true to replace it.")
+        if not self._has_checkpoint() and not self.config.overwrite:
+            if self.is_main:
+                print(f"flowrl: output_dir '{self.run_dir}' holds a run that saved no checkpoint; it is replaced.", file=sys.stderr)
+        elif not self.config.overwrite:
+            raise FlowRLError(
+                f"output_dir '{self.run_dir}' already holds a run; continue it with resume_from=latest, "
+                "choose another output_dir, or set overwrite=true to replace it."
+            )
         self.accelerator.wait_for_everyone()
         if self.is_main:
             import shutil
@@ -439,9 +598,11 @@ class Trainer:
         rewards = torch.cat(gather_object([batch.rewards.cpu()]))
         finite = torch.isfinite(rewards)
         self._nonfinite.append((int((~finite).sum()), len(rewards)))  # every process sees the same gathered counts
-        metrics = {"reward/mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
-                   "reward/std": float(rewards[finite].std(unbiased=False)) if finite.any() else float("nan"),
-                   "reward/nonfinite_count": int((~finite).sum())}
+        metrics = {
+            "reward/mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
+            "reward/std": float(rewards[finite].std(unbiased=False)) if finite.any() else float("nan"),
+            "reward/nonfinite_count": int((~finite).sum()),
+        }
         for name, values in batch.reward_components.items():
             metrics[f"reward/{name}"] = nanmean(torch.cat(gather_object([values.cpu()])).tolist())
         return metrics
@@ -450,27 +611,35 @@ class Trainer:
         """Stop a run that cannot learn instead of training on nothing: every reward of this iteration non-finite,
         or more than train.max_nonfinite_fraction of the last train.nonfinite_window iterations' rewards. Offline
         pairs are labelled already (their rewards are only logged), so they are exempt."""
-        if self.objective.trains_on in PAIRED_ROWS or not self._nonfinite:  # pairs are labelled already, or (SePPO) the reward is only logged
+        if (
+            self.objective.trains_on in PAIRED_ROWS or not self._nonfinite
+        ):  # pairs are labelled already, or (SePPO) the reward is only logged
             return
         tc = self.config.train
         bad, total = self._nonfinite[-1]
         if total and bad == total:
-            raise FlowRLError(f"all {total} rewards of iteration {iteration + 1} were NaN or infinite (reward components: "
-                              f"{', '.join(self.config.reward.components)}), so the run cannot learn")
+            raise FlowRLError(
+                f"all {total} rewards of iteration {iteration + 1} were NaN or infinite (reward components: "
+                f"{', '.join(self.config.reward.components)}), so the run cannot learn"
+            )
         if len(self._nonfinite) == tc.nonfinite_window:
             bad, total = (sum(x) for x in zip(*self._nonfinite))
             if total and bad / total > tc.max_nonfinite_fraction:
-                raise FlowRLError(f"{bad} of {total} rewards of the last {tc.nonfinite_window} iterations were NaN or infinite, more than "
-                                  f"train.max_nonfinite_fraction={tc.max_nonfinite_fraction:g}, so the run is not learning")
+                raise FlowRLError(
+                    f"{bad} of {total} rewards of the last {tc.nonfinite_window} iterations were NaN or infinite, more than "
+                    f"train.max_nonfinite_fraction={tc.max_nonfinite_fraction:g}, so the run is not learning"
+                )
 
     def _after_iteration(self, metrics: dict[str, float]) -> bool:
         """Returns whether the run stops after this iteration (Ctrl-C). The flag is read once: a Ctrl-C that
         arrives while this iteration is being logged or saved stops the run after the next one, so the
         stopped weights are always evaluated and saved together."""
         cfg, it = self.config, self.iteration
-        last, stopping = it == cfg.train.iterations, self._stop_requested
-        # After Ctrl-C the stopped weights are evaluated too, so summary.json's final reward is theirs.
-        evaluate = (cfg.eval.every and it % cfg.eval.every == 0) or last or stopping
+        stopping = self._agreed_stop()
+        last = it == cfg.train.iterations
+        # After Ctrl-C the stopped weights are evaluated too, so summary.json's final reward is theirs; after SIGTERM
+        # (a preemption, with a deadline) they are only saved.
+        evaluate = ((cfg.eval.every and it % cfg.eval.every == 0) or last or stopping) and stopping != "SIGTERM"
         if evaluate:
             metrics.update(self._evaluate_and_log(it, tag="after" if last or stopping else None, log=False))
         self.logger.log(it, metrics)
@@ -480,11 +649,18 @@ class Trainer:
             records = self.logger.records()
             save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
             save_instruments(records, self.run_dir / "instruments.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
-        return stopping
+        return bool(stopping)
+
+    def _agreed_stop(self) -> str | bool:
+        """This iteration's stop request, the same on every process (each got its own signal, maybe not at once)."""
+        if self.world == 1:
+            return self._stop_requested
+        requests = [r for r in gather_object([self._stop_requested]) if r]
+        return "SIGTERM" if "SIGTERM" in requests else (requests[0] if requests else False)
 
     def _evaluate_and_log(self, step: int, tag: str | None, log: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics, shown = self.evaluate()
+        metrics, shown = self.evaluate(return_samples=True)
         metrics["perf/eval_s"] = time.perf_counter() - t0
         if self.is_main:
             self.modality.save_eval_samples(shown, self.run_dir, step, tag)
@@ -507,7 +683,8 @@ class Trainer:
             "eval_reward_initial": evals[0]["eval/reward/mean"] if evals else None,
             "eval_reward_final": evals[-1]["eval/reward/mean"] if evals else None,
             "eval_reward_final_step": evals[-1]["step"] if evals else None,  # the weights the final reward measured
-            "samples_per_iteration": self.config.train.prompts_per_iteration * (2 if self.objective.trains_on in PAIRED_ROWS else self.config.train.num_generations),
+            "samples_per_iteration": self.config.train.prompts_per_iteration
+            * (2 if self.objective.trains_on in PAIRED_ROWS else self.config.train.num_generations),
             "wall_seconds_this_process": round(seconds, 1),
             "stopped_early": self.iteration < self.config.train.iterations,
         }
@@ -515,7 +692,9 @@ class Trainer:
             if self.is_main and (self.run_dir / "config.yaml").is_file():
                 with atomic_path(self.run_dir / "summary.json") as tmp:
                     tmp.write_text(json_line(summary, indent=2) + "\n")
-                save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{self.config.objective.name} on {self.config.pipeline.pretrained}")
+                save_reward_curve(
+                    records, self.run_dir / "reward_curve.png", title=f"{self.config.objective.name} on {self.config.pipeline.pretrained}"
+                )
         except FlowRLError:
             if not quiet:
                 raise
@@ -543,27 +722,45 @@ class Trainer:
                 return f"iteration {self.iteration} could not be saved either ({str(e).rstrip('.')})"
         return f"the run stopped with iteration {self.iteration} saved in {directory} (resume with resume_from=latest)"
 
+    def _catch_stop_signals(self) -> dict[int, Any]:
+        """Ctrl-C and SIGTERM (what SLURM and Kubernetes send before they kill) finish the iteration and save; the
+        handlers they replace, to put back. Off the main thread (a notebook's worker) Python allows no handler."""
+        previous = {}
+        for signum, handler in ((signal.SIGINT, self._request_stop), (signal.SIGTERM, self._request_preemption)):
+            try:
+                previous[signum] = signal.signal(signum, handler)
+            except ValueError:
+                pass
+        return previous
+
+    def _request_preemption(self, signum, frame) -> None:
+        if self._stop_requested == "SIGTERM":  # a second SIGTERM: the deadline is closer than an iteration
+            raise Preempted
+        self._stop_requested = "SIGTERM"
+        tqdm.write("flowrl: SIGTERM: stopping after this iteration and saving a checkpoint (a second SIGTERM stops at once).")
+
     def _request_stop(self, signum, frame) -> None:
         if self._stop_requested:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
-        self._stop_requested = True
+        self._stop_requested = "SIGINT"
         tqdm.write("flowrl: stopping after this iteration, evaluating and saving a checkpoint (Ctrl-C again to abort now).")
 
 
-def _required_metadata(reward, weight: float = 1.0) -> set[tuple[str, str]]:
-    """(reward name, metadata key) pairs a reward needs, through weighted sums, ensembles and per-frame wrappers."""
-    if weight == 0:
-        return set()
-    found = {(getattr(reward, "name", "reward"), key) for key in getattr(reward, "required_metadata", ())}
-    components = getattr(reward, "components", None)
-    if isinstance(components, dict):
-        weights = getattr(reward, "weights", None) or {}
-        for name, part in components.items():
-            found |= _required_metadata(part, weights.get(name, 1.0))
-    for part in [*(getattr(reward, "members", None) or []), getattr(reward, "inner", None)]:
-        if part is not None:
-            found |= _required_metadata(part)
-    return found
+def _settle_single_process_state(mixed_precision: str, device: torch.device | None) -> None:
+    """accelerate keeps one state per process and refuses an Accelerator with other settings than the first one's. In
+    a single process (a notebook or a script building several Trainers, the test suite) an earlier Trainer's precision
+    or device must not bind a later one: when they differ, the state starts afresh (one process: no group to keep)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not PartialState._shared_state:
+        return
+    current = PartialState().device
+    wanted = device if device is not None else (torch.device("cuda") if torch.cuda.is_available() else current)  # auto: accelerate's pick
+    if wanted.type == "cuda" and wanted.index is None:
+        wanted = torch.device("cuda", torch.cuda.current_device())
+    precision = AcceleratorState._shared_state.get("_mixed_precision", mixed_precision)
+    if (current.type, current.index or 0) != (wanted.type, wanted.index or 0) or precision != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _accelerator(config: Config, log_with: list | None = None) -> Accelerator:
@@ -573,15 +770,15 @@ def _accelerator(config: Config, log_with: list | None = None) -> Accelerator:
     device = resolve_device(spec)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device is not None and device.type == "cuda" and device.index is not None and world > 1:
-        raise FlowRLError(f"pipeline.device is '{spec}', one GPU, but {world} processes run; use pipeline.device=cuda "
-                          "(each process takes its own GPU) or auto.")
+        raise FlowRLError(
+            f"pipeline.device is '{spec}', one GPU, but {world} processes run; use pipeline.device=cuda "
+            "(each process takes its own GPU) or auto."
+        )
+    if world == 1:
+        _settle_single_process_state(config.train.mixed_precision, device)
     if world == 1 and device is not None and device.type != "cpu":
-        from accelerate.state import AcceleratorState, PartialState
-
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if PartialState._shared_state and PartialState().device != device:
-            AcceleratorState._reset_state(reset_partial_state=True)  # an earlier Trainer in this process chose another device
         before = os.environ.get("ACCELERATE_TORCH_DEVICE")
         os.environ["ACCELERATE_TORCH_DEVICE"] = str(device)  # read by accelerate when it first sets up its state
         try:
@@ -595,8 +792,12 @@ def _accelerator(config: Config, log_with: list | None = None) -> Accelerator:
         # a DeepSpeed launch on a machine without a GPU: cpu=False (still the CPU) lets accelerate turn DeepSpeed on,
         # and gloo is named because accelerate finds no device backend there (flowrl/deepspeed_zero.py)
         deepspeed_on_cpu = deepspeed_zero.prepare_cpu_processes()
-        accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=device is not None and device.type == "cpu" and not deepspeed_on_cpu,
-                                  log_with=log_with, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else None)
+        accelerator = Accelerator(
+            mixed_precision=config.train.mixed_precision,
+            cpu=device is not None and device.type == "cpu" and not deepspeed_on_cpu,
+            log_with=log_with,
+            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else None,
+        )
     if device is not None and (accelerator.device.type, accelerator.device.index or 0) != (device.type, device.index or 0) and world == 1:
         raise FlowRLError(f"pipeline.device is '{spec}' but accelerate placed the run on '{accelerator.device}'.")
     return accelerator

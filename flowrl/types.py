@@ -7,8 +7,9 @@ noise, ``sigma = 0`` is data. A trajectory is ordered noise -> data.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -109,7 +110,7 @@ class Trajectory:
     def num_steps(self) -> int:
         return self.sigmas.shape[0] - 1
 
-    def __getitem__(self, index: Tensor | slice | list[int]) -> "Trajectory":
+    def __getitem__(self, index: Tensor | slice | list[int]) -> Trajectory:
         """Select samples (dim 0 of every per-sample field)."""
         if isinstance(index, list):
             index = torch.tensor(index, dtype=torch.long)
@@ -130,10 +131,14 @@ class Trajectory:
         return Trajectory(**out)
 
     @staticmethod
-    def cat(trajs: Sequence["Trajectory"]) -> "Trajectory":
+    def cat(trajs: Sequence[Trajectory]) -> Trajectory:
         first = trajs[0]
-        out: dict[str, Any] = {"sigmas": first.sigmas, "stochastic": first.stochastic, "guidance_scale": first.guidance_scale,
-                               "inner_epoch": first.inner_epoch}
+        out: dict[str, Any] = {
+            "sigmas": first.sigmas,
+            "stochastic": first.stochastic,
+            "guidance_scale": first.guidance_scale,
+            "inner_epoch": first.inner_epoch,
+        }
         for f in fields(first):
             if f.name in out:
                 continue
@@ -150,7 +155,7 @@ class Trajectory:
                 out[f.name] = torch.cat(vals)
         return Trajectory(**out)
 
-    def to(self, device: torch.device | str) -> "Trajectory":
+    def to(self, device: torch.device | str) -> Trajectory:
         moved = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -254,6 +259,12 @@ TrainingData = Literal["rollouts", "offline_pairs", "reward_gradient_rollouts", 
 PAIRED_ROWS: tuple[TrainingData, ...] = ("offline_pairs", "reference_rollouts")
 """The kinds whose batch rows come in (winner, loser) pairs, two per prompt, labelled before training."""
 
+GuidanceMode = Literal["cfg", "cfg_detached_uncond", "cfg_rollout_only", "embedded"]
+"""How classifier-free guidance enters rollout and training (``rollout.guidance_mode``; docs/guidance.md): "cfg"
+both, gradient through both branches; "cfg_detached_uncond" both, the unconditional branch without gradient;
+"cfg_rollout_only" rollouts guided, training re-scores the conditional branch alone; "embedded" the scale is a
+model input (FLUX.1-dev's guidance embedding), one forward pass."""
+
 ReferenceModel = Literal["none", "initial"]
 """Which frozen model ``pipeline.reference()`` must provide: none, or the initial (pre-training)
 weights (LoRA: the adapters switched off; full fine-tuning: a frozen copy)."""
@@ -274,7 +285,9 @@ class Objective(Protocol):
     needs_log_probs: bool  # the rollout sampler must be stochastic and record per-step log-probs
     reference: ReferenceModel  # the frozen model losses() may switch to with pipeline.reference()
     minibatch_unit: int  # rows that stay together when minibatches are shuffled (2: winner/loser pairs)
-    extra_module: "torch.nn.Module | None"  # the objective's own module (DCoLT's head; SePPO's checkpoint ring, no parameters), checkpointed with the model
+    extra_module: (
+        torch.nn.Module | None
+    )  # the objective's own module (DCoLT's head; SePPO's checkpoint ring, no parameters), checkpointed with the model
     extra_lr_scale: float  # extra_module's learning rate relative to train.learning_rate
 
     def prepare(self, batch: Trajectory) -> Trajectory:
@@ -333,9 +346,9 @@ class MaskedLM(Protocol):
 class TokenObjective(Objective, Protocol):
     """An objective for masked-diffusion LMs: batches are :class:`TokenTrajectory` and losses() gets the MaskedLM."""
 
-    position_scorer: "Callable[[Tensor, Tensor], Tensor] | None"  # (logits, state) -> scores: an unmasking-order policy (DCoLT)
+    position_scorer: Callable[[Tensor, Tensor], Tensor] | None  # (logits, state) -> scores: an unmasking-order policy (DCoLT)
 
-    def old_and_ref(self, lm: MaskedLM, batch: "TokenTrajectory") -> None:
+    def old_and_ref(self, lm: MaskedLM, batch: TokenTrajectory) -> None:
         """Without grad, at the rollout weights: fill ``batch.old_log_probs`` (and ``ref_log_probs``), so the first ratio is 1."""
         ...
 
@@ -386,7 +399,7 @@ class TokenTrajectory:
         """Completion tokens (B, G) as they were *before* denoising step ``step`` (masked if not yet unmasked)."""
         return torch.where(self.unmask_step < step, self.completion_ids, torch.full_like(self.completion_ids, mask_token_id))
 
-    def __getitem__(self, index: Tensor | slice | list[int]) -> "TokenTrajectory":
+    def __getitem__(self, index: Tensor | slice | list[int]) -> TokenTrajectory:
         if isinstance(index, list):
             index = torch.tensor(index, dtype=torch.long)
         idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(self)))[index]

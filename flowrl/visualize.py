@@ -2,25 +2,62 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
 from .checkpoint import atomic_path
+from .errors import FlowRLError
+
+# The image formats a grid can be written in, by file extension (lower case), as PIL names them.
+IMAGE_FORMATS = {
+    ".png": "PNG",
+    ".jpg": "JPEG",
+    ".jpeg": "JPEG",
+    ".webp": "WEBP",
+    ".gif": "GIF",
+    ".bmp": "BMP",
+    ".tif": "TIFF",
+    ".tiff": "TIFF",
+}
+# How each format is saved (the grid is always 8-bit RGB, which every one of them stores): PNG, WebP
+# (lossless), BMP and TIFF keep every pixel; JPEG is lossy (quality 95, no chroma subsampling, so thin
+# digit strokes keep their colour); GIF keeps every pixel of a grid with at most 256 colours (grayscale
+# grids always) and reduces others to a 256-colour palette.
+_SAVE_OPTIONS: dict[str, dict[str, Any]] = {"JPEG": {"quality": 95, "subsampling": 0}, "WEBP": {"lossless": True}}
+
+
+def image_format(path: Path | str, also: Sequence[str] = ()) -> str:
+    """The PIL format named by ``path``'s extension (case-insensitive), or one sentence refusing it.
+    ``also``: other extensions the caller handles itself (e.g. ``.npy``), named in the refusal."""
+    fmt = IMAGE_FORMATS.get(Path(path).suffix.lower())
+    if fmt is None:
+        known = [*IMAGE_FORMATS, *also]
+        raise FlowRLError(f"cannot tell an image format from the extension of '{path}'; use {', '.join(known[:-1])} or {known[-1]}.")
+    return fmt
+
+
+def save_image(array: np.ndarray, path: Path) -> None:
+    """Write a uint8 (H, W, 3) array atomically, in the format ``path``'s extension names (``image_format``)."""
+    fmt = image_format(path)
+    with atomic_path(path) as tmp:
+        Image.fromarray(array).save(tmp, format=fmt, **_SAVE_OPTIONS.get(fmt, {}))
 
 
 def save_grid(samples: torch.Tensor, path: Path, ncol: int, scale: int = 6, pad: int = 2) -> None:
-    """Save images (N, C, H, W) in [0, 1] as one PNG grid, rows of ``ncol``, upscaled ``scale`` x.
+    """Save images (N, C, H, W) in [0, 1] as one grid, rows of ``ncol``, upscaled ``scale`` x, in the format
+    ``path``'s extension names (.png, .jpg / .jpeg, .webp, .gif, .bmp, .tif / .tiff; see ``image_format``).
 
     Videos (N, C, T, H, W) become a filmstrip: one row per video, its T frames left to right."""
+    image_format(path)  # refuse an unknown extension before any work
     if samples.ndim == 5:
         n, c, t, h, w = samples.shape
         samples, ncol = samples.permute(0, 2, 1, 3, 4).reshape(n * t, c, h, w), t
-    with atomic_path(path) as tmp:
-        Image.fromarray(grid_array(samples, ncol, scale, pad)).save(tmp, format="PNG")
+    save_image(grid_array(samples, ncol, scale, pad), Path(path))
 
 
 def save_points(points: torch.Tensor, path: Path, title: str = "") -> None:
@@ -131,14 +168,25 @@ def save_instruments(records: Sequence[dict[str, Any]], path: Path, title: str =
         return tuple(map(np.array, zip(*pts))) if pts else (np.array([]), np.array([]))
 
     stand_in = any(r.get("eval/judge/is_eval_reward") for r in records)
-    panels = [("reward", [("reward/mean", "train reward (rollouts)", "-"), ("eval/reward/mean", "held-out eval reward", "o-")]),
-              ("judge (never trained on)" if not stand_in else "judge = held-out eval reward (no eval.judge set)",
-               [("eval/judge/mean", "held-out judge", "o-")]),
-              ("seed diversity per prompt", [("eval/diversity", "mean pairwise L2 (held-out)", "o-")]),
-              ("importance ratio per update", [("policy/ratio_std", "ratio std (mean over steps)", "-"),
-                                               ("policy/ratio_shift", "1 - ratio mean (GRPO-Guard's left shift)", "-")])]
-    records = [{**r, "policy/ratio_shift": 1 - r["policy/ratio_mean"]} if isinstance(r.get("policy/ratio_mean"), (int, float)) else r
-               for r in records]
+    panels = [
+        ("reward", [("reward/mean", "train reward (rollouts)", "-"), ("eval/reward/mean", "held-out eval reward", "o-")]),
+        (
+            "judge (never trained on)" if not stand_in else "judge = held-out eval reward (no eval.judge set)",
+            [("eval/judge/mean", "held-out judge", "o-")],
+        ),
+        ("seed diversity per prompt", [("eval/diversity", "mean pairwise L2 (held-out)", "o-")]),
+        (
+            "importance ratio per update",
+            [
+                ("policy/ratio_std", "ratio std (mean over steps)", "-"),
+                ("policy/ratio_shift", "1 - ratio mean (GRPO-Guard's left shift)", "-"),
+            ],
+        ),
+    ]
+    records = [
+        {**r, "policy/ratio_shift": 1 - r["policy/ratio_mean"]} if isinstance(r.get("policy/ratio_mean"), (int, float)) else r
+        for r in records
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), dpi=100, sharex=True)
     for ax, (name, lines) in zip(axes.flat, panels):
         drawn = False

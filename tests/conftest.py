@@ -12,7 +12,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two threads at most, shared among pytest-xdist workers (`make test` runs two): more threads than cores only add contention.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def fast_overrides(output_dir: Path, **extra: object) -> list[str]:

@@ -16,7 +16,6 @@ import urllib.request
 from pathlib import Path
 
 import torch
-
 from conftest import CONFIGS, fast_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +46,14 @@ def shared_pairs(tmp_path_factory, destination: Path) -> Path:
 
 def run_label_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """`flowrl label ...` to completion (for the refusals: it exits at once)."""
-    return subprocess.run([sys.executable, "-c", "import sys; from flowrl.cli import main; sys.exit(main())", "label", *args],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from flowrl.cli import main; sys.exit(main())", "label", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=timeout,
+    )
 
 
 class LabelServer:
@@ -58,9 +62,23 @@ class LabelServer:
     def __init__(self, directory: Path, *args: str, env: dict | None = None) -> None:
         environ = {k: v for k, v in os.environ.items() if k != "FLOWRL_LABEL_TOKEN"}
         environ.update(OMP_NUM_THREADS="1", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from flowrl.cli import main; sys.exit(main())", "label",
-                                      str(directory), "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=environ)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from flowrl.cli import main; sys.exit(main())",
+                "label",
+                str(directory),
+                "--port",
+                "0",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=environ,
+        )
         self.first_line = self._first_line(time.monotonic() + 60)
         self.url = OPEN.search(self.first_line).group(1)
         self.port = int(re.search(r":(\d+)/", self.url).group(1))
@@ -95,7 +113,7 @@ class LabelServer:
         self.proc.stderr.close()
         return self.stderr
 
-    def __enter__(self) -> "LabelServer":
+    def __enter__(self) -> LabelServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,22 +12,22 @@ from torch import nn
 
 from flowrl.errors import FlowRLError
 from flowrl.objectives.adjoint_matching import (
-    AdjointMatchingObjective,
+    AdjointMatchingConfig,
     ddpm_memoryless_variance,
     ema_update,
-    score_depends_on_model,
     memoryless_flow_diffusion_sq,
     memoryless_step_weight,
+    score_depends_on_model,
     stratified_steps,
 )
-from flowrl.pipelines.toy2d import TWO_MODES, GaussianMixture, Toy2DPipeline, mode_statistics, tilt_linear, tilt_quadratic, tilted_target
+from flowrl.pipelines.toy2d import TWO_MODES, GaussianMixture, Toy2DPipeline, mode_statistics, tilt_linear, tilted_target
 from flowrl.reward_models.combine import RewardEnsemble, WeightedSum
 from flowrl.reward_models.digit_classifier import DigitClassifierReward
 from flowrl.reward_models.gradients import require_differentiable, reward_and_gradient
 from flowrl.reward_models.image_stats import InkReward
 from flowrl.reward_models.jpeg import JpegCompressibilityReward
 from flowrl.reward_models.toy2d import LinearReward2D, QuadraticReward2D
-from flowrl.samplers import DDIMSampler, DiscreteSchedule, FlowMemorylessSampler
+from flowrl.samplers import DDIMSampler, DiscreteSchedule, FlowMemorylessConfig
 from flowrl.samplers.rollout import rollout
 from flowrl.types import Trajectory
 
@@ -101,8 +101,16 @@ def _score(trajectory: Trajectory, reward, lam: float = 1.0) -> Trajectory:
 
 
 def _rollout(pipeline, sampler, n: int, steps: int, seed: int = 0) -> Trajectory:
-    return rollout(pipeline, sampler, [""] * n, [{}] * n, torch.arange(n), pipeline.schedule.sigmas(steps),
-                   torch.Generator().manual_seed(seed), same_noise_in_group=False)
+    return rollout(
+        pipeline,
+        sampler,
+        [""] * n,
+        [{}] * n,
+        torch.arange(n),
+        pipeline.schedule.sigmas(steps),
+        torch.Generator().manual_seed(seed),
+        same_noise_in_group=False,
+    )
 
 
 def _step_losses(objective, pipeline, sampler, batch) -> tuple[list[float], list[float]]:
@@ -136,7 +144,7 @@ def _noise_fixed_rollout(pipeline, sampler, sigmas, x0, noises):
 def test_lean_adjoint_equals_autograd_through_the_noise_fixed_base_rollout(reward):
     """a_k = -lambda d r(x_K) / d x_k through the whole base rollout with the noise held fixed (mixture base: nonlinear)."""
     torch.manual_seed(0)
-    pipeline, sampler, lam, K, B = Toy2DPipeline(), FlowMemorylessSampler(), 1.7, 6, 32
+    pipeline, sampler, lam, K, B = Toy2DPipeline(), FlowMemorylessConfig().build(), 1.7, 6, 32
     sigmas = pipeline.schedule.sigmas(K)
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(B, 2, generator=g).requires_grad_(True)
@@ -144,10 +152,18 @@ def test_lean_adjoint_equals_autograd_through_the_noise_fixed_base_rollout(rewar
     for s in states[1:]:
         s.retain_grad()
     (lam * reward(states[-1], [""] * B, [{}] * B).scores).sum().backward()
-    batch = Trajectory(latents=torch.stack([s.detach() for s in states], 1), sigmas=sigmas, log_probs=torch.zeros(B, K),
-                       stochastic=stochastic, cond={}, prompts=[""] * B, metadata=[{}] * B, group_ids=torch.arange(B))
+    batch = Trajectory(
+        latents=torch.stack([s.detach() for s in states], 1),
+        sigmas=sigmas,
+        log_probs=torch.zeros(B, K),
+        stochastic=stochastic,
+        cond={},
+        prompts=[""] * B,
+        metadata=[{}] * B,
+        group_ids=torch.arange(B),
+    )
     _score(batch, reward)
-    adjoint, _ = AdjointMatchingObjective(reward_multiplier=lam).adjoints(pipeline, sampler, batch, list(range(K)))
+    adjoint, _ = AdjointMatchingConfig(reward_multiplier=lam).build().adjoints(pipeline, sampler, batch, list(range(K)))
     for k in range(K):
         expected = -(x0.grad if k == 0 else states[k].grad)
         assert torch.allclose(adjoint[k], expected, rtol=1e-4, atol=1e-5), k
@@ -156,10 +172,10 @@ def test_lean_adjoint_equals_autograd_through_the_noise_fixed_base_rollout(rewar
 def test_lean_adjoint_on_a_linear_drift_is_the_closed_form_tweedie_slope():
     """Gaussian base N(m, s^2 I): every exact step mean is affine, so a_k = -lambda (d E[x0 | x_k] / d x_k) w
     = -lambda (1 - sigma_k) s^2 / D_k w with D_k = (1 - sigma_k)^2 s^2 + sigma_k^2, whatever the trajectory."""
-    pipeline, sampler, lam, K = Toy2DPipeline(base=GAUSSIAN), FlowMemorylessSampler(), 2.0, 8
+    pipeline, sampler, lam, K = Toy2DPipeline(base=GAUSSIAN), FlowMemorylessConfig().build(), 2.0, 8
     w = torch.tensor([0.5, -1.0])
     batch = _score(_rollout(pipeline, sampler, 16, K), LinearReward2D(w.tolist()))
-    adjoint, _ = AdjointMatchingObjective(reward_multiplier=lam).adjoints(pipeline, sampler, batch, list(range(K)))
+    adjoint, _ = AdjointMatchingConfig(reward_multiplier=lam).build().adjoints(pipeline, sampler, batch, list(range(K)))
     s2 = GAUSSIAN.stds[0] ** 2
     for k in range(K):
         sigma = float(batch.sigmas[k])
@@ -178,14 +194,17 @@ def test_loss_is_zero_at_the_closed_form_optimal_velocity_of_a_gaussian():
     N(m + lambda s^2 w, s^2 I). Its per-step loss is zero (to float precision) on every step; the base is not."""
     lam, reward = 1.5, LinearReward2D((0.5, -1.0))
     target = tilt_linear(GAUSSIAN, reward.weights, lam)
-    sampler, objective = FlowMemorylessSampler(), AdjointMatchingObjective(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None)
+    sampler, objective = (
+        FlowMemorylessConfig().build(),
+        AdjointMatchingConfig(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None).build(),
+    )
     tuned = Toy2DPipeline(base=GAUSSIAN, net=TiltedVelocity(GAUSSIAN, target))
     losses, targets = _step_losses(objective, tuned, sampler, _score(_rollout(tuned, sampler, 64, 10), reward))
     assert len(losses) == 9  # every step but the one from sigma = 1, the deterministic last step included
-    assert max(l / t for l, t in zip(losses, targets)) < 1e-9
+    assert max(loss / t for loss, t in zip(losses, targets)) < 1e-9
     base = Toy2DPipeline(base=GAUSSIAN)  # zero MLP: the base itself
     losses, targets = _step_losses(objective, base, sampler, _score(_rollout(base, sampler, 64, 10), reward))
-    assert min(l / t for l, t in zip(losses, targets)) > 0.99  # no control: the loss is the whole target
+    assert min(loss / t for loss, t in zip(losses, targets)) > 0.99  # no control: the loss is the whole target
 
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
@@ -195,13 +214,13 @@ def test_loss_is_zero_at_the_optimum_of_a_gaussian_ddpm_on_ddim_eta_1(prediction
     schedule = DiscreteSchedule.from_betas(torch.linspace(1e-4, 0.02, 1000))
     lam, w, mean, std = 1.5, (0.5, -1.0), (0.3, -0.2), 0.7
     tuned_mean = tuple(m + lam * std**2 * wi for m, wi in zip(mean, w))
-    sampler = DDIMSampler(schedule, prediction_type=prediction_type, eta=1.0)
-    objective = AdjointMatchingObjective(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None)
+    sampler = DDIMSampler(schedule, prediction_type=prediction_type, eta=1.0, clip_sample=None, reduction="mean")
+    objective = AdjointMatchingConfig(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None).build()
     for tuned, expect_zero in ((tuned_mean, True), (mean, False)):
         pipeline = GaussianDDPMPipeline(schedule, prediction_type, mean, std, tuned)
         losses, targets = _step_losses(objective, pipeline, sampler, _score(_rollout(pipeline, sampler, 64, 10), LinearReward2D(w)))
         assert len(losses) == 10  # every step: a DDPM model's score depends on it at every noise level
-        ratios = [l / t for l, t in zip(losses, targets)]
+        ratios = [loss / t for loss, t in zip(losses, targets)]
         assert (max(ratios) < 1e-8) if expect_zero else (min(ratios) > 0.99)
 
 
@@ -218,7 +237,11 @@ def test_step_weights_are_the_integral_of_the_memoryless_diffusion():
     schedule = DiscreteSchedule.from_betas(torch.linspace(1e-4, 0.02, 1000))
     s, sn = torch.tensor(0.5), torch.tensor(0.499)  # one training timestep apart
     a, an = schedule.alpha_bar(s).double(), schedule.alpha_bar(sn).double()
-    std = DDIMSampler(schedule, eta=1.0).step(torch.zeros(1, 2), torch.zeros(1, 2), s, sn, x_next=torch.zeros(1, 2)).std
+    std = (
+        DDIMSampler(schedule, eta=1.0, prediction_type="epsilon", clip_sample=None, reduction="mean")
+        .step(torch.zeros(1, 2), torch.zeros(1, 2), s, sn, x_next=torch.zeros(1, 2))
+        .std
+    )
     assert float(ddpm_memoryless_variance(a, an)) == pytest.approx(float(std) ** 2, rel=1e-4)
     # DDIM eta = 1 injects, over a small step, the variance the memoryless (DDPM) SDE would (the step's weight),
     # to first order: 1 - a / a' = log(a' / a) - log(a' / a)^2 / 2 + ..., a relative gap of beta_t / 2 = 0.5% here
@@ -254,14 +277,14 @@ def test_clipping_threshold_is_an_ema_of_the_quantile_and_resumes_exactly():
     assert ema_update(None, 0, 5.0, 0.9) == 5.0
     assert ema_update(5.0, 1, 3.0, 0.9) == pytest.approx(4.0)  # plain average while updates < 1 / decay
     assert ema_update(4.0, 2, 2.0, 0.9) == pytest.approx(0.9 * 4.0 + 0.1 * 2.0)
-    pipeline, sampler = Toy2DPipeline(), FlowMemorylessSampler()
+    pipeline, sampler = Toy2DPipeline(), FlowMemorylessConfig().build()
     batch = _score(_rollout(pipeline, sampler, 64, 6), LinearReward2D())
-    objective = AdjointMatchingObjective(num_trained_steps=None, clip_quantile=0.5)
+    objective = AdjointMatchingConfig(num_trained_steps=None, clip_quantile=0.5).build()
     first = [out.metrics for out in objective.losses(pipeline, sampler, batch, torch.Generator().manual_seed(0))]
     assert all(float(m["adjoint/clipped_fraction"]) == 0 for m in first)  # nothing to clip with before the first EMA
     state = objective.state_dict()
     assert state["clip_updates"] == 1 and state["clip_ema"] > 0
-    resumed = AdjointMatchingObjective(num_trained_steps=None, clip_quantile=0.5)
+    resumed = AdjointMatchingConfig(num_trained_steps=None, clip_quantile=0.5).build()
     resumed.load_state_dict(state)
     again = [out.metrics for out in objective.losses(pipeline, sampler, batch, torch.Generator().manual_seed(0))]
     replay = [out.metrics for out in resumed.losses(pipeline, sampler, batch, torch.Generator().manual_seed(0))]
@@ -272,10 +295,10 @@ def test_clipping_threshold_is_an_ema_of_the_quantile_and_resumes_exactly():
 
 
 def test_missing_reward_gradients_are_refused():
-    pipeline, sampler = Toy2DPipeline(), FlowMemorylessSampler()
+    pipeline, sampler = Toy2DPipeline(), FlowMemorylessConfig().build()
     batch = _rollout(pipeline, sampler, 4, 4)
     with pytest.raises(FlowRLError, match="reward_grads"):
-        next(AdjointMatchingObjective().losses(pipeline, sampler, batch, torch.Generator()))
+        next(AdjointMatchingConfig().build().losses(pipeline, sampler, batch, torch.Generator()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +337,9 @@ def test_toy_base_ode_reproduces_the_mixture():
     assert torch.allclose(stats.stds, torch.full((2, 2), 0.5, dtype=torch.float64), rtol=0.04)
 
 
-@pytest.mark.parametrize("reward,lam", [(LinearReward2D((0.5, 0.5)), 1.0), (QuadraticReward2D((0.0, 1.0), 1.0), 2.0)], ids=["linear", "quadratic"])
+@pytest.mark.parametrize(
+    "reward,lam", [(LinearReward2D((0.5, 0.5)), 1.0), (QuadraticReward2D((0.0, 1.0), 1.0), 2.0)], ids=["linear", "quadratic"]
+)
 def test_tilted_targets_match_numerical_integration(reward, lam):
     """p_base(x) exp(lambda r(x)) normalised on a fine grid: density, and each half-plane's mass, mean and std."""
     target = tilted_target(TWO_MODES, reward, lam)
@@ -345,8 +370,8 @@ def test_toy_adjoint_matching_moves_the_mode_weights_toward_the_tilted_target():
     torch.manual_seed(0)
     reward, lam = LinearReward2D((0.5, 0.5)), 1.0
     target = tilted_target(TWO_MODES, reward, lam)
-    pipeline, sampler = Toy2DPipeline(), FlowMemorylessSampler()
-    objective = AdjointMatchingObjective(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None)
+    pipeline, sampler = Toy2DPipeline(), FlowMemorylessConfig().build()
+    objective = AdjointMatchingConfig(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None).build()
     optimizer = torch.optim.AdamW(pipeline.trainable_parameters(), lr=5e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     sigmas = pipeline.schedule.sigmas(8)
@@ -411,9 +436,11 @@ def test_combiners_declare_differentiability_and_non_differentiable_rewards_are_
     require_differentiable(differentiable)
     mixed = WeightedSum({"ink": ink, "jpeg_compressibility": jpeg}, {"ink": 1.0, "jpeg_compressibility": 0.5})
     assert not mixed.differentiable
-    with pytest.raises(FlowRLError, match=r"^reward 'jpeg_compressibility' is not differentiable; adjoint_matching needs a reward gradient"):
+    with pytest.raises(
+        FlowRLError, match=r"^reward 'jpeg_compressibility' is not differentiable; adjoint_matching needs a reward gradient"
+    ):
         require_differentiable(mixed)
-    ensemble = WeightedSum({"both": RewardEnsemble([ink, jpeg], "mean", name="both")}, {"both": 1.0})
+    ensemble = WeightedSum({"both": RewardEnsemble([ink, jpeg], "mean", 1.0, "variance", name="both")}, {"both": 1.0})
     assert not ensemble.differentiable
     with pytest.raises(FlowRLError, match="reward 'jpeg_compressibility' is not differentiable"):
         require_differentiable(ensemble)
@@ -421,14 +448,23 @@ def test_combiners_declare_differentiability_and_non_differentiable_rewards_are_
 
 def test_toy_rewards_and_pipeline_registry():
     from flowrl.config import load_config
-    from flowrl.pipelines import pipeline_class
+    from flowrl.pipelines import FAMILIES
+    from flowrl.pipelines.toy2d import Toy2DConfig
     from flowrl.reward_models import build_reward
 
-    assert pipeline_class("toy2d") is Toy2DPipeline
+    assert FAMILIES.section("toy2d") is Toy2DConfig and isinstance(Toy2DConfig().build("cpu"), Toy2DPipeline)
     assert build_reward("quadratic2d", center=[0.0, 1.0], scale=2.0)(torch.tensor([[0.0, 3.0]]), [""], [{}]).scores.item() == -4.0
     assert build_reward("linear2d", weights=[0.5, 0.5])(torch.tensor([[2.0, 4.0]]), [""], [{}]).scores.item() == 3.0
-    config = load_config(None, ["pipeline.name=toy2d", "objective.name=adjoint_matching", "objective.reward_multiplier=2",
-                                "reward.components={quadratic2d: 1.0}", "sampler.name=flow_memoryless"])
+    config = load_config(
+        None,
+        [
+            "pipeline.name=toy2d",
+            "objective.name=adjoint_matching",
+            "objective.reward_multiplier=2",
+            "reward.components={quadratic2d: 1.0}",
+            "sampler.name=flow_memoryless",
+        ],
+    )
     assert config.objective.reward_multiplier == 2 and config.objective.clip_quantile == 0.9
     with pytest.raises(FlowRLError, match="unknown config key 'objective.clip'"):
         load_config(None, ["objective.name=adjoint_matching", "objective.clip=1"])
@@ -448,7 +484,10 @@ def test_a_sampler_that_is_not_memoryless_is_refused_unless_asked_for():
             load_config(None, ["objective.name=adjoint_matching", *sampler])
     assert load_config(None, ["objective.name=adjoint_matching", "sampler.name=flow_memoryless"]).objective.name == "adjoint_matching"
     assert load_config(None, ["objective.name=adjoint_matching", "sampler.name=ddim", "sampler.eta=1.0"]).sampler.eta == 1.0
-    assert load_config(None, ["objective.name=adjoint_matching", "sampler.name=flow_sde", "objective.allow_non_memoryless=true"]).sampler.name == "flow_sde"
+    assert (
+        load_config(None, ["objective.name=adjoint_matching", "sampler.name=flow_sde", "objective.allow_non_memoryless=true"]).sampler.name
+        == "flow_sde"
+    )
 
 
 def test_toy_check_passes_exact_target_samples_and_fails_shifted_ones():
@@ -469,7 +508,11 @@ def test_learning_rate_schedules():
 
     assert [lr_factor("constant", i, 5) for i in range(5)] == [1.0] * 5
     assert [lr_factor("linear", i, 5, 0.2) for i in range(5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
-    assert lr_factor("cosine", 0, 11) == 1.0 and lr_factor("cosine", 5, 11) == pytest.approx(0.5) and lr_factor("cosine", 10, 11) == pytest.approx(0.0, abs=1e-12)
+    assert (
+        lr_factor("cosine", 0, 11) == 1.0
+        and lr_factor("cosine", 5, 11) == pytest.approx(0.5)
+        and lr_factor("cosine", 10, 11) == pytest.approx(0.0, abs=1e-12)
+    )
     assert lr_factor("linear", 0, 1) == 1.0  # a one-iteration run trains at the full rate
 
 
@@ -479,7 +522,9 @@ def test_training_with_a_non_differentiable_reward_is_refused_before_anything_is
     from flowrl.cli import main
 
     out = tmp_path / "run"
-    code = main(["train", "configs/toy/adjoint_matching_linear.yaml", f"reward.components={{linear2d: 1.0, {reward}: 0.5}}", f"output_dir={out}"])
+    code = main(
+        ["train", "configs/toy/adjoint_matching_linear.yaml", f"reward.components={{linear2d: 1.0, {reward}: 0.5}}", f"output_dir={out}"]
+    )
     err = capsys.readouterr().err
     assert code != 0 and f"reward '{reward}' is not differentiable; adjoint_matching needs a reward gradient" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()

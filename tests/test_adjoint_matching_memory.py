@@ -9,11 +9,11 @@ import weakref
 
 import torch
 
-from flowrl.objectives.adjoint_matching import AdjointMatchingObjective
+from flowrl.objectives.adjoint_matching import AdjointMatchingConfig
 from flowrl.pipelines.toy2d import Toy2DPipeline
 from flowrl.reward_models.gradients import reward_and_gradient
 from flowrl.reward_models.toy2d import LinearReward2D
-from flowrl.samplers import FlowMemorylessSampler
+from flowrl.samplers import FlowMemorylessConfig
 from flowrl.samplers.rollout import rollout
 
 
@@ -36,14 +36,22 @@ class WatchedPipeline(Toy2DPipeline):
 
 def test_the_adjoint_pass_frees_each_steps_graph_before_the_next():
     torch.manual_seed(0)
-    pipeline, sampler, steps = WatchedPipeline(), FlowMemorylessSampler(), 40
+    pipeline, sampler, steps = WatchedPipeline(), FlowMemorylessConfig().build(), 40
     reward = LinearReward2D((0.5, -1.0))
-    batch = rollout(pipeline, sampler, [""] * 8, [{}] * 8, torch.arange(8), pipeline.schedule.sigmas(steps),
-                    torch.Generator().manual_seed(0), same_noise_in_group=False)
+    batch = rollout(
+        pipeline,
+        sampler,
+        [""] * 8,
+        [{}] * 8,
+        torch.arange(8),
+        pipeline.schedule.sigmas(steps),
+        torch.Generator().manual_seed(0),
+        same_noise_in_group=False,
+    )
     out, grads = reward_and_gradient(reward, pipeline.decode, batch.latents[:, -1], batch.prompts, batch.metadata)
     batch.rewards, batch.reward_grads = out.scores, grads
     pipeline.watched.clear(), pipeline.alive_at_call.clear()
-    objective = AdjointMatchingObjective(reward_multiplier=1.0)
+    objective = AdjointMatchingConfig(reward_multiplier=1.0).build()
     adjoint, base_out = objective.adjoints(pipeline, sampler, batch, [1, 20, 39])
     assert len(pipeline.watched) == steps - 1  # one base forward with a graph per step, from K - 1 down to 1
     assert max(pipeline.alive_at_call) == 0  # no earlier step's graph alive when the next step starts

@@ -6,6 +6,7 @@ import json
 import re
 
 from conftest import REPO
+
 from flowrl.data.arith import problems
 
 

@@ -28,6 +28,7 @@ B2 = CONFIGS / "digits" / "b2_diffurl.yaml"
 
 # -- the window schedule ------------------------------------------------------------------------------
 
+
 def test_window_grows_from_the_data_end_in_equal_stages():
     # K = 10, 2 -> 10 trained steps: 9 stages of 2 iterations each over 18 iterations
     assert [trained_steps(i, 18, 10, 2) for i in range(18)] == [2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10]
@@ -40,6 +41,7 @@ def test_window_grows_from_the_data_end_in_equal_stages():
 
 
 # -- branch-based sampling on the embedded flow model -----------------------------------------------
+
 
 def b2_trainer(tmp_path, **extra) -> Trainer:
     overrides = {"train.iterations": 6, "rollout.branching.start_steps": 1, **extra}
@@ -73,7 +75,7 @@ def test_ratio_is_one_at_unchanged_weights_and_only_window_steps_are_trained(tmp
     trained = []
     for loss in trainer.objective.losses(trainer.pipeline, trainer.sampler, batch, torch.Generator().manual_seed(0)):
         trained += [int(k[-2:]) for k in loss.metrics if k.startswith("policy/ratio_mean/step_")]
-        assert abs(float(loss.metrics["policy/ratio_mean/step_%02d" % trained[-1]]) - 1.0) < 1e-5  # first update: ratio 1
+        assert abs(float(loss.metrics[f"policy/ratio_mean/step_{trained[-1]:02d}"]) - 1.0) < 1e-5  # first update: ratio 1
     assert trained == [2, 3]
 
 
@@ -100,7 +102,9 @@ def test_two_iterations_on_the_ddpm_digits_model_with_ddim(tmp_path):
     # DDIM's step into clean data (sigma = 0) has no noise, so the window's last step is recorded deterministic
     assert trainer.collect(0).stochastic.tolist() == [False, False, True, False]
     rescoring_ratio_is_one(trainer)
-    one_step = Trainer(load_config(CONFIGS / "digits" / "ddpo_ddpm.yaml", fast_overrides(tmp_path / "one", **{"rollout.branching.start_steps": 1})))
+    one_step = Trainer(
+        load_config(CONFIGS / "digits" / "ddpo_ddpm.yaml", fast_overrides(tmp_path / "one", **{"rollout.branching.start_steps": 1}))
+    )
     with pytest.raises(FlowRLError, match="has no stochastic step on sampler 'ddim'; raise rollout.branching.start_steps"):
         one_step.collect(0)
     rescoring_ratio_is_one(trainer)
@@ -133,18 +137,22 @@ def test_resume_keeps_the_schedule_and_the_run(tmp_path):
     assert metrics(tmp_path / "cut") == metrics(tmp_path / "full")
 
 
-@pytest.mark.parametrize("config, override, needle", [
-    ("d3po", "rollout.branching.start_steps=2", "policy-gradient objective"),
-    ("b2_diffurl", "rollout.sde_window_size=2", "sde_window_size"),
-    ("b2_diffurl", "rollout.branching.start_steps=5", "start_steps (5) <= end_steps (4) <= num_inference_steps (4)"),
-    ("b2_diffurl", "train.num_generations=1", "num_generations >= 2"),
-])
+@pytest.mark.parametrize(
+    "config, override, needle",
+    [
+        ("d3po", "rollout.branching.start_steps=2", "policy-gradient objective"),
+        ("b2_diffurl", "rollout.sde_window_size=2", "sde_window_size"),
+        ("b2_diffurl", "rollout.branching.start_steps=5", "start_steps (5) <= end_steps (4) <= num_inference_steps (4)"),
+        ("b2_diffurl", "train.num_generations=1", "num_generations >= 2"),
+    ],
+)
 def test_bad_branching_configs_are_refused(tmp_path, config, override, needle):
     with pytest.raises(FlowRLError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(CONFIGS / "digits" / f"{config}.yaml", fast_overrides(tmp_path) + [override])
 
 
 # -- the sparse binary reward -------------------------------------------------------------------------
+
 
 class FirstPixel:
     """A real reward with a closed form: the first pixel's value (NaN passes through)."""
@@ -181,9 +189,11 @@ def test_binary_reward_from_a_config():
     config = RewardConfig(components={"bold": 2.0}, binary={"bold": {"all_of": {"ink": 0.4}}})
     out = build_reward_from_config(config)(torch.stack([torch.full((1, 2, 2), v) for v in (0.3, 0.5)]), ["", ""], [{}, {}])
     assert out.scores.tolist() == [0.0, 2.0]  # weight 2 times 0 / 1
-    for bad, needle in [({"components": {"bold": 1.0}, "binary": {"bold": {"all_of": {"nope": 0.4}}}}, "unknown reward 'nope'"),
-                        ({"components": {"bold": 1.0}, "binary": {"bold": {"all_of": {}}}}, "all_of"),
-                        ({"components": {"bold": 1.0}, "binary": {"bold": {"all_of": {"bold": 0.1}}}}, "unknown reward 'bold'")]:
+    for bad, needle in [
+        ({"components": {"bold": 1.0}, "binary": {"bold": {"all_of": {"nope": 0.4}}}}, "unknown reward 'nope'"),
+        ({"components": {"bold": 1.0}, "binary": {"bold": {"all_of": {}}}}, "all_of"),
+        ({"components": {"bold": 1.0}, "binary": {"bold": {"all_of": {"bold": 0.1}}}}, "unknown reward 'bold'"),
+    ]:
         with pytest.raises(Exception, match=needle):
             RewardConfig(**bad)
 

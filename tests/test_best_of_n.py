@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+
 from flowrl.config import load_config
 from flowrl.types import RewardOutput
 
@@ -27,12 +27,22 @@ def _best_of(trainer, n):
     from flowrl.inference.best_of_n import best_of_n
 
     held = trainer.modality.held_out
-    return best_of_n(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, held.prompts, held.metadata, n, held.sigmas,
-                     held.generator(), held.guidance_scale, trainer.config.rollout.batch_size)
+    return best_of_n(
+        trainer.pipeline,
+        trainer.modality.eval_sampler,
+        trainer.reward,
+        held.prompts,
+        held.metadata,
+        n,
+        held.sigmas,
+        held.generator(),
+        held.guidance_scale,
+        trainer.config.rollout.batch_size,
+    )
 
 
 def test_best_of_one_is_the_plain_evaluation(trainer):
-    metrics, grid = trainer.evaluate()
+    metrics, grid = trainer.evaluate(return_samples=True)
     result = _best_of(trainer, 1)
     assert result.scaling_curve()[1] == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
     torch.testing.assert_close(result.samples[: len(grid)], grid, atol=1e-6, rtol=0)
@@ -73,8 +83,18 @@ def test_nonfinite_rewards_are_never_chosen(trainer):
     held = trainer.modality.held_out
     prompts, metadata, sigmas, guidance, gen = held.prompts[:3], held.metadata[:3], held.sigmas, held.guidance_scale, held.generator()
     with pytest.warns(UserWarning, match="NaN or infinite"):  # one call per round of 3 prompts: rounds 1 and 3 fail
-        result = best_of_n(trainer.pipeline, trainer.modality.eval_sampler, _FailsEverySecondCall(), prompts, metadata, 4, sigmas, gen, guidance,
-                           batch_size=4)
+        result = best_of_n(
+            trainer.pipeline,
+            trainer.modality.eval_sampler,
+            _FailsEverySecondCall(),
+            prompts,
+            metadata,
+            4,
+            sigmas,
+            gen,
+            guidance,
+            batch_size=4,
+        )
     assert torch.isnan(result.scores[:, 1::2]).all() and torch.isfinite(result.scores[:, 0::2]).all()
     assert set(result.best.tolist()) <= {0, 2}
     torch.testing.assert_close(result.scores.gather(1, result.best[:, None]).squeeze(1), result.scores[:, 0::2].max(1).values)
@@ -94,6 +114,17 @@ def test_cli_best_of(tmp_path):
 def test_cli_best_of_prints_the_curve(tmp_path, capsys):
     from flowrl.cli import main
 
-    main(["eval", str(GRPO), "eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}", "--best-of", "3", "--out", str(tmp_path / "b.png")])
+    main(
+        [
+            "eval",
+            str(GRPO),
+            "eval.samples_per_prompt=1",
+            f"output_dir={tmp_path / 'run'}",
+            "--best-of",
+            "3",
+            "--out",
+            str(tmp_path / "b.png"),
+        ]
+    )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"eval/reward/mean@1", "eval/reward/mean@2", "eval/reward/mean@3", "eval/reward/ink@3"} <= set(last)

@@ -8,13 +8,15 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CONFIGS, REPO, fast_overrides
+
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 
-PRESETS = sorted(p for p in CONFIGS.rglob("*.yaml") if "accelerate" not in p.relative_to(CONFIGS).parts)  # accelerate configs: tests/test_distributed.py
+PRESETS = sorted(
+    p for p in CONFIGS.rglob("*.yaml") if "accelerate" not in p.relative_to(CONFIGS).parts
+)  # accelerate configs: tests/test_distributed.py
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 
 
@@ -22,7 +24,7 @@ GRPO = CONFIGS / "digits" / "grpo.yaml"
 def test_every_preset_loads_and_names_its_command(path):
     """Every preset (real checkpoints included: no weights needed) validates, names its launch command
     and hardware, resolves its prompt files, and names a pipeline family and rewards that exist."""
-    from flowrl.pipelines import FAMILIES, pipeline_class
+    from flowrl.pipelines import FAMILIES
     from flowrl.prompt_files import resolve_prompt_file
 
     config = load_config(path)
@@ -33,8 +35,7 @@ def test_every_preset_loads_and_names_its_command(path):
     assert config.output_dir
     if config.prompts.dataset == "file":
         resolve_prompt_file(config.prompts.train_file), resolve_prompt_file(config.prompts.eval_file)
-    if config.pipeline.name in FAMILIES:
-        assert hasattr(pipeline_class(config.pipeline.name), "from_config")
+    assert config.pipeline.name in FAMILIES.builtin_names() and type(config.pipeline) is FAMILIES.section(config.pipeline.name)
 
 
 def test_overrides_apply_with_types():
@@ -43,19 +44,22 @@ def test_overrides_apply_with_types():
     assert cfg.reward.components == {"digit_classifier": 1.0, "ink": 0.5}
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.iteratons=3", "unknown config key 'train.iteratons'"),
-    ("train.iterations=abc", "config key 'train.iterations'"),
-    ("sampler.name=euler_magic", "'euler_magic'"),
-    ("objective.name=ppo2", "'ppo2'"),
-    ("reward.components.clip_magic=1.0", "unknown reward 'clip_magic'"),
-    ("rollout.num_inference_steps=0", "rollout.num_inference_steps"),
-    ("train.iterations", "key.sub=value"),
-    # a NaN or infinite weight (or any number) can only train nothing or garbage
-    ("reward.components.ink=.nan", "config key 'reward.components.ink' is invalid: input should be a finite number (got nan)."),
-    ("train.learning_rate=.inf", "config key 'train.learning_rate' is invalid: input should be a finite number (got inf)."),
-    ("train.max_nonfinite_fraction=1.5", "config key 'train.max_nonfinite_fraction'"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.iteratons=3", "unknown config key 'train.iteratons'"),
+        ("train.iterations=abc", "config key 'train.iterations'"),
+        ("sampler.name=euler_magic", "'euler_magic'"),
+        ("objective.name=ppo2", "'ppo2'"),
+        ("reward.components.clip_magic=1.0", "unknown reward 'clip_magic'"),
+        ("rollout.num_inference_steps=0", "rollout.num_inference_steps"),
+        ("train.iterations", "key.sub=value"),
+        # a NaN or infinite weight (or any number) can only train nothing or garbage
+        ("reward.components.ink=.nan", "config key 'reward.components.ink' is invalid: input should be a finite number (got nan)."),
+        ("train.learning_rate=.inf", "config key 'train.learning_rate' is invalid: input should be a finite number (got inf)."),
+        ("train.max_nonfinite_fraction=1.5", "config key 'train.max_nonfinite_fraction'"),
+    ],
+)
 def test_bad_config_is_one_sentence_and_writes_nothing(tmp_path, capsys, override, needle):
     out = tmp_path / "run"
     code = main(["train", str(GRPO), f"output_dir={out}", override])
@@ -100,8 +104,15 @@ def test_corrupt_checkpoint_is_reported_not_loaded(tmp_path, capsys):
     assert main(["eval", str(ckpt)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # the number comes with the settings it depends on (the run's eval settings, not defaults)
-    assert "eval/reward/mean" in printed and printed["settings"] == {"model": "digits_flow", "dataset": "digits", "samples_per_prompt": 1,
-                                                                       "seed": 1234, "steps": 4, "guidance_scale": 1.0, "sampler": "ode"}
+    assert "eval/reward/mean" in printed and printed["settings"] == {
+        "model": "digits_flow",
+        "dataset": "digits",
+        "samples_per_prompt": 1,
+        "seed": 1234,
+        "steps": 4,
+        "guidance_scale": 1.0,
+        "sampler": "ode",
+    }
     assert main(["sample", str(ckpt), "--prompt", "digit 4", "-n", "2", "--out", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").is_file()
     bad = tmp_path / "bad_ckpt"

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_components import rescoring_in_minibatches_ratio_is_one
 
 from flowrl.config import DDIMConfig, FlowCPSConfig, FlowMemorylessConfig, FlowSDEConfig, PipelineConfig
-from flowrl.objectives.grpo import build_grpo
+from flowrl.objectives.grpo import GRPOConfig
 from flowrl.pipelines import build_pipeline
 from flowrl.samplers import build_sampler
 from flowrl.samplers.rollout import rollout
-from tiny_components import rescoring_in_minibatches_ratio_is_one
 
 CASES = [
     ("digits_flow", FlowSDEConfig(diffusion="flow_grpo", noise_level=0.7)),
@@ -38,8 +38,17 @@ def _pipeline(name: str):
 def _rollout(pipeline, sampler, guidance: float = 2.0, window=None):
     prompts = ["a handwritten seven", "digit 3", "the digit zero", "a picture of a two"] * 2
     gen = torch.Generator().manual_seed(0)
-    return rollout(pipeline, sampler, prompts, [{}] * 8, torch.arange(8) // 2, pipeline.schedule.sigmas(6), gen,
-                   guidance_scale=guidance, stochastic_steps=window)
+    return rollout(
+        pipeline,
+        sampler,
+        prompts,
+        [{}] * 8,
+        torch.arange(8) // 2,
+        pipeline.schedule.sigmas(6),
+        gen,
+        guidance_scale=guidance,
+        stochastic_steps=window,
+    )
 
 
 @pytest.mark.parametrize("model,sampler_config", CASES, ids=lambda c: getattr(c, "name", c) if not isinstance(c, str) else c)
@@ -58,7 +67,7 @@ def test_objective_first_update_is_on_policy(model, sampler_config):
     sampler = build_sampler(sampler_config, pipeline)
     traj = _rollout(pipeline, sampler)
     traj.rewards = torch.arange(8, dtype=torch.float32)
-    objective = build_grpo(clip_range=1e-4)
+    objective = GRPOConfig(clip_range=1e-4).build()
     batch = objective.prepare(traj)[torch.arange(3)]
     metrics = [lo.metrics for lo in objective.losses(pipeline, sampler, batch, torch.Generator().manual_seed(0))]
     assert len(metrics) == int(traj.stochastic.sum())

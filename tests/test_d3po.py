@@ -7,15 +7,14 @@ import math
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
-from flowrl.config import D3POConfig, load_config
+from tiny_components import two_iterations_change_every_parameter
+
+from flowrl.config import load_config
 from flowrl.errors import FlowRLError
-from flowrl.objectives import build_objective
-from flowrl.objectives.d3po import build_d3po
+from flowrl.objectives.d3po import D3POConfig
 from flowrl.objectives.functional import d3po_pair_loss, pair_preferences
 from flowrl.types import Trajectory
-from tiny_components import two_iterations_change_every_parameter
 
 D3PO = CONFIGS / "digits" / "d3po.yaml"
 
@@ -45,21 +44,28 @@ def test_pair_preferences_reward_pareto_and_nonfinite():
     assert pair_preferences(rewards, None, first, second, "reward").tolist() == [1.0, 0.0, 0.0, 0.0]
     assert pair_preferences(rewards, None, second, first, "reward").tolist() == [-1.0, 0.0, 0.0, 0.0]
     # Pareto over (a, b): pair 0 dominates, pair 1 dominated, pair 3 trades off -> 0; pair 2 has a NaN -> 0.
-    comps = {"a": torch.tensor([2.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 1.0]),
-             "b": torch.tensor([1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 1.0])}
+    comps = {"a": torch.tensor([2.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 1.0]), "b": torch.tensor([1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 1.0])}
     assert pair_preferences(rewards, comps, first, second, "pareto").tolist() == [1.0, -1.0, 0.0, 0.0]
 
 
 def _batch(rewards: list[float], groups: list[int]) -> Trajectory:
     b = len(rewards)
-    return Trajectory(latents=torch.arange(b, dtype=torch.float32).view(b, 1, 1).expand(b, 2, 1).clone(), sigmas=torch.tensor([1.0, 0.0]),
-                      log_probs=torch.zeros(b, 1), stochastic=torch.ones(1, dtype=torch.bool), cond={}, prompts=[str(g) for g in groups],
-                      metadata=[{}] * b, group_ids=torch.tensor(groups), rewards=torch.tensor(rewards))
+    return Trajectory(
+        latents=torch.arange(b, dtype=torch.float32).view(b, 1, 1).expand(b, 2, 1).clone(),
+        sigmas=torch.tensor([1.0, 0.0]),
+        log_probs=torch.zeros(b, 1),
+        stochastic=torch.ones(1, dtype=torch.bool),
+        cond={},
+        prompts=[str(g) for g in groups],
+        metadata=[{}] * b,
+        group_ids=torch.tensor(groups),
+        rewards=torch.tensor(rewards),
+    )
 
 
 def test_prepare_pairs_consecutive_samples_of_a_group_winner_first():
     # Group 0: samples 0, 2, 4, 5 (interleaved with group 1: 1, 3) -> pairs (0, 2), (4, 5); group 1 -> (1, 3).
-    batch = build_d3po().prepare(_batch([0.1, 5.0, 0.9, 5.0, 0.7, 0.3], [0, 1, 0, 1, 0, 0]))
+    batch = D3POConfig().build().prepare(_batch([0.1, 5.0, 0.9, 5.0, 0.7, 0.3], [0, 1, 0, 1, 0, 0]))
     order = batch.latents[:, 0, 0].long().tolist()
     assert order == [2, 0, 4, 5, 1, 3]  # winners first; the tie (1, 3) keeps its order
     assert batch.advantages.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]  # the tie is masked out of the loss
@@ -90,7 +96,9 @@ def test_first_loss_is_log2_and_gradient_is_the_pairs_log_prob_difference(tmp_pa
     expected = [torch.zeros_like(p) for p in params]
     for k in chosen:
         x, xn = batch.latents[:, k], batch.latents[:, k + 1]
-        lp = sampler.step(pipe.predict(x, batch.sigmas[k], batch.cond, batch.guidance_scale), x, batch.sigmas[k], batch.sigmas[k + 1], x_next=xn).log_prob
+        lp = sampler.step(
+            pipe.predict(x, batch.sigmas[k], batch.cond, batch.guidance_scale), x, batch.sigmas[k], batch.sigmas[k + 1], x_next=xn
+        ).log_prob
         surrogate = -(0.1 / 2) * ((lp[0::2] - lp[1::2]) * decisive).sum() / decisive.sum() / steps
         for e, gi in zip(expected, torch.autograd.grad(surrogate, params, allow_unused=True)):
             e += 0 if gi is None else gi
@@ -102,8 +110,14 @@ def test_first_loss_is_log2_and_gradient_is_the_pairs_log_prob_difference(tmp_pa
 def test_minibatches_keep_pairs_together(tmp_path):
     from flowrl.trainer import Trainer
 
-    trainer = Trainer(load_config(D3PO, fast_overrides(tmp_path, **{"train.prompts_per_iteration": 4, "train.num_generations": 2,
-                                                                           "train.batch_size": 2, "train.inner_epochs": 2})))
+    trainer = Trainer(
+        load_config(
+            D3PO,
+            fast_overrides(
+                tmp_path, **{"train.prompts_per_iteration": 4, "train.num_generations": 2, "train.batch_size": 2, "train.inner_epochs": 2}
+            ),
+        )
+    )
     seen = []
     trainer._optimizer_step = lambda batch, gen: seen.append(batch.group_ids.tolist()) or {}
     trainer.update(trainer.advantages(trainer.score(trainer.collect(0))), 0)
@@ -115,8 +129,8 @@ def test_pairs_need_even_sizes_and_pareto_needs_two_rewards(tmp_path):
 
     with pytest.raises(FlowRLError, match="trains pairs of samples"):
         Trainer(load_config(D3PO, fast_overrides(tmp_path / "a", **{"train.num_generations": 3})))
-    with pytest.raises(FlowRLError, match="needs at least two"):
-        build_objective(D3POConfig(preference="pareto"), {"ink": 1.0})
+    with pytest.raises(FlowRLError, match="objective.preference=pareto compares reward components: reward.components needs at least two"):
+        load_config(None, ["objective.name=d3po", "objective.preference=pareto"])
 
 
 def test_two_d3po_iterations_change_every_parameter(tmp_path, one_thread):

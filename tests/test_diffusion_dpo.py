@@ -8,14 +8,14 @@ import math
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+from tiny_components import two_iterations_change_every_parameter
+
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.objectives.diffusion_dpo import noised_and_target, training_sigmas
 from flowrl.objectives.functional import diffusion_dpo_loss
 from flowrl.preference_pairs import PreferencePairs, build_pairs, read_pairs, write_pairs
-from tiny_components import two_iterations_change_every_parameter
 
 DPO = CONFIGS / "digits" / "diffusion_dpo.yaml"
 
@@ -27,7 +27,9 @@ def test_loss_hand_values_and_sign():
     assert loss.item() < math.log(2)  # the winner is fitted better than the reference fits it: below log 2
     worse = diffusion_dpo_loss(torch.tensor([0.50]), torch.tensor([0.30]), torch.tensor([0.40]), torch.tensor([0.45]), 10.0)
     assert worse.item() > math.log(2)
-    same = diffusion_dpo_loss(torch.tensor([0.3, 0.7]), torch.tensor([0.5, 0.1]), torch.tensor([0.3, 0.7]), torch.tensor([0.5, 0.1]), 5000.0)
+    same = diffusion_dpo_loss(
+        torch.tensor([0.3, 0.7]), torch.tensor([0.5, 0.1]), torch.tensor([0.3, 0.7]), torch.tensor([0.5, 0.1]), 5000.0
+    )
     assert same.tolist() == pytest.approx([math.log(2)] * 2)
 
 
@@ -67,8 +69,11 @@ def test_noised_inputs_and_targets_invert_like_the_samplers(pipelines):
 
 
 def _pairs(tmp_path, config=DPO, n=24, **overrides):
-    pairs, rewards, _ = build_pairs(load_config(config, [f"output_dir={tmp_path / 'unused'}", *[f"{k}={v}" for k, v in overrides.items()]]),
-                                    n, torch.Generator().manual_seed(0))
+    pairs, rewards, _ = build_pairs(
+        load_config(config, [f"output_dir={tmp_path / 'unused'}", *[f"{k}={v}" for k, v in overrides.items()]]),
+        n,
+        torch.Generator().manual_seed(0),
+    )
     return write_pairs(tmp_path / "pairs", pairs, rewards), pairs, rewards
 
 
@@ -138,10 +143,15 @@ def test_two_iterations_change_every_parameter(tmp_path, model, one_thread):
     config = DPO
     if model == "digits_ddpm":  # the epsilon model: its config names the DDIM sampler (unused by training, built all the same)
         config = tmp_path / "ddpm.yaml"
-        config.write_text(DPO.read_text().replace("  name: flow_sde\n  diffusion: flow_grpo\n  noise_level: 0.7", "  name: ddim\n  eta: 1.0")
-                          .replace("pretrained: digits_flow", "pretrained: digits_ddpm"))
+        config.write_text(
+            DPO.read_text()
+            .replace("  name: flow_sde\n  diffusion: flow_grpo\n  noise_level: 0.7", "  name: ddim\n  eta: 1.0")
+            .replace("pretrained: digits_flow", "pretrained: digits_ddpm")
+        )
     directory, _, _ = _pairs(tmp_path, config, n=8)
-    overrides = fast_overrides(tmp_path / "run", **{"prompts.pairs": str(directory), "train.learning_rate": 1e-3, "train.weight_decay": 0.0})
+    overrides = fast_overrides(
+        tmp_path / "run", **{"prompts.pairs": str(directory), "train.learning_rate": 1e-3, "train.weight_decay": 0.0}
+    )
     trainer = two_iterations_change_every_parameter(overrides, config)
     rows = trainer.logger.records()
     assert {"dpo/pair_accuracy", "dpo/implicit_margin", "loss/policy", "reward/mean"} <= set(rows[1])
@@ -166,7 +176,10 @@ def test_resume_continues_exactly_with_the_initial_reference(tmp_path, objective
     assert Trainer(load_config(config, fast_overrides(tmp_path / "cut", **extra, resume_from="latest"))).fit()["iterations_completed"] == 4
 
     def metrics(run):
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
 
     assert metrics(tmp_path / "cut") == metrics(tmp_path / "full")
     a = load_file(tmp_path / "full" / "checkpoints" / "step_000004" / "denoiser.safetensors")

@@ -9,13 +9,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+from tiny_components import two_iterations_change_every_parameter
+
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
-from flowrl.objectives.diffusion_nft import (DiffusionNFTObjective, nft_loss, optimality_probability, swapped_weights,
-                                             x0_error_scale)
-from tiny_components import two_iterations_change_every_parameter
+from flowrl.objectives.diffusion_nft import (
+    DiffusionNFTConfig,
+    nft_loss,
+    optimality_probability,
+    swapped_weights,
+    x0_error_scale,
+)
 
 NFT = CONFIGS / "digits" / "diffusion_nft.yaml"
 
@@ -40,7 +45,7 @@ def test_loss_hand_value():
 def test_optimality_probability_hand_values():
     # rewards 1, 2 | 3, 4 in two groups; global std (biased) = sqrt(1.25); advantages -+0.5 / (sqrt(1.25) + 1e-4);
     # r = 1/2 + A / (2 * 5); a NaN reward gets A = 0 (r = 1/2) and is left out of the loss.
-    obj = DiffusionNFTObjective()
+    obj = DiffusionNFTConfig().build()
     batch = SimpleNamespace(rewards=torch.tensor([1.0, 2.0, 3.0, 4.0, float("nan")]), group_ids=torch.tensor([0, 0, 1, 1, 1]))
     r = obj.prepare(batch).advantages
     d = 0.05 / (math.sqrt(1.25) + 1e-4)
@@ -85,15 +90,19 @@ def test_x0_scale_of_each_parametrisation():
     # the epsilon form really is the x0 error: x0_hat = (x - sqrt(1 - a) e) / sqrt(a)
     x, e_true, e_pred, x0 = torch.tensor(0.9), torch.tensor(0.2), torch.tensor(0.5), (0.9 - 0.6 * 0.2) / 0.8
     assert ((x - 0.6 * e_pred) / 0.8 - x0).item() == pytest.approx(-0.75 * (e_pred - e_true).item())
-    obj = DiffusionNFTObjective()
+    obj = DiffusionNFTConfig().build()
     with pytest.raises(FlowRLError, match="no time of the rollout grid"):
-        obj._times(SimpleNamespace(prediction_type="epsilon", schedule=SimpleNamespace(alpha_bar64=lambda s: torch.zeros_like(s, dtype=torch.float64))),
-                   torch.tensor([1.0, 0.0]))
+        obj._times(
+            SimpleNamespace(
+                prediction_type="epsilon", schedule=SimpleNamespace(alpha_bar64=lambda s: torch.zeros_like(s, dtype=torch.float64))
+            ),
+            torch.tensor([1.0, 0.0]),
+        )
 
 
 def test_old_policy_soft_update_and_swap():
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
-    obj = DiffusionNFTObjective(old_decay_rate=0.1, old_decay_max=0.25)
+    obj = DiffusionNFTConfig(old_decay_rate=0.1, old_decay_max=0.25).build()
     obj._update_old([p])  # first: a copy
     with torch.no_grad():
         p.add_(1.0)  # theta = (2, 3)
@@ -106,7 +115,7 @@ def test_old_policy_soft_update_and_swap():
     with swapped_weights([p], obj._old):
         assert p.tolist() == pytest.approx([1.95, 2.95])
     assert p.tolist() == [2.0, 3.0]
-    on_policy = DiffusionNFTObjective()  # old_decay_rate = 0: the old policy is exactly the current weights
+    on_policy = DiffusionNFTConfig().build()  # old_decay_rate = 0: the old policy is exactly the current weights
     on_policy.optimizer_steps = 50
     on_policy._update_old([p])
     assert torch.equal(on_policy._old[0], p.detach()) and on_policy._old[0].data_ptr() != p.data_ptr()
@@ -123,7 +132,8 @@ def test_two_iterations_with_ode_rollouts_change_every_parameter(tmp_path, one_t
 
 def test_soft_updated_old_policy_trains(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(
-        fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.old_decay_rate": 0.2, "objective.timestep_fraction": 0.3}), NFT)
+        fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.old_decay_rate": 0.2, "objective.timestep_fraction": 0.3}), NFT
+    )
     current = trainer.pipeline.trainable_parameters()
     assert any(not torch.equal(o, p.detach()) for o, p in zip(trainer.objective._old, current))  # theta_old trails theta
 

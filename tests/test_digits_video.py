@@ -7,18 +7,18 @@ import json
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+from tiny_components import rescoring_in_minibatches_ratio_is_one, two_iterations_change_every_parameter
+
 from flowrl.config import FlowSDEConfig, LoraConfig, ODEConfig, PipelineConfig
+from flowrl.data import digits_video as data
 from flowrl.errors import FlowRLError
-from flowrl.objectives.grpo import build_grpo
+from flowrl.objectives.grpo import GRPOConfig
 from flowrl.pipelines import build_pipeline
 from flowrl.pipelines.embedded_adapter import ASSETS
-from flowrl.data import digits_video as data
 from flowrl.prompts import prompt_pool
 from flowrl.samplers import build_sampler
 from flowrl.samplers.rollout import rollout
-from tiny_components import rescoring_in_minibatches_ratio_is_one, two_iterations_change_every_parameter
 
 ASSET = ASSETS / "digits_video"
 # Measured on the shipped weights (docs/digits_video.md): 80 held-out prompts x 4 seeds, ODE 10 steps, no
@@ -112,13 +112,21 @@ def test_bad_paths_fail_in_one_sentence(tmp_path):
 def test_rescore_ratio_is_one_at_unchanged_weights(pipeline):
     sampler = build_sampler(FlowSDEConfig(noise_level=0.7), pipeline)
     prompts = [p for p, _ in prompt_pool("digits_video", "train")[:4] for _ in range(2)]
-    traj = rollout(pipeline, sampler, prompts, [{}] * 8, torch.arange(8) // 2, pipeline.schedule.sigmas(4),
-                   torch.Generator().manual_seed(0), guidance_scale=2.0)
+    traj = rollout(
+        pipeline,
+        sampler,
+        prompts,
+        [{}] * 8,
+        torch.arange(8) // 2,
+        pipeline.schedule.sigmas(4),
+        torch.Generator().manual_seed(0),
+        guidance_scale=2.0,
+    )
     assert traj.latents.shape == (8, 5, 1, 4, 16, 16) and traj.stochastic.all()
     rescoring_in_minibatches_ratio_is_one(pipeline, sampler, traj)
     # Through GRPO's own loss path: first pass on-policy.
     traj.rewards = torch.arange(8, dtype=torch.float32)
-    objective = build_grpo(clip_range=1e-4)
+    objective = GRPOConfig(clip_range=1e-4).build()
     batch = objective.prepare(traj)[torch.arange(3)]
     for lo in objective.losses(pipeline, sampler, batch, torch.Generator().manual_seed(0)):
         assert float(lo.metrics["policy/ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
@@ -127,7 +135,8 @@ def test_rescore_ratio_is_one_at_unchanged_weights(pipeline):
 def test_two_iterations_change_every_parameter(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path, **{"train.weight_decay": 0.0, "train.learning_rate": 1e-3, "log.grid_prompts": 2}),
-        CONFIGS / "digits_video" / "grpo.yaml")
+        CONFIGS / "digits_video" / "grpo.yaml",
+    )
     assert all(p.requires_grad for p in trainer.module.parameters())  # full fine-tuning: every parameter moved
     summary = json.loads((tmp_path / "summary.json").read_text())
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

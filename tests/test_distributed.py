@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import CONFIGS, REPO, fast_overrides
+from safetensors.torch import load_file
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 ACCELERATE = CONFIGS / "accelerate"
@@ -42,10 +41,30 @@ def _free_port() -> int:
 def _launch(config_file: str | None, output_dir: Path, **extra: object) -> None:
     """accelerate launch, 2 CPU processes over gloo, one thread each; ``config_file=None``: one plain process
     with the same global batch (one minibatch of 8 rows where each of 2 processes has 4)."""
-    overrides = fast_overrides(output_dir, **{"train.iterations": ITERATIONS, "log.checkpoint_every": 1,
-                                              "objective.timestep_fraction": 1.0, **({} if config_file else {"train.batch_size": 8}), **extra})
-    launch = ["accelerate.commands.launch", "--config_file", str(ACCELERATE / config_file), "--num_processes", "2",
-              "--main_process_port", str(_free_port()), "-m"] if config_file else []
+    overrides = fast_overrides(
+        output_dir,
+        **{
+            "train.iterations": ITERATIONS,
+            "log.checkpoint_every": 1,
+            "objective.timestep_fraction": 1.0,
+            **({} if config_file else {"train.batch_size": 8}),
+            **extra,
+        },
+    )
+    launch = (
+        [
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ACCELERATE / config_file),
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(_free_port()),
+            "-m",
+        ]
+        if config_file
+        else []
+    )
     cmd = [sys.executable, "-m", *launch, "flowrl.cli", "train", str(GRPO), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
@@ -61,8 +80,11 @@ def _checkpoint(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step_{step:06d}"
 
 
-@pytest.mark.parametrize("extra", [{}, {"rollout.same_noise_in_group": True}, {"rollout.branching.start_steps": 2}],
-                         ids=["own_noise", "group_noise", "b2_branches"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"rollout.same_noise_in_group": True}, {"rollout.branching.start_steps": 2}],
+    ids=["own_noise", "group_noise", "b2_branches"],
+)
 def test_the_shares_of_two_processes_are_the_one_process_batch_split_in_two(tmp_path, extra):
     """Prompts and noise are drawn for the whole world and keyed by global index, so rank 0's and rank 1's
     rollouts (each in rollout chunks of 3) are the two halves of one process's batch (chunks of 8)."""
@@ -202,7 +224,9 @@ def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_refused_in_one_sent
     shutil.copytree(runs / "deepspeed_zero2", run)
     before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
     trainer = Trainer(load_config(GRPO, fast_overrides(run, resume_from=str(_checkpoint(run, 1)))))
-    with pytest.raises(FlowRLError, match=r"^checkpoint '.*step_000001' was written by a DeepSpeed run, .* resume it under the same DeepSpeed launch"):
+    with pytest.raises(
+        FlowRLError, match=r"^checkpoint '.*step_000001' was written by a DeepSpeed run, .* resume it under the same DeepSpeed launch"
+    ):
         trainer.fit()
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before  # nothing written or removed
 
@@ -213,8 +237,14 @@ def test_sharded_checkpoint_exports_a_diffusers_model_equal_to_the_gathered_weig
 
     checkpoint = _checkpoint(runs / launch, ITERATIONS)
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "export", str(checkpoint), str(out)], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "export", str(checkpoint), str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported = UNet2DConditionModel.from_pretrained(str(out / "unet")).state_dict()
     weights = load_file(checkpoint / "denoiser.safetensors")
@@ -255,7 +285,7 @@ def test_cpu_offload_on_cpu_processes_is_refused_in_one_sentence(monkeypatch):
     assert state.distributed_type == DistributedType.MULTI_CPU and state.fsdp_plugin is None
 
 
-HEAD_WORKER = '''
+HEAD_WORKER = """
 import json, sys
 from accelerate.utils import gather_object
 from flowrl.config import load_config
@@ -270,7 +300,7 @@ after = gather_object([{k: v.tolist() for k, v in head.state_dict().items()}])
 if trainer.is_main:
     open(sys.argv[2], "w").write(json.dumps({"before": before, "after": after}))
 end_process_group()
-'''
+"""
 
 
 def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
@@ -278,11 +308,33 @@ def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
     the trainer does. Each process samples other completions, so without the averaging the two copies differ."""
     script, report = tmp_path / "worker.py", tmp_path / "heads.json"
     script.write_text(HEAD_WORKER)
-    overrides = [f"output_dir={tmp_path / 'run'}", "train.iterations=2", "train.prompts_per_iteration=2", "train.num_generations=4",
-                 "train.batch_size=4", "prompts.eval_size=4", "eval.every=0", "log.checkpoint_every=0", "log.progress=false",
-                 "train.learning_rate=1e-3"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / "ddp.yaml"), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), str(script), str(CONFIGS / "dllm" / "dcolt.yaml"), str(report), *overrides]
+    overrides = [
+        f"output_dir={tmp_path / 'run'}",
+        "train.iterations=2",
+        "train.prompts_per_iteration=2",
+        "train.num_generations=4",
+        "train.batch_size=4",
+        "prompts.eval_size=4",
+        "eval.every=0",
+        "log.checkpoint_every=0",
+        "log.progress=false",
+        "train.learning_rate=1e-3",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE / "ddp.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        str(script),
+        str(CONFIGS / "dllm" / "dcolt.yaml"),
+        str(report),
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -23,13 +23,13 @@ import torch
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from flowrl.errors import FlowRLError
-from flowrl.pipelines.dllm import LLADA_MASK_TOKEN_ID, MaskedDiffusionLM, load_masked_lm
-from flowrl.types import MaskedLM
+from flowrl.errors import FlowRLError  # noqa: E402
+from flowrl.pipelines.dllm import LLADA_MASK_TOKEN_ID, MaskedDiffusionLM, load_masked_lm  # noqa: E402
+from flowrl.types import MaskedLM  # noqa: E402
 
 LLADA_VOCAB = 126464
 
-CONFIGURATION_TINYLLADA = '''
+CONFIGURATION_TINYLLADA = """
 from transformers import PretrainedConfig
 
 
@@ -48,7 +48,7 @@ class TinyLLaDAConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
-'''
+"""
 
 MODELING_TINYLLADA = '''
 """A tiny stand-in for LLaDA's modeling_llada.py: same module names, bidirectional attention."""
@@ -172,7 +172,9 @@ def bert_ckpt(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("bert")
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
-    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)
+    config = BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, max_position_embeddings=32
+    )
     model = BertForMaskedLM(config).eval()
     model.save_pretrained(path)
     _word_tokenizer(words, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]").save_pretrained(path)
@@ -187,7 +189,14 @@ def qwen2_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2")
     words = ["<|endoftext|>", "[UNK]", "<|mask|>"] + [f"w{i}" for i in range(61)]
     config = Qwen2Config(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     model = Qwen2ForCausalLM(config).eval()
     model.save_pretrained(path)

@@ -1,4 +1,4 @@
-"""dLLM log-likelihood estimators and DCoLT's Plackett-Luce action log-prob (MATH.md section 6).
+"""dLLM log-likelihood estimators and DCoLT's Plackett-Luce action log-prob (docs/math.md section 6).
 
 Oracles: a CONTEXT-FREE toy masked LM (each position's logits depend only on the position) has the exact
 log-likelihood ``sum_i log p_i(x_i)`` and, whatever is masked, each masked position predicts with p_i, so
@@ -60,7 +60,7 @@ class ContextFreeLM(nn.Module):
 class TinyMaskedLM(nn.Module):
     """A seeded 2-layer bidirectional transformer implementing MaskedLM. Kept in train mode with dropout 0:
     eval mode would switch nn.TransformerEncoder to its fused fast path under no_grad only, i.e. a
-    different kernel for the old (no_grad) and new (grad) policy, exactly the r != 1 cause MATH.md lists."""
+    different kernel for the old (no_grad) and new (grad) policy, exactly the r != 1 cause docs/math.md section 3 lists."""
 
     mask_token_id, eos_token_id = MASK, EOS
 
@@ -102,9 +102,18 @@ def make_traj(B: int, seed: int, num_steps: int = 4, num_seeds: int = 3, eos_tai
     order = torch.stack([torch.randperm(G, generator=g) for _ in range(B)])
     rank = order.argsort(1)
     return TokenTrajectory(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion, unmask_step=rank * num_steps // G,
-        unmask_rank=rank, token_log_probs=torch.zeros(B, G), num_steps=num_steps, prompts=[""] * B,
-        metadata=[{}] * B, group_ids=torch.arange(B), mask_seeds=torch.randint(0, 2**62, (B, num_seeds), generator=g))
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion,
+        unmask_step=rank * num_steps // G,
+        unmask_rank=rank,
+        token_log_probs=torch.zeros(B, G),
+        num_steps=num_steps,
+        prompts=[""] * B,
+        metadata=[{}] * B,
+        group_ids=torch.arange(B),
+        mask_seeds=torch.randint(0, 2**62, (B, num_seeds), generator=g),
+    )
 
 
 def z_score(estimates: torch.Tensor, target: torch.Tensor) -> float:
@@ -142,7 +151,7 @@ def test_coupled_is_unbiased_and_answer_mask_estimates_the_per_token_mean():
     exact = lm.exact(traj.completion_ids)
     with torch.no_grad():
         coupled = CoupledEstimator()(lm, traj, 0)
-        answer = AnswerMaskEstimator()(lm, traj, 0)
+        answer = AnswerMaskEstimator(0.1, 0.9)(lm, traj, 0)
     assert (coupled.weights > 0).all()  # every token is scored once, by the pass that masked it
     assert abs(z_score(coupled.sequence_log_prob(), exact)) < 4
     torch.testing.assert_close(answer.weights.sum(1), torch.ones(N_ROWS))  # a mean over the masked tokens
@@ -155,14 +164,19 @@ def test_one_step_and_replay_are_exact_for_context_free_model():
     lm, traj = ContextFreeLM(), make_traj(8, seed=3)
     exact = lm.exact(traj.completion_ids).float()
     with torch.no_grad():
-        for est in (OneStepEstimator(), TrajectoryReplayEstimator()):
+        for est in (OneStepEstimator(0.15), TrajectoryReplayEstimator()):
             torch.testing.assert_close(est(lm, traj, 0).sequence_log_prob(), exact)
 
 
 # ------------------------------------------------------------------ determinism contract (real transformer)
 
-ESTIMATORS = [OneStepEstimator(), AnswerMaskEstimator(), CoupledEstimator(), ELBOEstimator(num_samples=3),
-              TrajectoryReplayEstimator()]
+ESTIMATORS = [
+    OneStepEstimator(0.15),
+    AnswerMaskEstimator(0.1, 0.9),
+    CoupledEstimator(),
+    ELBOEstimator(num_samples=3),
+    TrajectoryReplayEstimator(),
+]
 
 
 @pytest.mark.parametrize("est", ESTIMATORS, ids=lambda e: type(e).__name__)
@@ -201,7 +215,7 @@ def test_elbo_terms_backpropagated_one_at_a_time_match_the_average():
 def test_missing_or_out_of_range_seeds_raise():
     lm, traj = ContextFreeLM(), make_traj(2, seed=6)
     with pytest.raises(FlowRLError):
-        AnswerMaskEstimator()(lm, traj, 3)
+        AnswerMaskEstimator(0.1, 0.9)(lm, traj, 3)
     traj.mask_seeds = None
     with pytest.raises(FlowRLError):
         ELBOEstimator()(lm, traj, 0)
@@ -213,7 +227,7 @@ def test_missing_or_out_of_range_seeds_raise():
 def test_d1_masks_whole_completion_and_15_percent_of_real_prompt_tokens():
     lm, traj = ContextFreeLM(), make_traj(N_ROWS, seed=7)
     with torch.no_grad():
-        OneStepEstimator()(lm, traj, 0)
+        OneStepEstimator(0.15)(lm, traj, 0)
     (seen,) = lm.inputs
     prompt_seen, completion_seen = seen[:, :P], seen[:, P:]
     assert (completion_seen == MASK).all()
@@ -229,8 +243,8 @@ def test_d1_pad_after_eos_weights():
     traj.completion_ids[0, 3:] = EOS  # row 0: EOS at 3 then filler; row 1: no EOS at all
     traj.completion_ids[1] = traj.completion_ids[1].clamp(min=2)
     with torch.no_grad():
-        out = OneStepEstimator()(lm, traj, 0)
-        full = OneStepEstimator(pad_after_eos=False)(lm, traj, 0)
+        out = OneStepEstimator(0.15)(lm, traj, 0)
+        full = OneStepEstimator(0.15, pad_after_eos=False)(lm, traj, 0)
     assert out.weights[0].tolist() == [1.0] * 4 + [0.0] * (G - 4) and (out.weights[1] == 1).all()
     assert (out.token_log_probs[0, 4:] == 0).all() and (full.weights == 1).all()
 

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-
 from conftest import CONFIGS, REPO
+
 from flowrl.config import BGPOConfig, DCoLTConfig, DiffuGRPOConfig, MaskedSamplerConfig, UniGRPOConfig, load_config
-from flowrl.objectives.dllm.policy import build_dllm_objective
-from flowrl.pipelines.dllm import load_masked_lm
 from flowrl.data.arith import PROMPT_LEN, problems
+from flowrl.pipelines.dllm import load_masked_lm
 from flowrl.samplers.masked import generate
+from flowrl.sections import BuildContext
 
 ASSET = str(REPO / "flowrl" / "assets" / "arith_mdlm")
 _LM = {}
@@ -29,20 +29,32 @@ def _rollout(lm, remasking="low_confidence", scorer=None, n=8, seeds=2):
     tok = lm.tokenizer
     tok.padding_side = "left"
     enc = tok([p for p, _ in problems("train", n, seed=3)], padding="max_length", max_length=PROMPT_LEN, return_tensors="pt")
-    traj = generate(lm, enc.input_ids, enc.attention_mask.bool(), 16, 8, 16, temperature=1.0, remasking=remasking,
-                    position_scorer=scorer, generator=torch.Generator().manual_seed(0))
+    traj = generate(
+        lm,
+        enc.input_ids,
+        enc.attention_mask.bool(),
+        16,
+        8,
+        16,
+        temperature=1.0,
+        remasking=remasking,
+        position_scorer=scorer,
+        generator=torch.Generator().manual_seed(0),
+    )
     traj.group_ids = torch.arange(n) // 4
     traj.rewards = torch.arange(n, dtype=torch.float32) % 3
     traj.mask_seeds = torch.randint(0, 2**62, (n, seeds), generator=torch.Generator().manual_seed(1))
     return traj
 
 
-@pytest.mark.parametrize("config", [DiffuGRPOConfig(num_mask_seeds=2), UniGRPOConfig(num_mask_seeds=2), BGPOConfig(num_mask_seeds=2),
-                                    DCoLTConfig()], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "config",
+    [DiffuGRPOConfig(num_mask_seeds=2), UniGRPOConfig(num_mask_seeds=2), BGPOConfig(num_mask_seeds=2), DCoLTConfig()],
+    ids=lambda c: c.name,
+)
 def test_first_update_ratio_is_one(config):
     lm = _lm()
-    objective = build_dllm_objective(config, MaskedSamplerConfig(remasking="policy" if config.name == "dcolt" else "low_confidence"),
-                                     lm.mask_token_id)
+    objective = config.build(BuildContext({}, MaskedSamplerConfig(remasking="policy" if config.name == "dcolt" else "low_confidence"), lm))
     traj = _rollout(lm, "policy" if config.name == "dcolt" else "low_confidence", getattr(objective, "position_scorer", None))
     objective.old_and_ref(lm, traj)
     traj = objective.prepare(traj)
@@ -61,7 +73,7 @@ def test_group_shared_masks_cancel_what_a_group_has_in_common(config):
     from flowrl.modalities.text import draw_mask_seeds
 
     lm = _lm()
-    objective = build_dllm_objective(config, MaskedSamplerConfig(), lm.mask_token_id)
+    objective = config.build(BuildContext({}, MaskedSamplerConfig(), lm))
     params = [p for p in lm.model.parameters() if p.requires_grad]
     norms = {}
     for shared in (True, False):
@@ -90,7 +102,7 @@ def test_bgpo_equals_elbo_grpo_on_policy_in_value_and_gradient():
     params = [p for p in lm.model.parameters() if p.requires_grad]
 
     def run(naive: bool):
-        objective = build_dllm_objective(BGPOConfig(num_mc_samples=3, naive=naive), MaskedSamplerConfig())
+        objective = BGPOConfig(num_mc_samples=3, naive=naive).build()
         objective.old_and_ref(lm, traj)
         batch = objective.prepare(traj)
         lm.model.zero_grad(set_to_none=True)
@@ -112,9 +124,18 @@ def test_bgpo_equals_elbo_grpo_on_policy_in_value_and_gradient():
 def test_text_trainer_two_iterations(tmp_path, name):
     from flowrl.trainer import Trainer
 
-    overrides = [f"output_dir={tmp_path}", "train.iterations=2", "train.prompts_per_iteration=2", "train.num_generations=4",
-                 "train.batch_size=8", "prompts.eval_size=8", "eval.every=0", "log.checkpoint_every=0", "log.progress=false",
-                 "train.learning_rate=1e-3"]
+    overrides = [
+        f"output_dir={tmp_path}",
+        "train.iterations=2",
+        "train.prompts_per_iteration=2",
+        "train.num_generations=4",
+        "train.batch_size=8",
+        "prompts.eval_size=8",
+        "eval.every=0",
+        "log.checkpoint_every=0",
+        "log.progress=false",
+        "train.learning_rate=1e-3",
+    ]
     trainer = Trainer(load_config(CONFIGS / "dllm" / f"{name}.yaml", overrides))
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
     summary = trainer.fit()
@@ -132,8 +153,12 @@ def test_dcolt_head_learning_rate_scale(tmp_path):
     """objective.scorer_lr_scale sets the unmasking-policy head's learning rate relative to the LM's."""
     from flowrl.trainer import Trainer
 
-    trainer = Trainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path}", "train.learning_rate=1e-5",
-                                                                          "objective.scorer_lr_scale=50", "log.progress=false"]))
+    trainer = Trainer(
+        load_config(
+            CONFIGS / "dllm" / "dcolt.yaml",
+            [f"output_dir={tmp_path}", "train.learning_rate=1e-5", "objective.scorer_lr_scale=50", "log.progress=false"],
+        )
+    )
     lm_group, head_group = trainer.optimizer.param_groups
     assert lm_group["lr"] == pytest.approx(1e-5) and head_group["lr"] == pytest.approx(5e-4)
     assert {id(p) for p in head_group["params"]} == {id(p) for p in trainer.objective.head.parameters()}
@@ -146,8 +171,9 @@ def test_seed_fixes_the_initial_weights_of_fresh_modules(tmp_path):
     heads = []
     for seed in (0, 0, 1):
         torch.randn(7)  # whatever the global RNG did before must not matter
-        trainer = Trainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path / str(len(heads))}", f"seed={seed}",
-                                                                              "log.progress=false"]))
+        trainer = Trainer(
+            load_config(CONFIGS / "dllm" / "dcolt.yaml", [f"output_dir={tmp_path / str(len(heads))}", f"seed={seed}", "log.progress=false"])
+        )
         heads.append(torch.cat([p.detach().flatten() for p in trainer.objective.head.parameters()]))
     assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
 
@@ -156,7 +182,7 @@ def test_confidence_prior_head_starts_at_low_confidence_decoding():
     """objective.confidence_prior=c: the head's initial score is c * (top log-prob) exactly, so its greedy order
     (temperature 0: the top-k scores) is LLaDA's low-confidence order and the completions are identical."""
     lm = _lm()
-    objective = build_dllm_objective(DCoLTConfig(confidence_prior=5.0), MaskedSamplerConfig(remasking="policy"), lm.mask_token_id)
+    objective = DCoLTConfig(confidence_prior=5.0).build(BuildContext({}, MaskedSamplerConfig(remasking="policy"), lm))
     tok = lm.tokenizer
     tok.padding_side = "left"
     enc = tok([p for p, _ in problems("eval", 64, seed=5)], padding="max_length", max_length=PROMPT_LEN, return_tensors="pt")
@@ -164,8 +190,19 @@ def test_confidence_prior_head_starts_at_low_confidence_decoding():
     logits = lm.logits(torch.cat([enc.input_ids, state], 1), attention_mask=torch.cat([enc.attention_mask.bool(), state > -1], 1))[:, -16:]
     top = torch.log_softmax(logits.float(), -1).max(-1).values
     assert torch.equal(objective.position_scorer(logits, state), 5.0 * top)
-    runs = {r: generate(lm, enc.input_ids, enc.attention_mask.bool(), 16, 8, 16, temperature=0.0, remasking=r,
-                        position_scorer=objective.position_scorer if r == "policy" else None)
-            for r in ("policy", "low_confidence")}
+    runs = {
+        r: generate(
+            lm,
+            enc.input_ids,
+            enc.attention_mask.bool(),
+            16,
+            8,
+            16,
+            temperature=0.0,
+            remasking=r,
+            position_scorer=objective.position_scorer if r == "policy" else None,
+        )
+        for r in ("policy", "low_confidence")
+    }
     assert torch.equal(runs["policy"].completion_ids, runs["low_confidence"].completion_ids)
     assert torch.equal(runs["policy"].unmask_step, runs["low_confidence"].unmask_step)

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
-from flowrl.config import PipelineConfig
-from flowrl.pipelines import build_pipeline
 from tiny_components import ode_sample, rescoring_ratio_is_one, two_iterations_change_every_parameter
 
-CASES = {"digits": (CONFIGS / "digits" / "grpo.yaml", "digits_flow", ["draw the digit 3", "a 7"]),
-         "digits_video": (CONFIGS / "digits_video" / "grpo.yaml", "digits_video", ["digit 3 going up", "a five moves left"])}
+from flowrl.config import PipelineConfig
+from flowrl.pipelines import build_pipeline
+
+CASES = {
+    "digits": (CONFIGS / "digits" / "grpo.yaml", "digits_flow", ["draw the digit 3", "a 7"]),
+    "digits_video": (CONFIGS / "digits_video" / "grpo.yaml", "digits_video", ["digit 3 going up", "a five moves left"]),
+}
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -27,7 +29,9 @@ def test_lora_run_round_trips_through_diffusers(family, tmp_path, one_thread):
 
     config, pretrained, prompts = CASES[family]
     trainer = two_iterations_change_every_parameter(
-        fast_overrides(tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "log.checkpoint_every": 2}), config)
+        fast_overrides(tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "log.checkpoint_every": 2}),
+        config,
+    )
     pipe = trainer.pipeline
     trained = [n for n, p in pipe.denoiser.named_parameters() if p.requires_grad]
     assert trained and all("lora" in n for n in trained)

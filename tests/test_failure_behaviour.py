@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CONFIGS, REPO, fast_overrides
+
 from flowrl.checkpoint import atomic_path, find_latest, save_checkpoint, verify_checkpoint
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.preference_pairs import build_pairs
+from flowrl.reward_models import build_reward_from_config
 from flowrl.run_logger import json_line
 from flowrl.trainer import Trainer
 from flowrl.types import RewardOutput
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def strict_json(text: str):
     """json.loads that refuses NaN / Infinity, which Python's json accepts but JSON does not."""
+
     def refuse(name):
         raise ValueError(f"bare {name} is not JSON")
 
@@ -57,7 +59,7 @@ def flip_tensor_bytes(file: Path, count: int = 400) -> None:
     data = bytearray(file.read_bytes())
     start = 8 + struct.unpack("<Q", data[:8])[0]
     offset = start + (len(data) - start) // 2
-    data[offset:offset + count] = b"\xff" * count
+    data[offset : offset + count] = b"\xff" * count
     file.write_bytes(bytes(data))
 
 
@@ -97,13 +99,15 @@ class NaNFromCall:
 
 def test_an_iteration_whose_rewards_are_all_nan_stops_the_run_and_keeps_earlier_work(tmp_path):
     run = tmp_path / "run"
-    trainer = Trainer(load_config(GRPO, fast_overrides(run, **{"train.iterations": 4})))
-    trainer.reward = NaNFromCall(trainer.reward, start=3)  # iteration 1 learns, iteration 2 scores nothing
+    config = load_config(GRPO, fast_overrides(run, **{"train.iterations": 4}))
+    trainer = Trainer(config, reward=NaNFromCall(build_reward_from_config(config.reward), start=3))  # iteration 1 learns, 2 scores nothing
     with pytest.raises(FlowRLError) as info, pytest.warns(UserWarning, match="NaN or infinite"):
         trainer.fit()
     message = str(info.value)
-    assert message == (f"all 8 rewards of iteration 2 were NaN or infinite (reward components: ink, digit_classifier), so the run cannot "
-                       f"learn; the run stopped with iteration 1 saved in {run / 'checkpoints' / 'step_000001'} (resume with resume_from=latest).")
+    assert message == (
+        f"all 8 rewards of iteration 2 were NaN or infinite (reward components: nan_from_call), so the run cannot "
+        f"learn; the run stopped with iteration 1 saved in {run / 'checkpoints' / 'step_000001'} (resume with resume_from=latest)."
+    )
     weights = verify_checkpoint(run / "checkpoints" / "step_000001")
     assert weights["iteration"] == 1
     summary = strict_json((run / "summary.json").read_text())
@@ -130,13 +134,15 @@ def test_too_many_nan_rewards_over_the_window_stop_the_run_before_the_update(tmp
 
     run = tmp_path / "run"
     overrides = fast_overrides(run, **{"train.iterations": 4, "train.nonfinite_window": 2, "train.max_nonfinite_fraction": 0.5})
-    trainer = Trainer(load_config(GRPO, overrides))
-    trainer.reward = FiveOfEightNaN(trainer.reward, start=2)
+    config = load_config(GRPO, overrides)
+    trainer = Trainer(config, reward=FiveOfEightNaN(build_reward_from_config(config.reward), start=2))
     with pytest.raises(FlowRLError) as info, pytest.warns(UserWarning, match="NaN or infinite"):
         trainer.fit()
     # Iteration 1 alone (5 of 8) does not fill the window; iteration 2 makes it 10 of 16 > 0.5.
-    assert str(info.value).startswith("10 of 16 rewards of the last 2 iterations were NaN or infinite, more than "
-                                      "train.max_nonfinite_fraction=0.5, so the run is not learning; the run stopped with iteration 1 saved")
+    assert str(info.value).startswith(
+        "10 of 16 rewards of the last 2 iterations were NaN or infinite, more than "
+        "train.max_nonfinite_fraction=0.5, so the run is not learning; the run stopped with iteration 1 saved"
+    )
     # The update of iteration 2 never ran: the weights in memory are exactly those saved after iteration 1.
     on_disk = load_file(run / "checkpoints" / "step_000001" / "denoiser.safetensors")
     assert all(torch.equal(on_disk[k], v.detach().cpu()) for k, v in trainer.pipeline.denoiser.state_dict().items())
@@ -147,17 +153,29 @@ def test_a_reward_that_cannot_score_the_prompts_is_refused_before_anything_runs(
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red bicycle\na bowl of fruit\n")
     run = tmp_path / "run"
-    code = main(["train", str(GRPO), *fast_overrides(run), "prompts.dataset=file", f"prompts.train_file={prompts}",
-                 f"prompts.eval_file={prompts}"])
+    code = main(
+        ["train", str(GRPO), *fast_overrides(run), "prompts.dataset=file", f"prompts.train_file={prompts}", f"prompts.eval_file={prompts}"]
+    )
     assert code == 2
     assert one_line_error(capsys.readouterr().err) == (
         f"flowrl: error: reward 'digit_classifier' needs 'digit' in every prompt's metadata, but training prompt 1 of '{prompts}' "
         "('a red bicycle') has none, so it would score NaN and never train; give the prompts a 'digit' (a .jsonl prompt file) "
-        "or choose another reward.")
+        "or choose another reward."
+    )
     assert not run.exists()
     # Weighted 0 it is only watched, not trained on: allowed (ink alone can score any prompt).
-    ok = load_config(GRPO, fast_overrides(run, **{"prompts.dataset": "file", "prompts.train_file": prompts, "prompts.eval_file": prompts,
-                                                  "reward.components": "{digit_classifier: 0.0, ink: 1.0}"}))
+    ok = load_config(
+        GRPO,
+        fast_overrides(
+            run,
+            **{
+                "prompts.dataset": "file",
+                "prompts.train_file": prompts,
+                "prompts.eval_file": prompts,
+                "reward.components": "{digit_classifier: 0.0, ink: 1.0}",
+            },
+        ),
+    )
     Trainer(ok)
     assert not run.exists()
 
@@ -179,8 +197,9 @@ def test_a_device_this_machine_does_not_have_is_refused(tmp_path, capsys):
         with pytest.raises(FlowRLError, match=f"^pipeline.device is '{device}' but this machine has "):  # the pairs builder too
             build_pairs(load_config(CONFIGS / "digits" / "diffusion_dpo.yaml", [f"pipeline.device={device}"]), 2, torch.Generator())
     assert main(["train", str(GRPO), *fast_overrides(tmp_path / "x"), "pipeline.device=gpu"]) == 2
-    assert one_line_error(capsys.readouterr().err) == ("flowrl: error: config key 'pipeline.device' is invalid: must be auto, cpu, cuda, "
-                                                       "cuda:N or mps, got 'gpu'.")
+    assert one_line_error(capsys.readouterr().err) == (
+        "flowrl: error: config key 'pipeline.device' is invalid: must be auto, cpu, cuda, cuda:N or mps, got 'gpu'."
+    )
 
 
 def test_cpu_is_honoured(tmp_path):
@@ -216,8 +235,10 @@ def test_corruption_is_named_by_eval_sample_export_and_resume(trained, tmp_path,
     bad = tmp_path / "step_000002"
     shutil.copytree(good, bad)
     flip_tensor_bytes(bad / "denoiser.safetensors")
-    named = (f"flowrl: error: checkpoint file '{bad / 'denoiser.safetensors'}' is corrupt (its sha256 differs from the one recorded "
-             "when it was written).")
+    named = (
+        f"flowrl: error: checkpoint file '{bad / 'denoiser.safetensors'}' is corrupt (its sha256 differs from the one recorded "
+        "when it was written)."
+    )
     out = tmp_path / "s.png"
     commands = {
         "eval": ["eval", str(bad)],
@@ -230,8 +251,10 @@ def test_corruption_is_named_by_eval_sample_export_and_resume(trained, tmp_path,
         assert one_line_error(capsys.readouterr().err) == named, name
     assert not out.exists() and not (tmp_path / "exported").exists() and not (tmp_path / "resumed").exists()
     # The other files are checked the same way, the state file against its own checksum.
-    for name, edit in (("config.yaml", lambda t: t.replace("seed: 1234", "seed: 1235")),
-                       ("trainer_state.json", lambda t: t.replace('"iteration": 2', '"iteration": 3'))):
+    for name, edit in (
+        ("config.yaml", lambda t: t.replace("seed: 1234", "seed: 1235")),
+        ("trainer_state.json", lambda t: t.replace('"iteration": 2', '"iteration": 3')),
+    ):
         broken = tmp_path / f"broken_{name}"
         shutil.copytree(good, broken)
         text = (broken / name).read_text()
@@ -258,21 +281,27 @@ def test_printed_json_and_metric_lines_never_hold_a_bare_nan(trained, tmp_path, 
         assert main(["eval", str(legacy)]) == 0
     printed = strict_json(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["eval/reward/mean"] is None
-    assert json_line({"a": float("nan"), "b": [float("inf"), 1.5], "c": torch.tensor(float("-inf"))}) == '{"a": null, "b": [null, 1.5], "c": null}'
+    assert (
+        json_line({"a": float("nan"), "b": [float("inf"), 1.5], "c": torch.tensor(float("-inf"))})
+        == '{"a": null, "b": [null, 1.5], "c": null}'
+    )
 
 
 # ------------------------------------------------------------------ 4. OS errors and arguments
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["sample", "digits_flow", "--prompt", "x", "-n", "0"], "-n/--num-samples must be at least 1, got 0."),
-    (["sample", "digits_flow", "--prompt", "x", "--steps", "0"], "--steps must be at least 1, got 0."),
-    (["sample", "digits_flow", "--prompt", "x", "--guidance-scale", "nan"], "--guidance-scale must be a finite number, got nan."),
-    (["sample", "digits_flow", "--prompt", "x", "--seed", "-1"], "--seed must be non-negative, got -1."),
-    (["eval", str(GRPO), "--best-of", "0"], "--best-of must be at least 1, got 0."),
-    (["eval", str(GRPO), "--svdd", "-2"], "--svdd must be at least 1, got -2."),
-    (["serve-reward", "x.yaml", "--port", "70000"], "--port must be in 0-65535, got 70000."),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sample", "digits_flow", "--prompt", "x", "-n", "0"], "-n/--num-samples must be at least 1, got 0."),
+        (["sample", "digits_flow", "--prompt", "x", "--steps", "0"], "--steps must be at least 1, got 0."),
+        (["sample", "digits_flow", "--prompt", "x", "--guidance-scale", "nan"], "--guidance-scale must be a finite number, got nan."),
+        (["sample", "digits_flow", "--prompt", "x", "--seed", "-1"], "--seed must be non-negative, got -1."),
+        (["eval", str(GRPO), "--best-of", "0"], "--best-of must be at least 1, got 0."),
+        (["eval", str(GRPO), "--svdd", "-2"], "--svdd must be at least 1, got -2."),
+        (["serve-reward", "x.yaml", "--port", "70000"], "--port must be in 0-65535, got 70000."),
+    ],
+)
 def test_out_of_range_arguments_are_one_sentence(tmp_path, capsys, argv, message):
     out = ["--out", str(tmp_path / "o.png")] if argv[0] in ("sample", "eval") else []
     assert main(argv + out) == 2
@@ -284,18 +313,23 @@ def test_malformed_arguments_are_one_line_too(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["sample", "digits_flow", "-n", "three"])
     assert exited.value.code == 2
-    assert one_line_error(capsys.readouterr().err) == ("flowrl: error: flowrl sample: argument -n/--num-samples: invalid int value: "
-                                                       "'three' (see flowrl sample --help).")
+    assert one_line_error(capsys.readouterr().err) == (
+        "flowrl: error: flowrl sample: argument -n/--num-samples: invalid int value: 'three' (see flowrl sample --help)."
+    )
 
 
 def test_an_output_path_under_a_file_is_one_sentence(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     assert main(["sample", "digits_flow", "--prompt", "x", "-n", "1", "--out", str(blocker / "s.png")]) == 2
-    assert one_line_error(capsys.readouterr().err) == f"flowrl: error: could not write '{blocker / 's.png'}': '{blocker}' is a file, not a directory."
+    assert (
+        one_line_error(capsys.readouterr().err)
+        == f"flowrl: error: could not write '{blocker / 's.png'}': '{blocker}' is a file, not a directory."
+    )
     assert main(["train", str(GRPO), *fast_overrides(blocker / "run")]) == 2
-    assert one_line_error(capsys.readouterr().err) == (f"flowrl: error: could not write '{blocker / 'run' / 'config.yaml'}': "
-                                                       "a part of the path is a file, not a directory.")
+    assert one_line_error(capsys.readouterr().err) == (
+        f"flowrl: error: could not create output_dir '{blocker / 'run'}': a part of the path is a file, not a directory."
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
@@ -322,7 +356,7 @@ def test_permission_denied_is_one_sentence_and_leaves_nothing(capsys):
                 os.seteuid(0)
         assert codes == [2, 2]
         assert one_line_error(err_sample) == f"flowrl: error: could not write '{locked / 's.png'}': permission denied."
-        assert one_line_error(err_train) == f"flowrl: error: could not write '{locked / 'run' / 'config.yaml'}': permission denied."
+        assert one_line_error(err_train) == f"flowrl: error: could not create output_dir '{locked / 'run'}': permission denied."
         assert list(locked.iterdir()) == []
     finally:
         (base / "locked").chmod(0o755)
@@ -372,24 +406,35 @@ def test_full_and_read_only_file_systems_are_one_sentence_and_leave_nothing_part
     full, ro, small = tmp_path / "full", tmp_path / "ro", tmp_path / "small"
     for d in (full, ro, small):
         d.mkdir()
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {full}"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {full}"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a user namespace here ({probe.stderr.strip()})")
     driver, report = tmp_path / "driver.py", tmp_path / "report.json"
     driver.write_text(DRIVER)
-    script = (f"mount -t tmpfs -o size=256k tmpfs {full} && mount -t tmpfs -o ro,size=64k tmpfs {ro} && "
-              f"mount -t tmpfs -o size=4m tmpfs {small} && "
-              f"exec {sys.executable} {driver} {report} {REPO / 'tests'} {full} {ro} {small} {GRPO}")
+    script = (
+        f"mount -t tmpfs -o size=256k tmpfs {full} && mount -t tmpfs -o ro,size=64k tmpfs {ro} && "
+        f"mount -t tmpfs -o size=4m tmpfs {small} && "
+        f"exec {sys.executable} {driver} {report} {REPO / 'tests'} {full} {ro} {small} {GRPO}"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=REPO)
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(report.read_text())
     expected = {
         "sample_full": f"could not write '{full / 's.png'}': no space left on device.",
         "sample_ro": f"could not write '{ro / 's.png'}': read-only file system.",
-        "train_ro": f"could not write '{ro / 'run' / 'config.yaml'}': read-only file system.",
+        "train_ro": f"could not create output_dir '{ro / 'run'}': read-only file system.",
         "train_full": f"could not write '{full / 'run' / 'config.yaml'}': no space left on device.",
     }
     for name, message in expected.items():
@@ -397,8 +442,10 @@ def test_full_and_read_only_file_systems_are_one_sentence_and_leave_nothing_part
     ckpt = small / "run" / "checkpoints" / "step_000001"
     assert r["train_small"]["code"] == 2
     err = one_line_error(r["train_small"]["err"])
-    assert err == (f"flowrl: error: could not write '{ckpt}': no space left on device; iteration 1 could not be saved, so there is no "
-                   "checkpoint to resume from.")
+    assert err == (
+        f"flowrl: error: could not write '{ckpt}': no space left on device; iteration 1 could not be saved, so there is no "
+        "checkpoint to resume from."
+    )
     # Nothing partial: the full disk holds only the filler, the read-only one nothing, the small one no
     # temporary or half-written checkpoint, and every metric line is whole.
     assert r["left"][str(full)] == ["filler"] and r["left"][str(ro)] == []
@@ -433,8 +480,10 @@ def test_files_and_directories_are_fsynced_before_the_rename(tmp_path, monkeypat
     moved = next(i for i, (kind, what) in enumerate(events) if kind == "replace" and what.endswith(f"-> {target}"))
     tmp_dir = events[moved][1].split(" -> ")[0]
     synced_before = {what for kind, what in events[:moved] if kind == "fsync"}
-    assert {f"{tmp_dir}/{name}" for name in ("denoiser.safetensors", "optimizer.safetensors", "config.yaml", "trainer_state.json")} | {tmp_dir} <= synced_before
-    assert ("fsync", str(target.parent)) in events[moved + 1:]
+    assert {f"{tmp_dir}/{name}" for name in ("denoiser.safetensors", "optimizer.safetensors", "config.yaml", "trainer_state.json")} | {
+        tmp_dir
+    } <= synced_before
+    assert ("fsync", str(target.parent)) in events[moved + 1 :]
     # The pointer, through atomic_path: its file before its rename, the directory after.
     pointer = next(i for i, (kind, what) in enumerate(events) if kind == "replace" and what.endswith(f"-> {target.parent / 'latest'}"))
     assert events[pointer - 1][0] == "fsync" and events[pointer - 1][1] == events[pointer][1].split(" -> ")[0]
@@ -450,14 +499,18 @@ def test_resume_latest_takes_the_newest_valid_checkpoint_and_says_which(trained,
     flip_tensor_bytes(ckpts / "step_000002" / "denoiser.safetensors")
     assert main(["train", str(GRPO), *fast_overrides(run, **{"log.checkpoint_every": 1}), "resume_from=latest"]) == 0
     err = capsys.readouterr().err
-    assert (f"flowrl: resuming from '{ckpts / 'step_000001'}', the newest valid checkpoint; skipped 1 newer one(s) that failed "
-            f"verification (step_000002: checkpoint file '{ckpts / 'step_000002' / 'denoiser.safetensors'}' is corrupt") in err
+    assert (
+        f"flowrl: resuming from '{ckpts / 'step_000001'}', the newest valid checkpoint; skipped 1 newer one(s) that failed "
+        f"verification (step_000002: checkpoint file '{ckpts / 'step_000002' / 'denoiser.safetensors'}' is corrupt"
+    ) in err
     assert verify_checkpoint(ckpts / "step_000002")["iteration"] == 2  # iteration 2 was trained and written again
     assert [strict_json(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     # The pointer is only a hint: without it the newest valid checkpoint is found and named.
     (ckpts / "latest").unlink()
-    assert find_latest(run) == (ckpts / "step_000002", f"resuming from '{ckpts / 'step_000002'}', the newest valid checkpoint "
-                                                      "(the 'latest' pointer is missing).")
+    assert find_latest(run) == (
+        ckpts / "step_000002",
+        f"resuming from '{ckpts / 'step_000002'}', the newest valid checkpoint (the 'latest' pointer is missing).",
+    )
     for step in ("step_000001", "step_000002"):
         flip_tensor_bytes(ckpts / step / "optimizer.safetensors")
     with pytest.raises(FlowRLError, match=r"^resume_from=latest but none of the 2 checkpoint\(s\) in .* is valid \(newest: step_000002: "):

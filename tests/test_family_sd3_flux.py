@@ -9,8 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_t5, tiny_tokenizer, tiny_vae,
-                                   two_iterations_change_every_parameter)
+from tests.tiny_components import (
+    as_adjoint_matching,
+    as_diffusion_nft,
+    family_config,
+    ode_sample,
+    rescoring_ratio_is_one,
+    tiny_clip_text,
+    tiny_t5,
+    tiny_tokenizer,
+    tiny_vae,
+    two_iterations_change_every_parameter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,14 +33,33 @@ def build_tiny_sd3(directory, with_t5: bool = True):
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
-                                        num_attention_heads=4, joint_attention_dim=96, caption_projection_dim=32, pooled_projection_dim=64,
-                                        pos_embed_max_size=16, qk_norm="rms_norm", dual_attention_layers=(0,))
+    transformer = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=96,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        pos_embed_max_size=16,
+        qk_norm="rms_norm",
+        dual_attention_layers=(0,),
+    )
     vae = tiny_vae(latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
-    pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-                                    text_encoder=tiny_clip_text(projection=True, seed=1), tokenizer=tiny_tokenizer(),
-                                    text_encoder_2=tiny_clip_text(projection=True, seed=2), tokenizer_2=tiny_tokenizer(),
-                                    text_encoder_3=tiny_t5(d_model=96) if with_t5 else None, tokenizer_3=tiny_tokenizer() if with_t5 else None)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=tiny_clip_text(projection=True, seed=1),
+        tokenizer=tiny_tokenizer(),
+        text_encoder_2=tiny_clip_text(projection=True, seed=2),
+        tokenizer_2=tiny_tokenizer(),
+        text_encoder_3=tiny_t5(d_model=96) if with_t5 else None,
+        tokenizer_3=tiny_tokenizer() if with_t5 else None,
+    )
     pipe.save_pretrained(directory)
     return directory
 
@@ -40,14 +69,31 @@ def build_tiny_flux(directory, guidance_embeds: bool = True):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
-                                         guidance_embeds=guidance_embeds)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                base_image_seq_len=256, max_image_seq_len=4096)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8),
+        guidance_embeds=guidance_embeds,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
     vae = tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-    pipe = FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=tiny_clip_text(seed=1), tokenizer=tiny_tokenizer(),
-                        text_encoder_2=tiny_t5(d_model=32), tokenizer_2=tiny_tokenizer())
+    pipe = FluxPipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=tiny_clip_text(seed=1),
+        tokenizer=tiny_tokenizer(),
+        text_encoder_2=tiny_t5(d_model=32),
+        tokenizer_2=tiny_tokenizer(),
+    )
     pipe.save_pretrained(directory)
     return directory
 
@@ -67,9 +113,19 @@ def sd3_config(directory, output_dir, **extra):
 
 
 def flux_config(directory, output_dir, **extra):
-    return family_config("flux", directory, output_dir, **{"pipeline.max_sequence_length": T5_TOKENS, "pipeline.height": 16,
-                                                           "pipeline.width": 16, "rollout.guidance_mode": "embedded",
-                                                           "rollout.guidance_scale": 3.5, **extra})
+    return family_config(
+        "flux",
+        directory,
+        output_dir,
+        **{
+            "pipeline.max_sequence_length": T5_TOKENS,
+            "pipeline.height": 16,
+            "pipeline.width": 16,
+            "rollout.guidance_mode": "embedded",
+            "rollout.guidance_scale": 3.5,
+            **extra,
+        },
+    )
 
 
 def load(name: str, directory, **kwargs):
@@ -77,22 +133,33 @@ def load(name: str, directory, **kwargs):
     from flowrl.pipelines import build_pipeline
 
     size = {"height": 16, "width": 16} if name == "flux" else {}
-    return build_pipeline(PipelineConfig(name=name, pretrained=str(directory), device="cpu", max_sequence_length=T5_TOKENS,
-                                         **size, **kwargs), "cpu")
+    return build_pipeline(
+        PipelineConfig(name=name, pretrained=str(directory), device="cpu", max_sequence_length=T5_TOKENS, **size, **kwargs), "cpu"
+    )
 
 
 def flowrl_euler(adapter, noise: torch.Tensor, steps: int, guidance_scale: float) -> torch.Tensor:
     """flowrl's rollout with the Euler (noise_level=0) step from given noise: the final latents."""
-    from flowrl.samplers import FlowSDESampler
+    from flowrl.samplers import FlowSDEConfig
     from flowrl.samplers.rollout import rollout
 
-    traj = rollout(adapter, FlowSDESampler(noise_level=0.0), PROMPTS, [{} for _ in PROMPTS], torch.arange(len(PROMPTS)),
-                   adapter.schedule.sigmas(steps), torch.Generator().manual_seed(0), guidance_scale,
-                   stochastic_steps=torch.zeros(steps, dtype=torch.bool), initial_noise=noise)
+    traj = rollout(
+        adapter,
+        FlowSDEConfig(noise_level=0.0).build(),
+        PROMPTS,
+        [{} for _ in PROMPTS],
+        torch.arange(len(PROMPTS)),
+        adapter.schedule.sigmas(steps),
+        torch.Generator().manual_seed(0),
+        guidance_scale,
+        stochastic_steps=torch.zeros(steps, dtype=torch.bool),
+        initial_noise=noise,
+    )
     return traj.latents[:, -1]
 
 
 # -- SD3 ---------------------------------------------------------------------------------------------
+
 
 def test_sd3_matches_diffusers_pipeline_with_cfg(sd3_dir):
     """Oracle: the same text encoding, shifted sigmas and CFG Euler steps as StableDiffusion3Pipeline.__call__."""
@@ -108,8 +175,14 @@ def test_sd3_matches_diffusers_pipeline_with_cfg(sd3_dir):
 
     steps, scale = 2, 4.0
     noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
-    theirs = pipe(prompt=PROMPTS, latents=noise.clone(), num_inference_steps=steps, guidance_scale=scale, output_type="latent",
-                  max_sequence_length=T5_TOKENS).images  # default arguments: the scheduler's own grid
+    theirs = pipe(
+        prompt=PROMPTS,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        output_type="latent",
+        max_sequence_length=T5_TOKENS,
+    ).images  # default arguments: the scheduler's own grid
     assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
     ours = flowrl_euler(adapter, noise, steps, scale)
     diff = (ours - theirs).abs().max().item()
@@ -150,12 +223,12 @@ def test_sd3_default_grid_is_the_pipelines_for_k_1_to_50(sd3_dir, tmp_path, dyna
 def test_sd3_default_grid_ends_near_data_so_flow_grpo_rollouts_end_clean(sd3_dir):
     """Issue 15: on shift(linspace(1, 0, 11)) the last nonzero sigma is 0.25, and the Flow-GRPO step (a = 0.7) into
     sigma = 0 leaves noise of std 0.20 in the final latent; on the pipeline's grid it is 0.0089 and std < 0.01."""
-    from flowrl.samplers import FlowSDESampler
+    from flowrl.samplers import FlowSDEConfig
     from flowrl.samplers.schedules import FlowSchedule
 
     adapter = load("sd3", sd3_dir)
     linspace = FlowSchedule(shift=3.0, grid="linspace").sigmas(10)
-    sampler = FlowSDESampler(noise_level=0.7)
+    sampler = FlowSDEConfig(noise_level=0.7).build()
 
     def last_std(sigmas):
         sigma, sigma_next = sigmas[-2], sigmas[-1]
@@ -206,12 +279,18 @@ def test_sd3_two_adjoint_matching_iterations_full_finetune_with_cfg(sd3_dir, tmp
 def test_sd3_lora_round_trip_through_diffusers_load_lora_weights(sd3_dir, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
-    lora_round_trip(StableDiffusion3Pipeline, "sd3", sd3_dir, tmp_path,
-                    sd3_config(sd3_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}), 3.0)
+    lora_round_trip(
+        StableDiffusion3Pipeline,
+        "sd3",
+        sd3_dir,
+        tmp_path,
+        sd3_config(sd3_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}),
+        3.0,
+    )
 
 
 def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, overrides: list[str], guidance_scale: float):
-    from flowrl.pipelines import pipeline_class
+    from flowrl.pipelines import build_pipeline
 
     trainer = two_iterations_change_every_parameter(overrides)
     rescoring_ratio_is_one(trainer)
@@ -229,7 +308,7 @@ def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, override
     assert set(theirs_lora) == set(ours_lora), "diffusers did not load every LoRA tensor"
     assert all(torch.equal(theirs_lora[k].float(), v) for k, v in ours_lora.items())
     plain = trainer.config.pipeline.model_copy(update={"lora": None})
-    adapter = pipeline_class(name).from_config(plain, "cpu")
+    adapter = build_pipeline(plain, "cpu")
     adapter.guidance_mode = trainer.pipeline.guidance_mode
     base = ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale)
     adapter.denoiser = pipe.transformer  # flowrl's sampler around the diffusers-loaded transformer + LoRA
@@ -257,6 +336,7 @@ def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, override
 
 # -- FLUX --------------------------------------------------------------------------------------------
 
+
 def test_flux_matches_diffusers_pipeline_with_embedded_guidance(flux_dir):
     """Oracle: packing, ids, dynamic shift, sigma timestep and the guidance input as FluxPipeline.__call__."""
     from diffusers import FluxPipeline
@@ -273,16 +353,32 @@ def test_flux_matches_diffusers_pipeline_with_embedded_guidance(flux_dir):
     steps, scale = 2, 3.5
     noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
     assert torch.equal(unpack_latents(pack_latents(noise), 8, 8), noise)
-    theirs = pipe(prompt=PROMPTS, latents=pack_latents(noise), num_inference_steps=steps, height=16, width=16,
-                  guidance_scale=scale, output_type="latent", max_sequence_length=T5_TOKENS).images  # default arguments
+    theirs = pipe(
+        prompt=PROMPTS,
+        latents=pack_latents(noise),
+        num_inference_steps=steps,
+        height=16,
+        width=16,
+        guidance_scale=scale,
+        output_type="latent",
+        max_sequence_length=T5_TOKENS,
+    ).images  # default arguments
     assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
     ours = flowrl_euler(adapter, noise, steps, scale)
     diff = (ours - unpack_latents(theirs, 8, 8)).abs().max().item()
     print(f"FLUX oracle (embedded guidance {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
     assert diff < 1e-5
     # and decoding equals the pipeline's own (unpack, unscale, shift, VAE)
-    images = pipe(prompt=PROMPTS, latents=pack_latents(noise), num_inference_steps=steps, height=16, width=16,
-                  guidance_scale=scale, output_type="pt", max_sequence_length=T5_TOKENS).images
+    images = pipe(
+        prompt=PROMPTS,
+        latents=pack_latents(noise),
+        num_inference_steps=steps,
+        height=16,
+        width=16,
+        guidance_scale=scale,
+        output_type="pt",
+        max_sequence_length=T5_TOKENS,
+    ).images
     torch.testing.assert_close(adapter.decode(ours), images, atol=1e-4, rtol=0)
 
 
@@ -299,7 +395,9 @@ def test_flux_default_grid_is_the_pipelines_for_k_1_to_50(flux_dir, tmp_path, dy
     adapter, pipe = load("flux", directory), FluxPipeline.from_pretrained(directory)
     assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == dynamic
     for steps in range(1, 51):
-        _, sigmas = pipeline_default_grid(pipe, steps, prompt="a cat", height=16, width=16, guidance_scale=3.5, max_sequence_length=T5_TOKENS)
+        _, sigmas = pipeline_default_grid(
+            pipe, steps, prompt="a cat", height=16, width=16, guidance_scale=3.5, max_sequence_length=T5_TOKENS
+        )
         assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
     from flowrl.errors import FlowRLError
 
@@ -343,15 +441,17 @@ def test_flux_without_guidance_embeds_refuses_embedded_mode(tmp_path):
 
 
 def test_flux_two_grpo_iterations_full_finetune(flux_dir, tmp_path):
-    trainer = two_iterations_change_every_parameter(flux_config(flux_dir, tmp_path / "run", **{"sampler.diffusion": "dance_grpo",
-                                                                                                    "sampler.noise_level": 0.3}))
+    trainer = two_iterations_change_every_parameter(
+        flux_config(flux_dir, tmp_path / "run", **{"sampler.diffusion": "dance_grpo", "sampler.noise_level": 0.3})
+    )
     rescoring_ratio_is_one(trainer)
 
 
 def test_flux_two_adjoint_matching_iterations_lora(flux_dir, tmp_path):
     """Embedded guidance: base and fine-tuned predictions get the same guidance embedding (one forward each)."""
-    two_iterations_change_every_parameter(as_adjoint_matching(
-        flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), guidance_mode="embedded"))
+    two_iterations_change_every_parameter(
+        as_adjoint_matching(flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), guidance_mode="embedded")
+    )
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
@@ -368,13 +468,15 @@ def test_two_diffusion_nft_iterations(request, tmp_path, family):
 def test_flux_lora_round_trip_through_diffusers_load_lora_weights(flux_dir, tmp_path):
     from diffusers import FluxPipeline
 
-    lora_round_trip(FluxPipeline, "flux", flux_dir, tmp_path, flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), 3.5)
+    lora_round_trip(
+        FluxPipeline, "flux", flux_dir, tmp_path, flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), 3.5
+    )
 
 
 def test_flux_default_guidance_mode_cfg_fails_with_one_sentence(flux_dir, tmp_path):
-    from flowrl.trainer import Trainer
     from flowrl.config import load_config
     from flowrl.errors import FlowRLError
+    from flowrl.trainer import Trainer
 
     with pytest.raises(FlowRLError, match="rollout.guidance_mode"):
         Trainer(load_config(None, flux_config(flux_dir, tmp_path / "run", **{"rollout.guidance_mode": "cfg"})))
@@ -382,10 +484,10 @@ def test_flux_default_guidance_mode_cfg_fails_with_one_sentence(flux_dir, tmp_pa
 
 # -- real-checkpoint configs ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", ["configs/sd3/flow_grpo_pickscore.yaml", "configs/flux/dance_grpo_hpsv2.yaml"])
 def test_real_configs_validate(path):
     from flowrl.config import load_config
-
     from flowrl.prompts import prompt_pool
 
     config = load_config(Path(__file__).resolve().parents[1] / path, [])
@@ -402,9 +504,8 @@ def test_real_configs_validate(path):
 
 def test_flow_shift_overrides_the_checkpoint(sd3_dir, tmp_path):
     from flowrl.errors import FlowRLError
-    from tests.test_family_stable_diffusion import build_tiny_sd
-
     from flowrl.samplers.schedules import FlowSchedule
+    from tests.test_family_stable_diffusion import build_tiny_sd
 
     assert load("sd3", sd3_dir).schedule.shift != 5.0
     shifted = load("sd3", sd3_dir, flow_shift=5.0)

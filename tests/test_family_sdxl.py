@@ -32,18 +32,42 @@ def build_tiny_sdxl(directory, prediction_type: str = "epsilon", force_zeros_for
     )
 
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                                attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
-                                addition_time_embed_dim=8, transformer_layers_per_block=(1, 2),
-                                projection_class_embeddings_input_dim=6 * 8 + 32,  # six time ids x 8 + text_encoder_2 projection
-                                cross_attention_dim=64, norm_num_groups=4)  # 64 = 32 (text_encoder) + 32 (text_encoder_2)
-    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
-                                       timestep_spacing="leading", prediction_type=prediction_type)
-    pipe = StableDiffusionXLPipeline(vae=tiny_vae(force_upcast=force_upcast), text_encoder=tiny_clip_text(hidden=32, seed=0),
-                                     text_encoder_2=tiny_clip_text(hidden=32, projection=True, seed=1),
-                                     tokenizer=tiny_tokenizer(), tokenizer_2=tiny_tokenizer(), unet=unet, scheduler=scheduler,
-                                     force_zeros_for_empty_prompt=force_zeros_for_empty_prompt, add_watermarker=False)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=6 * 8 + 32,  # six time ids x 8 + text_encoder_2 projection
+        cross_attention_dim=64,
+        norm_num_groups=4,
+    )  # 64 = 32 (text_encoder) + 32 (text_encoder_2)
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+        prediction_type=prediction_type,
+    )
+    pipe = StableDiffusionXLPipeline(
+        vae=tiny_vae(force_upcast=force_upcast),
+        text_encoder=tiny_clip_text(hidden=32, seed=0),
+        text_encoder_2=tiny_clip_text(hidden=32, projection=True, seed=1),
+        tokenizer=tiny_tokenizer(),
+        tokenizer_2=tiny_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        force_zeros_for_empty_prompt=force_zeros_for_empty_prompt,
+        add_watermarker=False,
+    )
     pipe.save_pretrained(directory)
     return directory
 
@@ -92,14 +116,18 @@ def test_oracle_conditioning_and_cfg_prediction_equal_diffusers(sdxl_dir):
     with torch.no_grad():
         pe, npe, pooled, npooled = ref.encode_prompt(PROMPTS, device="cpu", do_classifier_free_guidance=True)
     ours = pipe.encode(PROMPTS)
-    diffs = {"prompt_embeds": (ours["prompt_embeds"] - pe).abs().max().item(),
-             "pooled_prompt_embeds": (ours["pooled_prompt_embeds"] - pooled).abs().max().item()}
+    diffs = {
+        "prompt_embeds": (ours["prompt_embeds"] - pe).abs().max().item(),
+        "pooled_prompt_embeds": (ours["pooled_prompt_embeds"] - pooled).abs().max().item(),
+    }
     uncond = pipe.unconditional(2)
     assert torch.equal(uncond["prompt_embeds"], npe) and torch.equal(uncond["pooled_prompt_embeds"], npooled)
     assert not npe.any()  # force_zeros_for_empty_prompt: diffusers' negative branch is exact zeros
 
     h, w = pipe.sample_size()
-    time_ids = ref._get_add_time_ids((h, w), (0, 0), (h, w), dtype=pe.dtype, text_encoder_projection_dim=ref.text_encoder_2.config.projection_dim)
+    time_ids = ref._get_add_time_ids(
+        (h, w), (0, 0), (h, w), dtype=pe.dtype, text_encoder_projection_dim=ref.text_encoder_2.config.projection_dim
+    )
     assert torch.equal(pipe.time_ids(2), time_ids.repeat(2, 1))
 
     # the guided prediction at one noise level, against the pipeline's own UNet call and CFG formula
@@ -108,8 +136,12 @@ def test_oracle_conditioning_and_cfg_prediction_equal_diffusers(sdxl_dir):
     t = pipe.timestep(sigma)
     scale = 4.0
     with torch.no_grad():
-        out = ref.unet(torch.cat([x, x]), t, encoder_hidden_states=torch.cat([npe, pe]),
-                       added_cond_kwargs={"text_embeds": torch.cat([npooled, pooled]), "time_ids": torch.cat([time_ids, time_ids]).repeat(2, 1)}).sample
+        out = ref.unet(
+            torch.cat([x, x]),
+            t,
+            encoder_hidden_states=torch.cat([npe, pe]),
+            added_cond_kwargs={"text_embeds": torch.cat([npooled, pooled]), "time_ids": torch.cat([time_ids, time_ids]).repeat(2, 1)},
+        ).sample
         uncond_out, cond_out = out.chunk(2)
         expected = uncond_out + scale * (cond_out - uncond_out)
         got = pipe.predict(x, sigma, ours, scale)
@@ -161,16 +193,32 @@ def test_oracle_full_pipeline_call_equals_flowrl_ode(sdxl_dir, sdxl_v_dir, predi
     directory = sdxl_dir if prediction == "epsilon" else sdxl_v_dir
     pipe = _adapter(directory)
     steps, scale = 4, 5.0  # leading + 1: 751, 501, 251, 1
-    traj = rollout(pipe, build_sampler(ODEConfig(), pipe), PROMPTS, [{}, {}], torch.arange(2), pipe.schedule.sigmas(steps),
-                   torch.Generator().manual_seed(0), scale, same_noise_in_group=False)
+    traj = rollout(
+        pipe,
+        build_sampler(ODEConfig(), pipe),
+        PROMPTS,
+        [{}, {}],
+        torch.arange(2),
+        pipe.schedule.sigmas(steps),
+        torch.Generator().manual_seed(0),
+        scale,
+        same_noise_in_group=False,
+    )
 
     ref = StableDiffusionXLPipeline.from_pretrained(directory)
     # DDIM stands in for the Euler scheduler's step on the same grid; Euler never clips x0 (DDIM's default would)
     ref.scheduler = DDIMScheduler.from_config(ref.scheduler.config, clip_sample=False)
     ref.set_progress_bar_config(disable=True)
     h, w = pipe.sample_size()
-    kwargs = {"prompt": PROMPTS, "height": h, "width": w, "num_inference_steps": steps, "guidance_scale": scale, "eta": 0.0,
-              "latents": traj.latents[:, 0].clone()}
+    kwargs = {
+        "prompt": PROMPTS,
+        "height": h,
+        "width": w,
+        "num_inference_steps": steps,
+        "guidance_scale": scale,
+        "eta": 0.0,
+        "latents": traj.latents[:, 0].clone(),
+    }
     with torch.no_grad():
         latents = ref(**kwargs, output_type="latent").images
         images = ref(**kwargs, output_type="pt").images
@@ -210,14 +258,16 @@ def test_force_upcast_vae_decodes_in_float32(sdxl_dir):
 def test_two_grpo_iterations_full_finetune(sdxl_dir, sdxl_v_dir, tmp_path, prediction):
     directory = sdxl_dir if prediction == "epsilon" else sdxl_v_dir
     trainer = two_iterations_change_every_parameter(
-        family_config("sdxl", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0}))
+        family_config("sdxl", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0})
+    )
     assert trainer.pipeline.prediction_type == prediction
     rescoring_ratio_is_one(trainer)
 
 
 def test_two_adjoint_matching_iterations_full_finetune(sdxl_dir, tmp_path):
-    two_iterations_change_every_parameter(as_adjoint_matching(
-        family_config("sdxl", sdxl_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False))
+    two_iterations_change_every_parameter(
+        as_adjoint_matching(family_config("sdxl", sdxl_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False)
+    )
 
 
 def test_two_diffusion_nft_iterations_full_finetune(sdxl_dir, tmp_path):
@@ -227,10 +277,13 @@ def test_two_diffusion_nft_iterations_full_finetune(sdxl_dir, tmp_path):
 def test_lora_round_trip_through_diffusers_load_lora_weights(sdxl_dir, tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
-    from flowrl.pipelines import pipeline_class
+    from flowrl.pipelines import build_pipeline
 
     trainer = two_iterations_change_every_parameter(
-        family_config("sdxl", sdxl_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}))
+        family_config(
+            "sdxl", sdxl_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}
+        )
+    )
     rescoring_ratio_is_one(trainer)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
     assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
@@ -240,7 +293,7 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(sdxl_dir, tmp_path)
     pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
     pipe.load_lora_weights(checkpoint)
     base_config = trainer.config.pipeline.model_copy(update={"lora": None})
-    adapter = pipeline_class("sdxl").from_config(base_config, "cpu")
+    adapter = build_pipeline(base_config, "cpu")
     base = ode_sample(adapter, PROMPTS, seed=3, guidance_scale=3.0)
     adapter.denoiser = pipe.unet  # flowrl's sampler around the diffusers-loaded UNet + LoRA
     theirs = ode_sample(adapter, PROMPTS, seed=3, guidance_scale=3.0)
@@ -256,7 +309,7 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(sdxl_dir, tmp_path)
 
 def test_not_an_sdxl_unet_fails_with_one_sentence(tmp_path):
     from flowrl.errors import FlowRLError
-    from tests.test_family_stable_diffusion import build_tiny_sd
+    from tests.tiny_components import build_tiny_sd
 
     directory = build_tiny_sd(tmp_path / "sd")
     with pytest.raises(FlowRLError, match="not an SDXL base checkpoint"):
@@ -273,7 +326,7 @@ def test_documented_real_checkpoint_overrides_validate():
     doc = (repo / "docs" / "model_families" / "sdxl.md").read_text()
     command = doc.split("```bash")[1].split("```")[0].replace("\\\n", " ").split()
     start = command.index("train") + 1
-    config = load_config(repo / command[start], command[start + 1:])
+    config = load_config(repo / command[start], command[start + 1 :])
     assert config.pipeline.name == "sdxl" and config.pipeline.pretrained == "stabilityai/stable-diffusion-xl-base-1.0"
     assert config.pipeline.dtype == "bfloat16" and config.train.mixed_precision == "bf16" and config.pipeline.lora is not None
     assert (config.pipeline.height, config.pipeline.width) == (1024, 1024)

@@ -6,25 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_clip_text, tiny_tokenizer, tiny_vae,
-                                   two_iterations_change_every_parameter)
+from tests.tiny_components import (
+    as_adjoint_matching,
+    as_diffusion_nft,
+    build_tiny_sd,
+    family_config,
+    ode_sample,
+    rescoring_ratio_is_one,
+    two_iterations_change_every_parameter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def build_tiny_sd(directory, prediction_type: str = "epsilon"):
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-                                cross_attention_dim=32, attention_head_dim=4, norm_num_groups=4)
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1, prediction_type=prediction_type)
-    pipe = StableDiffusionPipeline(vae=tiny_vae(), text_encoder=tiny_clip_text(), tokenizer=tiny_tokenizer(), unet=unet, scheduler=scheduler,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +69,10 @@ def test_default_grid_is_stable_diffusion_pipelines_for_k_1_to_50(sd_dir):
     pipe = StableDiffusionPipeline.from_pretrained(sd_dir)
     assert_ddpm_grid_is_the_pipelines(adapter, pipe, prompt="a cat", guidance_scale=1.0)
     # another grid stays selectable
-    trailing = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(sd_dir), device="cpu").model_copy(
-        update={"sampling_grid": "trailing"}), "cpu")
+    trailing = build_pipeline(
+        PipelineConfig(name="stable_diffusion", pretrained=str(sd_dir), device="cpu").model_copy(update={"sampling_grid": "trailing"}),
+        "cpu",
+    )
     assert trailing.timestep(trailing.schedule.sigmas(50)).tolist() == list(range(999, 0, -20)) + [-1]
 
 
@@ -95,8 +89,9 @@ def test_pndm_checkpoint_samples_on_ddim_s_grid_of_its_config(sd_dir, tmp_path):
     directory = tmp_path / "sd15_like"
     shutil.copytree(sd_dir, directory)
     shutil.rmtree(directory / "scheduler")
-    PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", set_alpha_to_one=False, skip_prk_steps=True,
-                  steps_offset=1).save_pretrained(directory / "scheduler")
+    PNDMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", set_alpha_to_one=False, skip_prk_steps=True, steps_offset=1
+    ).save_pretrained(directory / "scheduler")
     adapter = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(directory), device="cpu"), "cpu")
     ddim = DDIMScheduler.from_pretrained(directory, subfolder="scheduler")
     assert adapter.schedule.final_alpha_cumprod == float(ddim.alphas_cumprod[0])  # set_alpha_to_one=False
@@ -119,12 +114,23 @@ def test_ode_equals_stable_diffusion_pipeline_with_default_arguments(sd_dir, sd_
     directory = sd_dir if prediction == "epsilon" else sd_v_dir
     adapter = build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(directory), device="cpu"), "cpu")
     steps, scale, prompts = 7, 5.0, ["a photo of a cat", "a dog"]  # 1000 // 7 = 142: 853, 711, ..., 1
-    traj = rollout(adapter, build_sampler(ODEConfig(), adapter), prompts, [{}, {}], torch.arange(2), adapter.schedule.sigmas(steps),
-                   torch.Generator().manual_seed(0), scale, same_noise_in_group=False)
+    traj = rollout(
+        adapter,
+        build_sampler(ODEConfig(), adapter),
+        prompts,
+        [{}, {}],
+        torch.arange(2),
+        adapter.schedule.sigmas(steps),
+        torch.Generator().manual_seed(0),
+        scale,
+        same_noise_in_group=False,
+    )
     pipe = StableDiffusionPipeline.from_pretrained(directory)
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        theirs = pipe(prompts, num_inference_steps=steps, guidance_scale=scale, latents=traj.latents[:, 0].clone(), output_type="latent").images
+        theirs = pipe(
+            prompts, num_inference_steps=steps, guidance_scale=scale, latents=traj.latents[:, 0].clone(), output_type="latent"
+        ).images
     assert torch.equal(adapter.timestep(traj.sigmas)[:-1], pipe.scheduler.timesteps)
     diff = float((theirs - traj.latents[:, -1]).abs().max())
     print(f"StableDiffusionPipeline oracle ({prediction}): max |diff| {diff:.2e}")
@@ -151,7 +157,8 @@ def test_loads_through_flowrl_and_samples(sd_dir):
 def test_two_grpo_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
     directory = sd_dir if prediction == "epsilon" else sd_v_dir
     trainer = two_iterations_change_every_parameter(
-        family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0}))
+        family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0})
+    )
     assert trainer.pipeline.prediction_type == prediction
     rescoring_ratio_is_one(trainer)
 
@@ -159,8 +166,9 @@ def test_two_grpo_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, predictio
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_two_adjoint_matching_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, prediction):
     directory = sd_dir if prediction == "epsilon" else sd_v_dir
-    two_iterations_change_every_parameter(as_adjoint_matching(
-        family_config("stable_diffusion", directory, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False))
+    two_iterations_change_every_parameter(
+        as_adjoint_matching(family_config("stable_diffusion", directory, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False)
+    )
 
 
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
@@ -173,10 +181,11 @@ def test_two_diffusion_nft_iterations_full_finetune(sd_dir, sd_v_dir, tmp_path, 
 def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    from flowrl.pipelines import pipeline_class
+    from flowrl.pipelines import build_pipeline
 
     trainer = two_iterations_change_every_parameter(
-        family_config("stable_diffusion", sd_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}"}))
+        family_config("stable_diffusion", sd_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}"})
+    )
     rescoring_ratio_is_one(trainer)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
     assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
@@ -185,12 +194,13 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(sd_dir, tmp_path):
     # the user's path: the base checkpoint + load_lora_weights(run checkpoint), nothing of flowrl
     pipe = StableDiffusionPipeline.from_pretrained(sd_dir)
     pipe.load_lora_weights(checkpoint)
-    adapter = pipeline_class("stable_diffusion").from_config(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
+    adapter = build_pipeline(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
     adapter.denoiser = pipe.unet  # flowrl's sampler around the diffusers-loaded UNet + LoRA
     theirs = ode_sample(adapter, ["a photo of a cat", "a dog"], seed=3)
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
-    base = ode_sample(pipeline_class("stable_diffusion").from_config(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu"),
-                      ["a photo of a cat", "a dog"], seed=3)
+    base = ode_sample(
+        build_pipeline(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu"), ["a photo of a cat", "a dog"], seed=3
+    )
     assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
 
     # merged export: a plain UNet whose outputs equal base + LoRA
@@ -226,8 +236,14 @@ def test_bad_sources_fail_with_one_sentence(tmp_path):
 def test_bf16_lora_with_autocast_keeps_fp32_step_math(sd_dir, tmp_path):
     """bf16 base weights + fp32 LoRA + bf16 autocast: trains, log-probs are fp32, re-scoring ratio == 1."""
     trainer = two_iterations_change_every_parameter(
-        family_config("stable_diffusion", sd_dir, tmp_path / "run", sampler="ddim",
-                      **{"pipeline.lora": "{r: 4, alpha: 4}", "pipeline.dtype": "bfloat16", "train.mixed_precision": "bf16"}))
+        family_config(
+            "stable_diffusion",
+            sd_dir,
+            tmp_path / "run",
+            sampler="ddim",
+            **{"pipeline.lora": "{r: 4, alpha: 4}", "pipeline.dtype": "bfloat16", "train.mixed_precision": "bf16"},
+        )
+    )
     pipe = trainer.pipeline
     assert pipe.text_encoder.dtype == torch.bfloat16 and pipe.vae.dtype == torch.bfloat16
     lora = [p for n, p in pipe.denoiser.named_parameters() if "lora" in n]

@@ -11,8 +11,16 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.tiny_components import (as_adjoint_matching, as_diffusion_nft, family_config, ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer,
-                                   two_iterations_change_every_parameter)
+from tests.tiny_components import (
+    as_adjoint_matching,
+    as_diffusion_nft,
+    family_config,
+    ode_sample,
+    rescoring_ratio_is_one,
+    tiny_t5,
+    tiny_tokenizer,
+    two_iterations_change_every_parameter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,28 +30,54 @@ PROMPTS = ["a small boat moving left across a lake", "a bird flying up into the 
 
 # -- tiny builders (the way diffusers' own pipeline tests build dummy components) ---------------------
 
+
 def tiny_wan_vae():
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(0)  # non-trivial latents_mean / latents_std, so the normalisation is exercised
-    return AutoencoderKLWan(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0]).eval()
+    return AutoencoderKLWan(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    ).eval()
 
 
 def tiny_wan_transformer(in_channels: int = 4, image_dim: int | None = None):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=4,
-                                 text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                                 rope_max_seq_len=32, image_dim=image_dim)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+        image_dim=image_dim,
+    )
 
 
 def build_tiny_wan(directory, expand_timesteps: bool = False):
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    WanPipeline(tokenizer=tiny_tokenizer(), text_encoder=tiny_t5(umt5=True), vae=tiny_wan_vae(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                transformer=tiny_wan_transformer(), expand_timesteps=expand_timesteps).save_pretrained(directory)
+    WanPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_t5(umt5=True),
+        vae=tiny_wan_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=tiny_wan_transformer(),
+        expand_timesteps=expand_timesteps,
+    ).save_pretrained(directory)
     return directory
 
 
@@ -52,11 +86,20 @@ def build_tiny_wan_i2v(directory):
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(0)
-    clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=8, projection_dim=8, num_hidden_layers=2, num_attention_heads=2,
-                                                          image_size=8, intermediate_size=16, patch_size=2)).eval()
-    WanImageToVideoPipeline(tokenizer=tiny_tokenizer(), text_encoder=tiny_t5(umt5=True), vae=tiny_wan_vae(),
-                            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=tiny_wan_transformer(in_channels=12, image_dim=8),
-                            image_encoder=clip, image_processor=CLIPImageProcessor(crop_size=8, size=8)).save_pretrained(directory)
+    clip = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=8, projection_dim=8, num_hidden_layers=2, num_attention_heads=2, image_size=8, intermediate_size=16, patch_size=2
+        )
+    ).eval()
+    WanImageToVideoPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_t5(umt5=True),
+        vae=tiny_wan_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=tiny_wan_transformer(in_channels=12, image_dim=8),
+        image_encoder=clip,
+        image_processor=CLIPImageProcessor(crop_size=8, size=8),
+    ).save_pretrained(directory)
     return directory
 
 
@@ -64,19 +107,49 @@ def build_tiny_cogvideox(directory, rotary: bool = True):
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
 
     torch.manual_seed(0)
-    vae = AutoencoderKLCogVideoX(in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
-                                 up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
-                                 layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4).eval()
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+    ).eval()
     torch.manual_seed(0)
-    transformer = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
-                                              text_embed_dim=32, num_layers=2, sample_width=4, sample_height=4, sample_frames=9, patch_size=2,
-                                              temporal_compression_ratio=4, max_text_seq_length=16, use_rotary_positional_embeddings=rotary)
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=32,
+        num_layers=2,
+        sample_width=4,
+        sample_height=4,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=16,
+        use_rotary_positional_embeddings=rotary,
+    )
     # CogVideoX-2b's scheduler: v-prediction, SNR shift 3, zero terminal SNR, trailing spacing
-    scheduler = CogVideoXDDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                                       prediction_type="v_prediction", rescale_betas_zero_snr=True, set_alpha_to_one=True,
-                                       snr_shift_scale=3.0, timestep_spacing="trailing")
-    CogVideoXPipeline(tokenizer=tiny_tokenizer(), text_encoder=tiny_t5(), vae=vae, transformer=transformer,
-                      scheduler=scheduler).save_pretrained(directory)
+    scheduler = CogVideoXDDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        prediction_type="v_prediction",
+        rescale_betas_zero_snr=True,
+        set_alpha_to_one=True,
+        snr_shift_scale=3.0,
+        timestep_spacing="trailing",
+    )
+    CogVideoXPipeline(
+        tokenizer=tiny_tokenizer(), text_encoder=tiny_t5(), vae=vae, transformer=transformer, scheduler=scheduler
+    ).save_pretrained(directory)
     return directory
 
 
@@ -122,10 +195,21 @@ def prompt_files(tmp_path_factory):
 
 
 def video_config(name, directory, run_dir, prompts, suffix: str = "txt", sampler: str = "flow_sde", **extra):
-    return family_config(name, directory, run_dir, sampler=sampler, **{
-        "reward.components": "{motion_quality: 1.0}", "prompts.dataset": "file",
-        "prompts.train_file": str(prompts / f"train.{suffix}"), "prompts.eval_file": str(prompts / f"eval.{suffix}"),
-        "pipeline.lora": "{r: 4, alpha: 8}", **SIZE, **extra})
+    return family_config(
+        name,
+        directory,
+        run_dir,
+        sampler=sampler,
+        **{
+            "reward.components": "{motion_quality: 1.0}",
+            "prompts.dataset": "file",
+            "prompts.train_file": str(prompts / f"train.{suffix}"),
+            "prompts.eval_file": str(prompts / f"eval.{suffix}"),
+            "pipeline.lora": "{r: 4, alpha: 8}",
+            **SIZE,
+            **extra,
+        },
+    )
 
 
 def load(name, directory, **overrides):
@@ -138,14 +222,15 @@ def load(name, directory, **overrides):
 
 def with_denoiser(trainer, denoiser):
     """flowrl's adapter (no LoRA) around a given denoiser: the user's diffusers-loaded model, or a merged one."""
-    from flowrl.pipelines import pipeline_class
+    from flowrl.pipelines import build_pipeline
 
-    adapter = pipeline_class(trainer.config.pipeline.name).from_config(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
+    adapter = build_pipeline(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
     adapter.denoiser = denoiser
     return adapter
 
 
 # -- Wan2.1 text-to-video -------------------------------------------------------------------------
+
 
 def test_wan_loads_encodes_like_wan_pipeline_and_decodes_video(wan_dir):
     from diffusers import WanPipeline
@@ -154,8 +239,9 @@ def test_wan_loads_encodes_like_wan_pipeline_and_decodes_video(wan_dir):
     assert pipe.shift == 3.0 and pipe.prediction_type == "flow"
     assert pipe.latent_shape() == (4, 2, 4, 4)  # T_lat = (5 - 1) // 4 + 1, 32 / 8
     ours = pipe.encode(["a cat", "an astronaut riding a horse on the moon"])["prompt_embeds"]
-    reference = WanPipeline.from_pretrained(wan_dir)._get_t5_prompt_embeds(["a cat", "an astronaut riding a horse on the moon"],
-                                                                           max_sequence_length=16, device="cpu")
+    reference = WanPipeline.from_pretrained(wan_dir)._get_t5_prompt_embeds(
+        ["a cat", "an astronaut riding a horse on the moon"], max_sequence_length=16, device="cpu"
+    )
     torch.testing.assert_close(ours, reference.float(), atol=1e-5, rtol=0)  # float noise only (same weights, same class)
     n = len(pipe.tokenizer("a cat").input_ids)  # [BOS] a cat [EOS], then zeros up to max_sequence_length
     assert (ours[0, n:] == 0).all() and (ours[0, :n] != 0).any(dim=-1).all()
@@ -172,7 +258,7 @@ def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     per-token timesteps."""
     from diffusers import WanPipeline
 
-    from flowrl.samplers import FlowSDESampler
+    from flowrl.samplers import FlowSDEConfig
     from flowrl.samplers.rollout import rollout
 
     wan_dir = request.getfixturevalue("wan_expand_dir" if expand_timesteps else "wan_dir")
@@ -180,20 +266,49 @@ def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     assert pipe.expand_timesteps == expand_timesteps
     noise = torch.randn(2, *pipe.latent_shape(), generator=torch.Generator().manual_seed(0))
     sigmas = pipe.schedule.sigmas(steps)
-    traj = rollout(pipe, FlowSDESampler(noise_level=0.0), PROMPTS, [{}, {}], torch.arange(2), sigmas, torch.Generator().manual_seed(1),
-                   scale, initial_noise=noise)
+    traj = rollout(
+        pipe,
+        FlowSDEConfig(noise_level=0.0).build(),
+        PROMPTS,
+        [{}, {}],
+        torch.arange(2),
+        sigmas,
+        torch.Generator().manual_seed(1),
+        scale,
+        initial_noise=noise,
+    )
 
     reference = WanPipeline.from_pretrained(wan_dir)  # default arguments: the scheduler's own set_timesteps(K)
-    theirs = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=steps, guidance_scale=scale,
-                       latents=noise.clone(), max_sequence_length=16, output_type="latent").frames
+    theirs = reference(
+        PROMPTS,
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        latents=noise.clone(),
+        max_sequence_length=16,
+        output_type="latent",
+    ).frames
     assert torch.equal(reference.scheduler.sigmas, sigmas)
     diff = float((traj.latents[:, -1] - theirs).abs().max())
     print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's ODE differs from WanPipeline by {diff}"
     assert float((theirs - noise).abs().max()) > 0.1  # the model did something
     # decoding (latents_mean / latents_std, the video VAE, [0, 1]) = the pipeline's output_type="pt" frames (B, T, 3, H, W)
-    frames = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=steps, guidance_scale=scale,
-                       latents=noise.clone(), max_sequence_length=16, output_type="pt").frames
+    frames = reference(
+        PROMPTS,
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        latents=noise.clone(),
+        max_sequence_length=16,
+        output_type="pt",
+    ).frames
     # atol 5e-5: the latents agree to ~1.3e-6 (float summation order), and the video VAE's decode amplifies that
     # about tenfold (1.18e-5 measured with diffusers 0.42.1); a wrong latent scaling or clamp would be far larger
     torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=5e-5, rtol=0)
@@ -208,8 +323,9 @@ def wan_with_unipc(wan_dir, tmp_path, flow_shift: float = 3.0):
     directory = tmp_path / "wan_unipc"
     shutil.copytree(wan_dir, directory)
     shutil.rmtree(directory / "scheduler")
-    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift,
-                            num_train_timesteps=1000).save_pretrained(directory / "scheduler")
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift, num_train_timesteps=1000
+    ).save_pretrained(directory / "scheduler")
     index = json.loads((directory / "model_index.json").read_text())
     index["scheduler"] = ["diffusers", "UniPCMultistepScheduler"]
     (directory / "model_index.json").write_text(json.dumps(index))
@@ -229,8 +345,9 @@ def test_wan_default_grid_is_the_pipelines_for_k_1_to_50(wan_dir, tmp_path, sche
     pipe, reference = load("wan", directory), WanPipeline.from_pretrained(directory)
     assert pipe.schedule.grid == scheduler and pipe.shift == 3.0
     for steps in range(1, 51):
-        _, theirs = pipeline_default_grid(reference, steps, prompt="a cat", height=32, width=32, num_frames=5, guidance_scale=1.0,
-                                          max_sequence_length=16)
+        _, theirs = pipeline_default_grid(
+            reference, steps, prompt="a cat", height=32, width=32, num_frames=5, guidance_scale=1.0, max_sequence_length=16
+        )
         ours = pipe.schedule.sigmas(steps)
         if scheduler == "unipc":
             assert float(ours[0]) == 1.0 and float(theirs[0]) == pytest.approx(1 - 1e-6, abs=1e-7)
@@ -242,8 +359,9 @@ def test_wan_default_grid_is_the_pipelines_for_k_1_to_50(wan_dir, tmp_path, sche
     from flowrl.samplers.schedules import shift_sigmas
 
     size = {k.split(".", 1)[1]: v for k, v in SIZE.items()}
-    chosen = build_pipeline(PipelineConfig(name="wan", pretrained=str(directory), device="cpu", **size).model_copy(
-        update={"sampling_grid": "linspace"}), "cpu")
+    chosen = build_pipeline(
+        PipelineConfig(name="wan", pretrained=str(directory), device="cpu", **size).model_copy(update={"sampling_grid": "linspace"}), "cpu"
+    )
     assert torch.equal(chosen.schedule.sigmas(20), shift_sigmas(torch.linspace(1, 0, 21, dtype=torch.float64), 3.0).float())
 
 
@@ -251,7 +369,8 @@ def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path
     from diffusers import WanPipeline
 
     trainer = two_iterations_change_every_parameter(
-        video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0}))
+        video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0})
+    )
     rescoring_ratio_is_one(trainer)
     traj = trainer.collect(0)
     assert traj.latents.shape[2:] == (4, 2, 4, 4) and traj.samples.shape == (4, 3, 5, 32, 32)
@@ -273,8 +392,9 @@ def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path
 
 
 def test_wan_two_adjoint_matching_iterations_lora(wan_dir, prompt_files, tmp_path):
-    two_iterations_change_every_parameter(as_adjoint_matching(
-        video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0})))
+    two_iterations_change_every_parameter(
+        as_adjoint_matching(video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0}))
+    )
 
 
 @pytest.mark.parametrize("family", ["wan", "cogvideox"])
@@ -299,13 +419,14 @@ def test_bf16_lora_with_gradient_checkpointing_backpropagates(family, request):
 
 # -- Wan2.1 image-to-video ------------------------------------------------------------------------
 
+
 def test_wan_i2v_ode_equals_diffusers_pipeline(wan_i2v_dir, prompt_files):
     """The first-frame condition (CLIP embeds, VAE latents + mask) and the CFG branches match
     WanImageToVideoPipeline (default arguments, so the same grid) given the same image file and initial latents."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
     from PIL import Image
 
-    from flowrl.samplers import FlowSDESampler
+    from flowrl.samplers import FlowSDEConfig
     from flowrl.samplers.rollout import rollout
 
     pipe, steps, scale = load("wan_i2v", wan_i2v_dir), 3, 4.0
@@ -313,16 +434,36 @@ def test_wan_i2v_ode_equals_diffusers_pipeline(wan_i2v_dir, prompt_files):
     image = str(prompt_files / "frame0.png")
     noise = torch.randn(1, *pipe.latent_shape(), generator=torch.Generator().manual_seed(0))
     sigmas = pipe.schedule.sigmas(steps)
-    traj = rollout(pipe, FlowSDESampler(noise_level=0.0), PROMPTS[:1], [{"image": image}], torch.arange(1), sigmas,
-                   torch.Generator().manual_seed(1), scale, initial_noise=noise)
+    traj = rollout(
+        pipe,
+        FlowSDEConfig(noise_level=0.0).build(),
+        PROMPTS[:1],
+        [{"image": image}],
+        torch.arange(1),
+        sigmas,
+        torch.Generator().manual_seed(1),
+        scale,
+        initial_noise=noise,
+    )
     assert set(traj.cond) == {"prompt_embeds", "condition", "image_embeds"} and traj.cond["condition"].shape == (1, 8, 2, 4, 4)
     assert (traj.cond["condition"][:, :4, 0] == 1).all() and (traj.cond["condition"][:, :4, 1:] == 0).all()  # the mask channels
 
     reference = WanImageToVideoPipeline.from_pretrained(wan_i2v_dir)  # default arguments: the scheduler's own grid
     # diffusers 0.42.1's I2V prompt_clean calls ftfy unconditionally (not installed here): encode with WanPipeline's
     embeds = [WanPipeline._get_t5_prompt_embeds(reference, [p], max_sequence_length=16, device="cpu") for p in (PROMPTS[0], "")]
-    theirs = reference(image=Image.open(image).convert("RGB"), prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=32, width=32, num_frames=5,
-                       num_inference_steps=steps, guidance_scale=scale, latents=noise.clone(), max_sequence_length=16, output_type="latent").frames
+    theirs = reference(
+        image=Image.open(image).convert("RGB"),
+        prompt_embeds=embeds[0],
+        negative_prompt_embeds=embeds[1],
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        latents=noise.clone(),
+        max_sequence_length=16,
+        output_type="latent",
+    ).frames
     assert torch.equal(reference.scheduler.sigmas, sigmas)
     diff = float((traj.latents[:, -1] - theirs).abs().max())
     print(f"oracle max |diff| {diff:.2e}")
@@ -339,7 +480,8 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
     from flowrl.errors import FlowRLError
 
     trainer = two_iterations_change_every_parameter(
-        video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0}))
+        video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0})
+    )
     rescoring_ratio_is_one(trainer)  # re-scores with the trajectory's stored image condition
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
     metadata = [{"image": str(prompt_files / "frame0.png")}, {"image": str(prompt_files / "frame1.png")}]
@@ -350,8 +492,17 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
         from flowrl.samplers.rollout import rollout
 
         gen = torch.Generator().manual_seed(3)
-        return rollout(pipeline, build_sampler(ODEConfig(), pipeline), PROMPTS, metadata, torch.arange(2), pipeline.schedule.sigmas(3),
-                       gen, 3.0, same_noise_in_group=False).samples
+        return rollout(
+            pipeline,
+            build_sampler(ODEConfig(), pipeline),
+            PROMPTS,
+            metadata,
+            torch.arange(2),
+            pipeline.schedule.sigmas(3),
+            gen,
+            3.0,
+            same_noise_in_group=False,
+        ).samples
 
     ours = sample(trainer.pipeline)
     assert ours.shape == (2, 3, 5, 32, 32)
@@ -365,11 +516,15 @@ def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, 
 
 
 def test_wan_i2v_two_adjoint_matching_iterations_lora(wan_i2v_dir, prompt_files, tmp_path):
-    two_iterations_change_every_parameter(as_adjoint_matching(
-        video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0})))
+    two_iterations_change_every_parameter(
+        as_adjoint_matching(
+            video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0})
+        )
+    )
 
 
 # -- CogVideoX --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("rotary", [True, False])
 def test_cogvideox_ddim_equals_diffusers_pipeline(request, rotary):
@@ -388,16 +543,45 @@ def test_cogvideox_ddim_equals_diffusers_pipeline(request, rotary):
     torch.testing.assert_close(pipe.schedule.alphas_cumprod, reference.scheduler.alphas_cumprod.double())
     assert pipe.latent_shape() == (4, 3, 4, 4) and (pipe.rotary_embeddings() is not None) == rotary  # 9 frames: (9 - 1) // 4 + 1
     noise = torch.randn(2, *pipe.latent_shape(), generator=torch.Generator().manual_seed(0))
-    traj = rollout(pipe, DDIMSampler(pipe.schedule, "v_prediction", eta=0.0), PROMPTS, [{}, {}], torch.arange(2), pipe.schedule.sigmas(steps),
-                   torch.Generator().manual_seed(1), scale, initial_noise=noise)
-    theirs = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=steps, guidance_scale=scale,
-                       latents=noise.permute(0, 2, 1, 3, 4).clone(), max_sequence_length=16, output_type="latent").frames
+    traj = rollout(
+        pipe,
+        DDIMSampler(pipe.schedule, "v_prediction", eta=0.0, clip_sample=None, reduction="mean"),
+        PROMPTS,
+        [{}, {}],
+        torch.arange(2),
+        pipe.schedule.sigmas(steps),
+        torch.Generator().manual_seed(1),
+        scale,
+        initial_noise=noise,
+    )
+    theirs = reference(
+        PROMPTS,
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        latents=noise.permute(0, 2, 1, 3, 4).clone(),
+        max_sequence_length=16,
+        output_type="latent",
+    ).frames
     diff = float((traj.latents[:, -1] - theirs.permute(0, 2, 1, 3, 4)).abs().max())
     print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's DDIM differs from CogVideoXPipeline by {diff}"
     assert traj.samples.shape == (2, 3, 9, 32, 32) and 0 <= traj.samples.min() and traj.samples.max() <= 1
-    frames = reference(PROMPTS, negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=steps, guidance_scale=scale,
-                       latents=noise.permute(0, 2, 1, 3, 4).clone(), max_sequence_length=16, output_type="pt").frames
+    frames = reference(
+        PROMPTS,
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        latents=noise.permute(0, 2, 1, 3, 4).clone(),
+        max_sequence_length=16,
+        output_type="pt",
+    ).frames
     torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=1e-5, rtol=0)
 
 
@@ -411,40 +595,64 @@ def test_cogvideox_default_grid_is_the_pipelines_for_k_1_to_50(cogvideox_dir):
     pipe = load("cogvideox", cogvideox_dir, num_frames=9)
     assert pipe.schedule.spacing == "trailing"
     reference = CogVideoXPipeline.from_pretrained(cogvideox_dir)
-    assert_ddpm_grid_is_the_pipelines(pipe, reference, prompt="a cat", height=32, width=32, num_frames=9, guidance_scale=1.0,
-                                      max_sequence_length=16)
+    assert_ddpm_grid_is_the_pipelines(
+        pipe, reference, prompt="a cat", height=32, width=32, num_frames=9, guidance_scale=1.0, max_sequence_length=16
+    )
 
 
 def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_files, tmp_path):
     from diffusers import CogVideoXPipeline
 
     trainer = two_iterations_change_every_parameter(
-        video_config("cogvideox", cogvideox_dir, tmp_path / "run", prompt_files, sampler="ddim",
-                     **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9}))
+        video_config(
+            "cogvideox",
+            cogvideox_dir,
+            tmp_path / "run",
+            prompt_files,
+            sampler="ddim",
+            **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9},
+        )
+    )
     rescoring_ratio_is_one(trainer)
     ours = ode_sample(trainer.pipeline, PROMPTS, seed=3, guidance_scale=3.0)
     user = CogVideoXPipeline.from_pretrained(cogvideox_dir)
     user.load_lora_weights(tmp_path / "run" / "checkpoints" / "step_000002")
-    torch.testing.assert_close(ode_sample(with_denoiser(trainer, user.transformer), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-5, rtol=0)
-    base = ode_sample(with_denoiser(trainer, CogVideoXPipeline.from_pretrained(cogvideox_dir).transformer), PROMPTS, seed=3, guidance_scale=3.0)
+    torch.testing.assert_close(
+        ode_sample(with_denoiser(trainer, user.transformer), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-5, rtol=0
+    )
+    base = ode_sample(
+        with_denoiser(trainer, CogVideoXPipeline.from_pretrained(cogvideox_dir).transformer), PROMPTS, seed=3, guidance_scale=3.0
+    )
     assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
 
 
 def test_cogvideox_two_adjoint_matching_iterations_lora(cogvideox_dir, prompt_files, tmp_path):
-    two_iterations_change_every_parameter(as_adjoint_matching(
-        video_config("cogvideox", cogvideox_dir, tmp_path / "run", prompt_files, sampler="ddim",
-                     **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9}), flow=False))
+    two_iterations_change_every_parameter(
+        as_adjoint_matching(
+            video_config(
+                "cogvideox",
+                cogvideox_dir,
+                tmp_path / "run",
+                prompt_files,
+                sampler="ddim",
+                **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9},
+            ),
+            flow=False,
+        )
+    )
 
 
 @pytest.mark.parametrize("family", ["wan", "cogvideox"])
 def test_two_diffusion_nft_iterations_lora(request, prompt_files, tmp_path, family):
     """Wan (flow) and CogVideoX (zero-terminal-SNR v-prediction: sigma = 1 has x0_hat = -v and is trained) with LoRA."""
     extra = {"pipeline.num_frames": 9} if family == "cogvideox" else {}
-    two_iterations_change_every_parameter(as_diffusion_nft(
-        video_config(family, request.getfixturevalue(f"{family}_dir"), tmp_path / "run", prompt_files, **extra)))
+    two_iterations_change_every_parameter(
+        as_diffusion_nft(video_config(family, request.getfixturevalue(f"{family}_dir"), tmp_path / "run", prompt_files, **extra))
+    )
 
 
 # -- errors and configs -------------------------------------------------------------------------------
+
 
 def test_bad_video_sizes_and_sources_fail_with_one_sentence(wan_dir, wan_i2v_dir, tmp_path):
     from flowrl.errors import FlowRLError

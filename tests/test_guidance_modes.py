@@ -87,12 +87,13 @@ def test_guided_prediction_counts_forwards():
 
 def test_rollout_only_training_is_off_policy_at_unchanged_weights(tmp_path):
     """Guided rollout, unguided re-scoring: the first ratio is not 1 (documented), unlike mode cfg."""
-    from flowrl.trainer import Trainer
     from flowrl.config import load_config
+    from flowrl.trainer import Trainer
     from tests.conftest import fast_overrides
 
-    trainer = Trainer(load_config(None, fast_overrides(tmp_path, **{"rollout.guidance_scale": 3.0,
-                                                                         "rollout.guidance_mode": "cfg_rollout_only"})))
+    trainer = Trainer(
+        load_config(None, fast_overrides(tmp_path, **{"rollout.guidance_scale": 3.0, "rollout.guidance_mode": "cfg_rollout_only"}))
+    )
     traj = trainer.collect(0)
     k = 1
     with torch.no_grad():

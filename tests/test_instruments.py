@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+
 from flowrl.config import load_config
 from flowrl.data.digits import load_digit_images
 from flowrl.evaluation.diversity import seed_diversity

@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from labeling_support import LabelServer, call, records, run_label_cli, shared_pairs
 
 from flowrl.errors import FlowRLError
@@ -66,13 +65,17 @@ def test_missing_images_can_only_be_skipped_and_no_images_at_all_is_refused(fres
     image_path(fresh, 2, "loser").unlink()
     with LabelServer(fresh) as server:
         status, answer = call(server.base + "api/label", {"pair": 2, "choice": "left"})
-        assert status == 409 and answer["error"] == ("pair 2 cannot be compared because images/000002_loser.png is missing from the "
-                                                     "pairs directory; only skip is possible.")
+        assert status == 409 and answer["error"] == (
+            "pair 2 cannot be compared because images/000002_loser.png is missing from the pairs directory; only skip is possible."
+        )
         assert answer["current"]["pair"] == 2 and answer["current"]["missing"] == ["images/000002_loser.png"]
         assert call(server.base + "api/label", {"pair": 2, "choice": "skip"})[0] == 200
         assert call(server.base + "image/2/loser.png")[0] == 404
     err = server.stop()
-    assert "1 of 6 pairs have a missing image (first: images/000002_loser.png); the page shows them as missing and they can only be skipped." in err
+    assert (
+        "1 of 6 pairs have a missing image (first: images/000002_loser.png); the page shows them as missing and they can only be skipped."
+        in err
+    )
     assert [(r["pair"], r["choice"]) for r in records(fresh)] == [(2, "skip")]
     shutil.rmtree(fresh / "images")
     done = run_label_cli(str(fresh), "--port", "0")
@@ -85,24 +88,33 @@ def test_two_tabs_on_one_pair_the_second_click_is_refused_and_a_stale_undo_too(f
         status, first = call(server.base + "api/label", {"pair": 0, "choice": "left"})  # tab A
         status_b, second = call(server.base + "api/label", {"pair": 0, "choice": "right"})  # tab B, still on pair 0
         assert status == 200 and first["saved"] == 0 and first["current"]["pair"] == 1
-        assert status_b == 409 and second["error"].startswith("pair 0 was already labelled 'left' (in another tab or window); nothing was saved")
+        assert status_b == 409 and second["error"].startswith(
+            "pair 0 was already labelled 'left' (in another tab or window); nothing was saved"
+        )
         assert second["current"]["pair"] == 1
         call(server.base + "api/label", {"pair": 1, "choice": "tie"})  # tab B goes on
         status, stale = call(server.base + "api/undo", {"seq": 0})  # tab A still thinks its click is the last
-        assert status == 409 and stale["error"].startswith("the last label is now pair 1's, saved in another tab or window; nothing was undone")
+        assert status == 409 and stale["error"].startswith(
+            "the last label is now pair 1's, saved in another tab or window; nothing was undone"
+        )
         status, undone = call(server.base + "api/undo", {"seq": 1})
         assert status == 200 and undone["undone"] == 1 and undone["current"]["pair"] == 1
         assert call(server.base + "api/label", {"pair": 7, "choice": "left"})[0] == 400
         assert call(server.base + "api/label", {"pair": 1, "choice": "up"})[0] == 400
-    assert [(r.get("pair"), r.get("choice"), r.get("undo")) for r in records(fresh)] == [(0, "left", None), (1, "tie", None), (None, None, 1)]
+    assert [(r.get("pair"), r.get("choice"), r.get("undo")) for r in records(fresh)] == [
+        (0, "left", None),
+        (1, "tie", None),
+        (None, None, 1),
+    ]
 
 
 def test_token_host_and_content_type_guards(fresh):
     with LabelServer(fresh, "--host", "0.0.0.0") as server:  # any other address: a token is generated and printed
         assert server.token and len(server.token) >= 24 and f":{server.port}/?token=" in server.url
         status, text = call(server.base)
-        assert status == 401 and text.strip() == ("this labelling server needs its access token: open the address that `flowrl label` "
-                                                  "printed (it ends in ?token=...).")
+        assert status == 401 and text.strip() == (
+            "this labelling server needs its access token: open the address that `flowrl label` printed (it ends in ?token=...)."
+        )
         status, answer = call(server.base + "api/label", {"pair": 0, "choice": "left"}, headers={"X-FlowRL-Token": "wrong"})
         assert status == 401 and "needs its access token" in answer["error"]
         assert call(server.base + "image/0/winner.png")[0] == 401
@@ -114,8 +126,9 @@ def test_token_host_and_content_type_guards(fresh):
         # on loopback only loopback Host names are answered (DNS rebinding), token or not
         status, answer = call(server.base + "api/state", headers={"Host": f"attacker.example:{server.port}", **token})
         assert status == 403 and answer["error"] == "this labelling server answers only requests addressed to 127.0.0.1 or localhost."
-        status, answer = call(server.base + "api/label", data=b"pair=1&choice=left",
-                              headers={"Content-Type": "application/x-www-form-urlencoded", **token})  # what a cross-site form sends
+        status, answer = call(
+            server.base + "api/label", data=b"pair=1&choice=left", headers={"Content-Type": "application/x-www-form-urlencoded", **token}
+        )  # what a cross-site form sends
         assert status == 415 and answer["error"] == "labels are sent as JSON (Content-Type: application/json); nothing was saved."
         status, answer = call(server.base + "api/state?token=my-own-token")
         assert status == 200 and answer["progress"]["labelled"] == 1 and answer["current"]["pair"] == 1
@@ -142,7 +155,9 @@ print(status, answer["error"], answer["progress"]["labelled"], answer["current"]
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"500 could not save the label to '{fresh / 'labels.jsonl'}': the file is too large; nothing was saved. 1 1"
+    assert (
+        out.stdout.strip() == f"500 could not save the label to '{fresh / 'labels.jsonl'}': the file is too large; nothing was saved. 1 1"
+    )
     assert (fresh / "labels.jsonl").read_bytes() == before
 
 
@@ -166,7 +181,10 @@ def test_training_on_human_labels_refuses_what_it_cannot_use_in_one_sentence(fre
     log.close()
     (fresh / "trajectories.safetensors").unlink()  # Diffusion-DPO's kind of pairs: D3PO cannot re-score their steps
     overrides = fast_overrides(tmp_path / "run", **{"objective.preference": "human", "prompts.pairs": str(fresh)})
-    with pytest.raises(FlowRLError, match="trains on the denoising trajectories of the pairs, and .* has none; build the pairs with "
-                                          r"python -m flowrl.preference_pairs CONFIG --trajectories\.$"):
+    with pytest.raises(
+        FlowRLError,
+        match="trains on the denoising trajectories of the pairs, and .* has none; build the pairs with "
+        r"python -m flowrl.preference_pairs CONFIG --trajectories\.$",
+    ):
         Trainer(load_config(D3PO, overrides))
     assert not (tmp_path / "run").exists()

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-
 from labeling_support import D3PO, DPO, LabelServer, call, records, shared_pairs
 
 from flowrl.preference_labels import left_slot, preferred_slot
@@ -50,8 +49,12 @@ def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(bro
     prompts = read_pairs(directory).prompts
 
     def shows(pair, labelled: int):
-        WebDriverWait(browser, 15).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-pair") == str(pair)
-                                         and d.find_element(By.ID, "progress").text.startswith(f"{labelled} / 6 labelled"))
+        WebDriverWait(browser, 15).until(
+            lambda d: (
+                d.find_element(By.TAG_NAME, "body").get_attribute("data-pair") == str(pair)
+                and d.find_element(By.ID, "progress").text.startswith(f"{labelled} / 6 labelled")
+            )
+        )
 
     def click(button: str):
         browser.find_element(By.ID, f"btn-{button}").click()
@@ -95,16 +98,25 @@ def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(bro
         shows(4, 4)
         message = browser.find_element(By.ID, "message")
         assert message.get_attribute("class") == "error"
-        assert message.text == ("pair 3 was already labelled 'right' (in another tab or window); nothing was saved, and this page "
-                                "now shows the next unlabelled pair.")
+        assert message.text == (
+            "pair 3 was already labelled 'right' (in another tab or window); nothing was saved, and this page "
+            "now shows the next unlabelled pair."
+        )
         assert browser.save_screenshot(str(tmp_path / "labeling.png"))
     assert (tmp_path / "labeling.png").stat().st_size > 10_000
 
     # labels.jsonl: every click in order, each a whole line, the undos as records of their own
     rows = records(directory)
     assert [(r.get("pair"), r.get("choice"), r.get("undo")) for r in rows] == [
-        (0, "left", None), (1, "right", None), (2, "tie", None), (None, None, 2), (None, None, 1), (1, "left", None), (2, "skip", None),
-        (3, "right", None)]
+        (0, "left", None),
+        (1, "right", None),
+        (2, "tie", None),
+        (None, None, 2),
+        (None, None, 1),
+        (1, "left", None),
+        (2, "skip", None),
+        (3, "right", None),
+    ]
     assert [r["seq"] for r in rows] == list(range(8)) and (directory / "labels.jsonl").read_text().endswith("\n")
     assert all(r["preferred"] == preferred_slot(r["pair"], r["choice"]) for r in rows if "pair" in r)
 
@@ -126,8 +138,14 @@ def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(bro
     chosen = {p: preferred_slot(p, c) for p, c in [(0, "left"), (1, "left"), (3, "right")]}
     first = [stored.winners[p] if s == "winner" else stored.losers[p] for p, s in chosen.items()]
     second = [stored.losers[p] if s == "winner" else stored.winners[p] for p, s in chosen.items()]
-    common = {"prompts.pairs": str(directory), "objective.preference": "human", "train.iterations": 1, "train.prompts_per_iteration": 2,
-              "train.batch_size": 4, "train.learning_rate": 1e-3}
+    common = {
+        "prompts.pairs": str(directory),
+        "objective.preference": "human",
+        "train.iterations": 1,
+        "train.prompts_per_iteration": 2,
+        "train.batch_size": 4,
+        "train.learning_rate": 1e-3,
+    }
     for config, name in [(D3PO, "d3po"), (DPO, "diffusion_dpo")]:
         trainer = Trainer(load_config(config, fast_overrides(tmp_path / name, **common)))
         assert trainer.objective.trains_on == "offline_pairs"

@@ -1,9 +1,8 @@
-"""flowrl's import layers hold everywhere, function-level imports included:
+"""flowrl's imports go one way, function-level imports included.
 
-    base (types, errors, seeding, checkpoint, data) -> samplers -> objectives / rewards -> pipelines
-      -> run services (config, prompts, evaluation, inference, ...) -> trainer / modalities -> cli / reward server
-
-A module may import its own layer and the ones below it, never one above (docs/architecture.md).
+Every module and subpackage of flowrl has its own place in ``ORDER``, lowest first; a module may import modules of
+its own unit and of units listed before its own, never after (docs/architecture.md, "Layers"). Inside a unit (a
+subpackage) the modules import each other without a cycle. A module missing from ``ORDER`` fails: place it.
 """
 
 from __future__ import annotations
@@ -15,39 +14,64 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "flowrl"
 
-# The first matching prefix decides a module's layer.
-LAYERS: list[tuple[str, int]] = [
-    ("flowrl.types", 0), ("flowrl.errors", 0), ("flowrl.seeding", 0), ("flowrl.checkpoint", 0), ("flowrl.distributed", 0), ("flowrl.deepspeed_zero", 0), ("flowrl.data", 0),
-    ("flowrl.samplers", 1),
-    ("flowrl.objectives", 2), ("flowrl.reward_models", 2),
-    ("flowrl.pipelines", 3),
-    ("flowrl.config", 4), ("flowrl.prompts", 4), ("flowrl.prompt_files", 4), ("flowrl.evaluation", 4), ("flowrl.inference", 4),
-    ("flowrl.preference_pairs", 4), ("flowrl.preference_labels", 4), ("flowrl.run_logger", 4), ("flowrl.visualize", 4), ("flowrl.trackers", 4),
-    ("flowrl.model_card", 4),
-    ("flowrl.trainer", 5), ("flowrl.modalities", 5),
-    ("flowrl.cli", 6), ("flowrl.reward_server", 6), ("flowrl.label_server", 6), ("flowrl.__main__", 6),
-    ("flowrl.__init__", 0),
+ORDER: list[str] = [
+    # base: errors, records, keyed randomness, the config-section base and the name tables, files on disk
+    "flowrl.errors",
+    "flowrl.types",
+    "flowrl.seeding",
+    "flowrl.sections",
+    "flowrl.registry",
+    "flowrl.distributed",
+    "flowrl.checkpoint",
+    "flowrl.run_lock",
+    "flowrl.deepspeed_zero",
+    "flowrl.data",
+    # the parts a run is made of, each with its config section
+    "flowrl.samplers",
+    "flowrl.reward_models",
+    "flowrl.objectives",
+    "flowrl.pipelines",
+    # run services: prompts, presets, the composed config, logging, evaluation, inference-time scaling, pairs
+    "flowrl.prompt_files",
+    "flowrl.prompt_datasets",
+    "flowrl.prompts",
+    "flowrl.presets",
+    "flowrl.trackers",
+    "flowrl.config",
+    "flowrl.resume_check",
+    "flowrl.run_logger",
+    "flowrl.visualize",
+    "flowrl.model_card",
+    "flowrl.evaluation",
+    "flowrl.inference",
+    "flowrl.preference_pairs",
+    "flowrl.preference_labels",
+    # the loop
+    "flowrl.modalities",
+    "flowrl.trainer",
+    # what users call: the Python API (the package itself), the servers, the command line
+    "flowrl",
+    "flowrl.reward_server",
+    "flowrl.label_server",
+    "flowrl.cli",
 ]
-NAMES = {0: "base", 1: "samplers", 2: "objectives/rewards", 3: "pipelines", 4: "run services", 5: "trainer", 6: "cli"}
+RANK = {unit: i for i, unit in enumerate(ORDER)}
 
 
-def layer(module: str) -> int:
-    if module == "flowrl":  # the package __init__
-        return 0
-    for prefix, level in LAYERS:
-        if module == prefix or module.startswith(prefix + "."):
-            return level
-    raise AssertionError(f"module {module} has no layer; add it to LAYERS")
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def flowrl_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, imported flowrl module) for every import statement in the file, at any depth."""
-    name = module_name(path)
+def unit(module: str) -> str:
+    """The module's place in ORDER: its first-level subpackage or module (``flowrl.samplers.ddim`` -> ``flowrl.samplers``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def flowrl_imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, imported flowrl module) for every import statement in the file, at any depth (``root``: the flowrl
+    package directory the file belongs to)."""
+    name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -65,22 +89,61 @@ def flowrl_imports(path: Path) -> list[tuple[int, str]]:
             # "from . import x" / "from .pkg import mod": the imported names may be modules themselves
             for a in node.names:
                 candidate = f"{target}.{a.name}"
-                is_module = (ROOT.parent / Path(*candidate.split("."))).with_suffix(".py").exists() or (ROOT.parent / Path(*candidate.split("."))).is_dir()
+                is_module = (root.parent / Path(*candidate.split("."))).with_suffix(".py").exists() or (
+                    root.parent / Path(*candidate.split("."))
+                ).is_dir()
                 found.append((node.lineno, candidate if is_module else target))
     return sorted(set(found))
 
 
 FILES = sorted(ROOT.rglob("*.py"))
+GRAPH = {module_name(p): sorted({t for _, t in flowrl_imports(p)} - {module_name(p)}) for p in FILES}
 
 
-def test_every_module_has_a_layer():
-    for path in FILES:
-        layer(module_name(path))
+def test_every_unit_has_its_own_place():
+    missing = sorted({unit(module_name(p)) for p in FILES} - set(ORDER))
+    assert not missing, f"place these in ORDER: {missing}"
+    assert len(ORDER) == len(set(ORDER))
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_imports_go_down_the_layers(path: Path):
+def test_imports_go_down(path: Path):
     me = module_name(path)
-    bad = [f"line {line}: {me} ({NAMES[layer(me)]}) imports {target} ({NAMES[layer(target)]})"
-           for line, target in flowrl_imports(path) if layer(target) > layer(me)]
+    bad = [
+        f"line {line}: {me} imports {target}, which is above {unit(me)} in ORDER"
+        for line, target in flowrl_imports(path)
+        if RANK[unit(target)] > RANK[unit(me)]
+    ]
     assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_between_modules():
+    """Within a unit too: a cycle, even through a function-level import, means two modules are one concept."""
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in GRAPH.get(module, []):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target) :] + [module, target]) if target in path else f"{module} -> {target}")
+            elif target in GRAPH and state.get(target) is None:
+                visit(target, path + [module])
+        state[module] = 2
+
+    for module in GRAPH:
+        if state.get(module) is None:
+            visit(module, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The check itself: a function-level import of the trainer, added to a sampler, is found and refused."""
+    root = tmp_path / "flowrl"
+    (root / "samplers").mkdir(parents=True)
+    (root / "samplers" / "ddim.py").write_text(
+        (ROOT / "samplers" / "ddim.py").read_text() + "\n\ndef _late():\n    from ..trainer import Trainer\n"
+    )
+    (root / "trainer.py").write_text("")
+    imports = [t for _, t in flowrl_imports(root / "samplers" / "ddim.py", root)]
+    assert "flowrl.trainer" in imports and RANK[unit("flowrl.trainer")] > RANK[unit("flowrl.samplers.ddim")]

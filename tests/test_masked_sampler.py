@@ -89,7 +89,7 @@ def replay_logits(lm: TinyLM, traj, step: int) -> torch.Tensor:
     state = traj.state_at(step, MASK)
     ids = torch.cat([traj.prompt_ids, state], dim=1)
     attn = torch.cat([traj.prompt_mask, torch.ones_like(state, dtype=torch.bool)], dim=1)
-    return lm.logits(ids, attn)[:, traj.prompt_ids.shape[1]:]
+    return lm.logits(ids, attn)[:, traj.prompt_ids.shape[1] :]
 
 
 # (1) --------------------------------------------------------------------------------------------
@@ -114,16 +114,32 @@ def _scorer(logits: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).values  # any deterministic function of (logits, state)
 
 
-@pytest.mark.parametrize("remasking,gen_length,block_length,steps", [
-    ("low_confidence", 12, 4, 6), ("random", 12, 4, 6), ("policy", 12, 4, 6),
-    ("low_confidence", 10, 5, 4), ("policy", 10, 5, 4),  # 5 over 2 steps: [3, 2]
-    ("random", 8, 8, 3),  # one block, 8 over 3 steps: [3, 3, 2]
-])
+@pytest.mark.parametrize(
+    "remasking,gen_length,block_length,steps",
+    [
+        ("low_confidence", 12, 4, 6),
+        ("random", 12, 4, 6),
+        ("policy", 12, 4, 6),
+        ("low_confidence", 10, 5, 4),
+        ("policy", 10, 5, 4),  # 5 over 2 steps: [3, 2]
+        ("random", 8, 8, 3),  # one block, 8 over 3 steps: [3, 3, 2]
+    ],
+)
 def test_block_discipline_and_schedule(remasking, gen_length, block_length, steps):
     lm = TinyLM(TinyBidirectional())
     p_ids, p_mask = prompts()
-    traj = generate(lm, p_ids, p_mask, gen_length, steps, block_length, temperature=1.0, remasking=remasking,
-                    position_scorer=_scorer, generator=torch.Generator().manual_seed(0))
+    traj = generate(
+        lm,
+        p_ids,
+        p_mask,
+        gen_length,
+        steps,
+        block_length,
+        temperature=1.0,
+        remasking=remasking,
+        position_scorer=_scorer,
+        generator=torch.Generator().manual_seed(0),
+    )
     spb = steps // (gen_length // block_length)
     sched = transfer_schedule(block_length, spb)
     block_of = torch.arange(gen_length) // block_length
@@ -192,8 +208,7 @@ def test_random_remasking_and_gumbel_are_seeded():
     p_ids, p_mask = prompts()
 
     def run(seed):
-        t = generate(lm, p_ids, p_mask, 12, 6, 4, temperature=1.0, remasking="random",
-                     generator=torch.Generator().manual_seed(seed))
+        t = generate(lm, p_ids, p_mask, 12, 6, 4, temperature=1.0, remasking="random", generator=torch.Generator().manual_seed(seed))
         return t.completion_ids, t.unmask_step, t.unmask_rank
 
     a, b, c = run(0), run(0), run(1)
@@ -227,9 +242,18 @@ def test_policy_remasking_is_plackett_luce():
     lm = TinyLM(ConstantModel(torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0))))
     p_ids = torch.zeros(n, 2, dtype=torch.long)
     # One step over a 3-position block: the whole PL permutation is drawn at once.
-    traj = generate(lm, p_ids, torch.ones_like(p_ids, dtype=torch.bool), 3, 1, 3, temperature=1.0, remasking="policy",
-                    position_scorer=lambda logits, state: scores.expand(state.shape[0], -1),
-                    generator=torch.Generator().manual_seed(0))
+    traj = generate(
+        lm,
+        p_ids,
+        torch.ones_like(p_ids, dtype=torch.bool),
+        3,
+        1,
+        3,
+        temperature=1.0,
+        remasking="policy",
+        position_scorer=lambda logits, state: scores.expand(state.shape[0], -1),
+        generator=torch.Generator().manual_seed(0),
+    )
     order = traj.unmask_rank.argsort(dim=1)  # (n, 3) positions in sampling order
     p = torch.softmax(scores.double(), 0)
     first = torch.bincount(order[:, 0], minlength=3).double() / n
@@ -247,9 +271,18 @@ def test_policy_remasking_at_temperature_zero_is_the_plackett_luce_mode():
     scores = torch.tensor([0.3, 2.0, -1.0, 1.0])
     lm = TinyLM(ConstantModel(torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0))))
     p_ids = torch.zeros(5, 2, dtype=torch.long)
-    traj = generate(lm, p_ids, torch.ones_like(p_ids, dtype=torch.bool), 4, 2, 4, temperature=0.0, remasking="policy",
-                    position_scorer=lambda logits, state: scores.expand(state.shape[0], -1),
-                    generator=torch.Generator().manual_seed(0))
+    traj = generate(
+        lm,
+        p_ids,
+        torch.ones_like(p_ids, dtype=torch.bool),
+        4,
+        2,
+        4,
+        temperature=0.0,
+        remasking="policy",
+        position_scorer=lambda logits, state: scores.expand(state.shape[0], -1),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert traj.unmask_rank.tolist() == [[2, 0, 3, 1]] * 5
     assert traj.unmask_step.tolist() == [[1, 0, 1, 0]] * 5
 
@@ -326,8 +359,15 @@ def test_logit_shift():
 # (9) --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw", [{"temperature": 0.7}, {"temperature": 1.0, "remasking": "random"}, {"threshold": 0.6},
-                                {"temperature": 1.0, "remasking": "policy", "position_scorer": _scorer}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 0.7},
+        {"temperature": 1.0, "remasking": "random"},
+        {"threshold": 0.6},
+        {"temperature": 1.0, "remasking": "policy", "position_scorer": _scorer},
+    ],
+)
 def test_token_log_probs_replay(kw):
     lm = TinyLM(TinyBidirectional(seed=3, sharpness=4.0))
     p_ids, p_mask = prompts(seed=3)
@@ -359,9 +399,11 @@ def test_invalid_configurations_are_refused():
 
     lm = TinyLM(TinyBidirectional())
     p_ids, p_mask = prompts()
-    for kw in [{"gen_length": 10, "steps": 4, "block_length": 4},  # blocks do not tile the completion
-               {"gen_length": 12, "steps": 4, "block_length": 4},  # steps not a multiple of the 3 blocks
-               {"gen_length": 8, "steps": 4, "block_length": 4, "remasking": "policy"},  # no scorer
-               {"gen_length": 8, "steps": 4, "block_length": 4, "remasking": "random", "threshold": 0.5}]:
+    for kw in [
+        {"gen_length": 10, "steps": 4, "block_length": 4},  # blocks do not tile the completion
+        {"gen_length": 12, "steps": 4, "block_length": 4},  # steps not a multiple of the 3 blocks
+        {"gen_length": 8, "steps": 4, "block_length": 4, "remasking": "policy"},  # no scorer
+        {"gen_length": 8, "steps": 4, "block_length": 4, "remasking": "random", "threshold": 0.5},
+    ]:
         with pytest.raises(FlowRLError):
             generate(lm, p_ids, p_mask, **kw)

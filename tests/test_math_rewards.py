@@ -9,18 +9,17 @@ import re
 import pytest
 import torch
 
-from flowrl.evaluation.text_data import (
+from flowrl.data.text_tasks import (
     GSM8K_FILE,
     MATH500_FILE,
     default_data_dir,
-    format_report,
-    grade_recorded,
     load_countdown,
     load_gsm8k,
     load_math500,
     load_sudoku,
     read_jsonl,
 )
+from flowrl.evaluation.recorded import format_report, grade_recorded
 from flowrl.reward_models import build_reward
 from flowrl.reward_models.math_answer import (
     FormatReward,
@@ -330,7 +329,7 @@ def test_grader_on_recorded_llada_generations(capsys):
 
 def recorded(line: int, file: str = GSM8K_FILE) -> tuple[str, str]:
     """(generation with its end-of-text tokens, gold) of one line of a shared data file."""
-    from flowrl.evaluation.text_data import format_gold
+    from flowrl.data.text_tasks import format_gold
 
     row = read_jsonl(DATA / file, limit=line)[line - 1]
     return row["llada_generation_256"], format_gold(row["ground_truth"])
@@ -345,7 +344,7 @@ def graded(line: int, file: str = GSM8K_FILE) -> tuple[str | None, bool]:
 @needs_data
 @needs_math_verify
 def test_rule_unclosed_box_ending_the_generation():
-    """"\\boxed{34<|eot_id|>": the model stopped without closing the brace; the box is read to the end of its line.
+    """ "\\boxed{34<|eot_id|>": the model stopped without closing the brace; the box is read to the end of its line.
     The same text cut by the length limit (no end-of-text token) cannot be read."""
     assert graded(560) == ("34", True)  # "...\\boxed{34<|eot_id|><|endoftext|>", gold 34
     assert graded(1077) == ("70\\text{ minutes", True)  # "\\boxed{70\\text{ minutes><|eot_id|>", a mangled tag's ">"
@@ -358,7 +357,7 @@ def test_rule_unclosed_box_ending_the_generation():
 @needs_data
 @needs_math_verify
 def test_rule_boxed_phrase_holding_the_number():
-    """"\\boxed{Juice Box C is 2 dollars more than Juice Box B.}" (gold 2) is the number it holds; a phrase with
+    """ "\\boxed{Juice Box C is 2 dollars more than Juice Box B.}" (gold 2) is the number it holds; a phrase with
     two numbers, a negation or a value-changing word is not read as a number."""
     assert graded(1084) == ("Juice Box C is 2 dollars more than Juice Box B", True)
     text, gold = recorded(1)  # "\\boxed{18}", gold 18
@@ -371,7 +370,7 @@ def test_rule_boxed_phrase_holding_the_number():
 @needs_data
 @needs_math_verify
 def test_rule_time_on_the_hour():
-    """"\\boxed{2:00 pm}" answers "what is the latest time..." whose gold is 2."""
+    """ "\\boxed{2:00 pm}" answers "what is the latest time..." whose gold is 2."""
     assert graded(567) == ("2:00 pm", True)
     text, gold = recorded(567)
     assert grade(extract_answer(text.replace("2:00 pm}", "2:00 \\text{ PM}}")), gold)

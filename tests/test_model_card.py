@@ -14,9 +14,9 @@ import sys
 import threading
 
 import pytest
+from conftest import CONFIGS, REPO, fast_overrides
 from huggingface_hub import ModelCard
 
-from conftest import CONFIGS, REPO, fast_overrides
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.model_card import build_model_card
@@ -51,7 +51,7 @@ def test_full_export_card(runs, tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| `eval/reward/mean`"))
     assert row == f"| `eval/reward/mean` | {summary['eval_reward_initial']:.4f} | {summary['eval_reward_final']:.4f} |"
     final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    assert f"| `eval/reward/ink` | " in text and f"{final['eval/reward/ink']:.4f} |" in text
+    assert "| `eval/reward/ink` | " in text and f"{final['eval/reward/ink']:.4f} |" in text
     assert (out / "samples.png").read_bytes() == (run / "samples" / "step_000002.png").read_bytes()
     assert "](samples.png)" in text and "`apache-2.0`" in text
     # the snippet is real: run it as written
@@ -88,18 +88,38 @@ def _closed_port() -> int:
 
 def test_push_to_unreachable_hub_is_one_sentence_and_keeps_the_export_whole(runs, tmp_path):
     endpoint, out = f"http://127.0.0.1:{_closed_port()}", tmp_path / "pushed"
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_not_a_real_token", "HF_HOME": str(tmp_path / "hf"),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "export", str(runs / "lora" / "checkpoints" / "step_000002"),
-                           str(out), "--lora-only", "--push-to-hub", "me/digits-lora"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": endpoint,
+        "HF_TOKEN": "hf_not_a_real_token",
+        "HF_HOME": str(tmp_path / "hf"),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowrl.cli",
+            "export",
+            str(runs / "lora" / "checkpoints" / "step_000002"),
+            str(out),
+            "--lora-only",
+            "--push-to-hub",
+            "me/digits-lora",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("flowrl: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"hub unreachable at {endpoint}" in errors[0] and f"the local export '{out}' is complete" in errors[0]
     # the export is whole: the same files as one never pushed, and no temporary leftovers beside it
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "pytorch_lora_weights.safetensors", "samples.png"]
-    assert 'load_lora_into_unet' in (out / "README.md").read_text()
+    assert "load_lora_into_unet" in (out / "README.md").read_text()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

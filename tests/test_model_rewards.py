@@ -136,10 +136,16 @@ def clip_dir(tmp_path_factory):
     tokenizer = CLIPTokenizer.from_pretrained(str(d))
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=77, **ids),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=224, patch_size=32),
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            **ids,
+        ),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=224, patch_size=32),
         projection_dim=PROJ,
     )
     torch.manual_seed(0)
@@ -192,7 +198,8 @@ def _check_grad(reward, images: torch.Tensor, prompts: list[str]) -> None:
 
 
 def test_normalisation_constants_are_openai_clip():
-    from transformers.image_utils import OPENAI_CLIP_MEAN as HF_MEAN, OPENAI_CLIP_STD as HF_STD
+    from transformers.image_utils import OPENAI_CLIP_MEAN as HF_MEAN
+    from transformers.image_utils import OPENAI_CLIP_STD as HF_STD
 
     assert OPENAI_CLIP_MEAN == (0.48145466, 0.4578275, 0.40821073)
     assert OPENAI_CLIP_STD == (0.26862954, 0.26130258, 0.27577711)
@@ -497,23 +504,45 @@ def image_reward_dir(tmp_path_factory):
     (tok_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(tok_dir))
     med = {  # BLIP's med_config.json fields at tiny sizes; +2 for the [DEC] / [ENC] tokens BLIP adds
-        "architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
-        "hidden_dropout_prob": 0.1, "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
-        "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 2,
-        "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(vocab) + 2,
-        "encoder_width": 24, "add_cross_attention": True,
+        "architectures": ["BertModel"],
+        "attention_probs_dropout_prob": 0.1,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "hidden_size": 32,
+        "initializer_range": 0.02,
+        "intermediate_size": 64,
+        "layer_norm_eps": 1e-12,
+        "max_position_embeddings": 64,
+        "model_type": "bert",
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "pad_token_id": 0,
+        "type_vocab_size": 2,
+        "vocab_size": len(vocab) + 2,
+        "encoder_width": 24,
+        "add_cross_attention": True,
     }
     (d / "med_config.json").write_text(json.dumps(med))
     torch.manual_seed(1)
     vit = _TimmStyleViT(width=24, depth=2, heads=2, patch=32, image=224).eval()
     text = BlipTextModel(
-        BlipTextConfig(vocab_size=len(vocab) + 2, hidden_size=32, encoder_hidden_size=24, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
-                       bos_token_id=None, eos_token_id=None, sep_token_id=None, is_decoder=True),
+        BlipTextConfig(
+            vocab_size=len(vocab) + 2,
+            hidden_size=32,
+            encoder_hidden_size=24,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            sep_token_id=None,
+            is_decoder=True,
+        ),
         add_pooling_layer=False,
     )
     with torch.no_grad():  # transformers' init (std 0.02) makes a tiny model nearly input-independent
-        for name, p in text.named_parameters():
+        for _name, p in text.named_parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 0.3)
     head = _known_head(32)
@@ -553,8 +582,12 @@ def test_image_reward_score_is_normalised_head_of_cls(image_reward_dir, photos):
     assert t["input_ids"][:, 0].eq(tok.cls_token_id).all()
     with torch.no_grad():
         tokens = vit(reward.preprocess(images))
-        cls = text.eval()(input_ids=t["input_ids"], attention_mask=t["attention_mask"], encoder_hidden_states=tokens,
-                          encoder_attention_mask=torch.ones(tokens.shape[:2], dtype=torch.long)).last_hidden_state[:, 0]
+        cls = text.eval()(
+            input_ids=t["input_ids"],
+            attention_mask=t["attention_mask"],
+            encoder_hidden_states=tokens,
+            encoder_attention_mask=torch.ones(tokens.shape[:2], dtype=torch.long),
+        ).last_hidden_state[:, 0]
         raw = head(cls)
     assert torch.allclose(out.extras["raw"], raw, atol=1e-5)
     assert torch.allclose(out.scores.detach(), (raw - SCORE_MEAN) / SCORE_STD, atol=1e-5)

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+
 from flowrl.config import load_config
 from flowrl.inference.best_of_n import best_of_n
 from flowrl.inference.noise_search import _neighbors, zero_order_search
@@ -18,7 +18,9 @@ from flowrl.inference.noise_search import _neighbors, zero_order_search
 def trainer(tmp_path_factory):
     from flowrl.trainer import Trainer
 
-    return Trainer(load_config(CONFIGS / "digits" / "grpo.yaml", fast_overrides(tmp_path_factory.mktemp("zo"), **{"eval.samples_per_prompt": 1})))
+    return Trainer(
+        load_config(CONFIGS / "digits" / "grpo.yaml", fast_overrides(tmp_path_factory.mktemp("zo"), **{"eval.samples_per_prompt": 1}))
+    )
 
 
 def _items(trainer, n=8):
@@ -28,21 +30,55 @@ def _items(trainer, n=8):
 
 def test_one_round_of_fresh_neighbours_is_best_of_n(trainer):
     prompts, metadata, sigmas, guidance = _items(trainer)
-    zo = zero_order_search(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 1, 3, 1.0, sigmas,
-                           torch.Generator().manual_seed(4), guidance)
-    bon = best_of_n(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(4), guidance)
+    zo = zero_order_search(
+        trainer.pipeline,
+        trainer.modality.eval_sampler,
+        trainer.reward,
+        prompts,
+        metadata,
+        1,
+        3,
+        1.0,
+        sigmas,
+        torch.Generator().manual_seed(4),
+        guidance,
+    )
+    bon = best_of_n(
+        trainer.pipeline,
+        trainer.modality.eval_sampler,
+        trainer.reward,
+        prompts,
+        metadata,
+        4,
+        sigmas,
+        torch.Generator().manual_seed(4),
+        guidance,
+    )
     torch.testing.assert_close(zo.scores, bon.scores.max(1).values)
     torch.testing.assert_close(zo.samples, bon.samples)
     assert zo.evaluations == 4
 
 
 def test_pivot_reward_never_decreases_and_round_zero_is_the_evaluation(trainer):
-    metrics, _ = trainer.evaluate()
+    metrics = trainer.evaluate()
     held = trainer.modality.held_out  # the search starts from the noise the plain evaluation draws
     gen = held.generator()
     noise = trainer.pipeline.initial_noise(len(held), gen)
-    result = zero_order_search(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, held.prompts, held.metadata, 3, 2, 0.5,
-                               held.sigmas, gen, held.guidance_scale, trainer.config.rollout.batch_size, initial_noise=noise)
+    result = zero_order_search(
+        trainer.pipeline,
+        trainer.modality.eval_sampler,
+        trainer.reward,
+        held.prompts,
+        held.metadata,
+        3,
+        2,
+        0.5,
+        held.sigmas,
+        gen,
+        held.guidance_scale,
+        trainer.config.rollout.batch_size,
+        initial_noise=noise,
+    )
     assert result.history[0].mean().item() == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
     assert (result.history[1:] >= result.history[:-1]).all()
     assert result.history[-1].mean() > result.history[0].mean()

@@ -8,15 +8,15 @@ from collections import deque
 import pytest
 import torch
 
-from flowrl.objectives.ddpo import PerPromptStatTracker, build_ddpo
+from flowrl.objectives.ddpo import DDPOConfig, PerPromptStatTracker
 from flowrl.objectives.functional import best_worst_subset, clipped_surrogate, gaussian_kl, group_advantages
-from flowrl.objectives.grpo import build_grpo
+from flowrl.objectives.grpo import GRPOConfig
 from flowrl.objectives.policy_gradient import choose_train_steps
 from flowrl.types import Trajectory
 
 
 def test_clipped_surrogate_hand_values():
-    # MATH.md hand check: A = -1, r = 1 -> max(-(-1)*1, -(-1)*clip(1)) = 1.
+    # docs/math.md section 3 hand check: A = -1, r = 1 -> max(-(-1)*1, -(-1)*clip(1)) = 1.
     loss, stats = clipped_surrogate(torch.zeros(1), torch.zeros(1), torch.tensor([-1.0]), 0.2)
     assert loss.item() == pytest.approx(1.0)
     assert stats["ratio_mean"].item() == 1.0 and stats["clipfrac"].item() == 0.0
@@ -78,7 +78,9 @@ def test_gaussian_kl_closed_form():
     # KL(N(m1, s^2) || N(m2, s^2)) = (m1 - m2)^2 / (2 s^2); per-dim mean of [1, 4] / (2 * 0.25) = 5.
     kl = gaussian_kl(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor(0.5))
     assert kl.item() == pytest.approx(5.0)
-    ref = torch.distributions.kl_divergence(torch.distributions.Normal(torch.tensor([1.0, 2.0]), 0.5), torch.distributions.Normal(torch.zeros(2), 0.5))
+    ref = torch.distributions.kl_divergence(
+        torch.distributions.Normal(torch.tensor([1.0, 2.0]), 0.5), torch.distributions.Normal(torch.zeros(2), 0.5)
+    )
     assert kl.item() == pytest.approx(ref.mean().item())
 
 
@@ -100,13 +102,13 @@ def test_ddpo_stat_tracker_fallback_then_per_prompt():
 
 
 def test_ddpo_clips_advantages():
-    obj = build_ddpo(per_prompt_stat_tracking=False, adv_clip_max=0.5)
+    obj = DDPOConfig(per_prompt_stat_tracking=False, adv_clip_max=0.5).build()
     batch = obj.prepare(_batch(torch.tensor([0.0, 0.0, 0.0, 100.0]), ["a"] * 4))
     assert batch.advantages.abs().max().item() == pytest.approx(0.5)
 
 
 def test_grpo_prepare_best_worst():
-    obj = build_grpo(best_worst_k=2)
+    obj = GRPOConfig(best_worst_k=2).build()
     batch = obj.prepare(_batch(torch.tensor([0.0, 1.0, 2.0, 3.0]), ["a"] * 4))
     assert len(batch) == 2 and batch.rewards.tolist() == [0.0, 3.0]
 
@@ -122,6 +124,14 @@ def test_choose_train_steps():
 
 def _batch(rewards: torch.Tensor, prompts: list[str]) -> Trajectory:
     b = rewards.shape[0]
-    return Trajectory(latents=torch.zeros(b, 2, 1), sigmas=torch.tensor([1.0, 0.0]), log_probs=torch.zeros(b, 1),
-                      stochastic=torch.ones(1, dtype=torch.bool), cond={}, prompts=prompts, metadata=[{}] * b,
-                      group_ids=torch.zeros(b, dtype=torch.long), rewards=rewards)
+    return Trajectory(
+        latents=torch.zeros(b, 2, 1),
+        sigmas=torch.tensor([1.0, 0.0]),
+        log_probs=torch.zeros(b, 1),
+        stochastic=torch.ones(1, dtype=torch.bool),
+        cond={},
+        prompts=prompts,
+        metadata=[{}] * b,
+        group_ids=torch.zeros(b, dtype=torch.long),
+        rewards=rewards,
+    )

@@ -29,7 +29,7 @@ def test_prompt_file_errors_are_one_sentence(tmp_path):
     with pytest.raises(FlowRLError, match="does not exist"):
         read_prompt_file(str(tmp_path / "nope.txt"))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
-    with pytest.raises(FlowRLError, match="line 2 needs a string \"prompt\" key"):
+    with pytest.raises(FlowRLError, match='line 2 needs a string "prompt" key'):
         read_prompt_file(str(tmp_path / "bad.jsonl"))
     with pytest.raises(FlowRLError, match="needs both train_file and eval_file"):
         load_config(None, ["prompts.dataset=file", "prompts.train_file=general.txt"])

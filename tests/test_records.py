@@ -15,10 +15,17 @@ def _traj(b: int, offset: int = 0) -> Trajectory:
     k = 3
     return Trajectory(
         latents=torch.arange(b * (k + 1) * 2, dtype=torch.float32).view(b, k + 1, 2) + offset,
-        sigmas=torch.linspace(1, 0, k + 1), log_probs=torch.randn(b, k), stochastic=torch.tensor([True, True, False]),
-        cond={"prompt_embeds": torch.randn(b, 4, 5)}, prompts=[f"p{i + offset}" for i in range(b)],
-        metadata=[{"i": i + offset} for i in range(b)], group_ids=torch.arange(b) // 2, rewards=torch.randn(b),
-        reward_components={"a": torch.randn(b)}, guidance_scale=3.0)
+        sigmas=torch.linspace(1, 0, k + 1),
+        log_probs=torch.randn(b, k),
+        stochastic=torch.tensor([True, True, False]),
+        cond={"prompt_embeds": torch.randn(b, 4, 5)},
+        prompts=[f"p{i + offset}" for i in range(b)],
+        metadata=[{"i": i + offset} for i in range(b)],
+        group_ids=torch.arange(b) // 2,
+        rewards=torch.randn(b),
+        reward_components={"a": torch.randn(b)},
+        guidance_scale=3.0,
+    )
 
 
 def test_index_then_cat_round_trips():

@@ -2,8 +2,9 @@
 
 A real server process (``python -m flowrl.reward_server``) serves the embedded digit classifier
 and ink rewards; the client must get exactly what the in-process reward gives, NaN included, and the
-server must refuse bad tokens, oversized, malformed and pickled payloads while going on serving. All
-traffic stays on 127.0.0.1 and every wait is bounded.
+server must refuse bad tokens, oversized, malformed and pickled payloads, and metadata the reward cannot
+use, with a 4xx that the client does not retry, while going on serving. All traffic stays on 127.0.0.1
+and every wait is bounded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import math
 import os
 import re
 import select
@@ -34,7 +36,7 @@ from flowrl.errors import FlowRLError
 from flowrl.reward_models import build_reward, build_reward_from_config
 from flowrl.reward_models.remote import RemoteReward, RewardServerError
 from flowrl.reward_models.wire import _Job
-from flowrl.reward_server import ServerConfig, load_server_config, serve_main
+from flowrl.reward_server import RewardServer, ServerConfig, load_server_config, serve_main
 from flowrl.reward_server.batcher import Batcher
 from flowrl.types import RewardOutput
 
@@ -61,7 +63,11 @@ class ServerProcess:
         self._log_file = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flowrl.reward_server", str(config)],
-            stdout=subprocess.PIPE, stderr=self._log_file, text=True, cwd=REPO, env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            text=True,
+            cwd=REPO,
+            env=env,
         )
         self.url = self._read_url(deadline=time.monotonic() + 60)
 
@@ -100,8 +106,9 @@ def write_config(path: Path, **extra) -> Path:
     return path
 
 
-def request(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-            content_length: bool = True) -> tuple[int, dict | None]:
+def request(
+    url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None, content_length: bool = True
+) -> tuple[int, dict | None]:
     """One raw HTTP request (10 s timeout); returns (status, JSON body or None)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
@@ -135,11 +142,11 @@ def npz(samples, meta: dict | str | None = None, /, **arrays) -> bytes:
 
 
 def digits(n: int) -> tuple[torch.Tensor, list[str], list[dict]]:
-    """n images in [0, 1] with prompts and digit metadata; the last sample has no digit (NaN)."""
+    """n images in [0, 1] with prompts and digit metadata (the digit classifier needs one per sample)."""
     g = torch.Generator().manual_seed(n)
     images = torch.rand(n, 1, 8, 8, generator=g) ** 2
-    meta = [{"digit": i % 10} for i in range(n - 1)] + [{}]
-    return images, [f"a handwritten {m.get('digit', 'scribble')}" for m in meta], meta
+    meta = [{"digit": i % 10} for i in range(n)]
+    return images, [f"a handwritten {m['digit']}" for m in meta], meta
 
 
 def assert_same(out: RewardOutput, ref: RewardOutput, extras_prefix: str = "") -> None:
@@ -161,8 +168,7 @@ def reference():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reward_server")
-    config = write_config(tmp / "server.yaml", max_request_bytes=MAX_REQUEST_BYTES, max_batch=MAX_BATCH,
-                          coalesce=True, device="cpu")
+    config = write_config(tmp / "server.yaml", max_request_bytes=MAX_REQUEST_BYTES, max_batch=MAX_BATCH, coalesce=True, device="cpu")
     proc = ServerProcess(config, tmp / "server.log")
     try:
         yield proc
@@ -183,7 +189,7 @@ def test_remote_scores_equal_in_process_scores(server, reference):
     images, prompts, meta = digits(7)
     out = RemoteReward(server.url, token=TOKEN)(images, prompts, meta)
     ref = reference(images, prompts, meta)
-    assert out.scores[-1].isnan() and not out.scores[:-1].isnan().any()  # NaN round-trips as NaN
+    assert not out.scores.isnan().any()
     assert set(out.extras) == {"digit_classifier", "digit_classifier/accuracy", "ink"}
     assert_same(out, ref)
     # Several requests per call give the same scores as one.
@@ -244,7 +250,7 @@ def test_wrong_or_missing_token_is_401_and_server_keeps_serving(server):
         RemoteReward(server.url, token="not-the-token", retries=3, backoff=5.0)(images, prompts, meta)
     assert time.monotonic() - start < 4, "a 4xx answer must not be retried"
     status, answer = request(server.url, "POST", "/score", body, auth())
-    assert status == 200 and len(answer["scores"]) == 3 and answer["scores"][-1] is None
+    assert status == 200 and len(answer["scores"]) == 3 and all(isinstance(v, float) for v in answer["scores"])
 
 
 class _Pickled:
@@ -261,6 +267,10 @@ def with_pixel(x: np.ndarray, value: float) -> np.ndarray:
     out = x.copy()
     out[0, 0, 0, 0] = value
     return out
+
+
+SEVEN = "the reward could not score this request's data (ValueError: invalid literal for int() with base 10: 'seven')."
+NO_DIGIT = "sample {} has no 'digit' in its metadata, which reward 'digit_classifier' needs to score it; send a 'digit' with every sample."
 
 
 def _bad_requests(marker: Path) -> dict[str, tuple[dict, int, str]]:
@@ -287,13 +297,35 @@ def _bad_requests(marker: Path) -> dict[str, tuple[dict, int, str]]:
         "three_dims": (dict(body=npz(x[:, 0], good_meta)), 400, "(B, C, H, W)"),
         "meta_not_json": (dict(body=npz(x, "{not json")), 400, "not valid JSON"),
         "prompt_count": (dict(body=npz(x, {"prompts": prompts[:2], "metadata": meta})), 400, "3 samples but 2 prompts"),
-        "over_max_batch": (dict(body=npz(np.zeros((MAX_BATCH + 1, 1, 8, 8), np.uint8), {"prompts": [""] * (MAX_BATCH + 1)})),
-                           400, "max_batch of 32"),
-        "reward_refuses_shape": (dict(body=npz(np.zeros((2, 1, 16, 16), np.float32), {"prompts": ["", ""]})),
-                                 400, "the digit classifier reads"),
+        "over_max_batch": (
+            dict(body=npz(np.zeros((MAX_BATCH + 1, 1, 8, 8), np.uint8), {"prompts": [""] * (MAX_BATCH + 1)})),
+            400,
+            "max_batch of 32",
+        ),
+        "reward_refuses_shape": (
+            dict(body=npz(np.zeros((2, 1, 16, 16), np.float32), {"prompts": ["", ""], "metadata": [{"digit": 1}, {"digit": 2}]})),
+            400,
+            "the digit classifier reads",
+        ),
         "digit_out_of_range": (dict(body=npz(x[:1], {"prompts": [""], "metadata": [{"digit": 12}]})), 400, "outside 0-9"),
-        "bad_png": (dict(body=json.dumps({"images": ["bm90IGEgcG5n"], "prompts": [""]}).encode(),
-                         headers=auth() | {"Content-Type": "application/json"}), 400, "not a base64-encoded PNG"),
+        # metadata the reward cannot use: the request's fault (400, never retried), not the server's (500)
+        "digit_not_a_number": (dict(body=npz(x[:1], {"prompts": [""], "metadata": [{"digit": "seven"}]})), 400, SEVEN),
+        "digit_a_list": (
+            dict(body=npz(x[:1], {"prompts": [""], "metadata": [{"digit": [7]}]})),
+            400,
+            "the reward could not score this request's data (TypeError: int() argument must be",
+        ),
+        "digit_missing": (dict(body=npz(x[:2], {"prompts": ["", ""], "metadata": [{"digit": 1}, {}]})), 400, NO_DIGIT.format(1)),
+        "digit_null": (dict(body=npz(x[:1], {"prompts": [""], "metadata": [{"digit": None}]})), 400, NO_DIGIT.format(0)),
+        "metadata_left_out": (dict(body=npz(x[:1], {"prompts": [""]})), 400, NO_DIGIT.format(0)),
+        "bad_png": (
+            dict(
+                body=json.dumps({"images": ["bm90IGEgcG5n"], "prompts": [""]}).encode(),
+                headers=auth() | {"Content-Type": "application/json"},
+            ),
+            400,
+            "not a base64-encoded PNG",
+        ),
         "unknown_path": (dict(body=npz(x, good_meta), path="/admin"), 404, "unknown path"),
     }
 
@@ -313,6 +345,142 @@ def test_bad_requests_are_refused_and_server_keeps_serving(server, tmp_path, cas
     assert RemoteReward(server.url, token=TOKEN)(images, prompts, meta).scores.shape == (2,)
 
 
+# ----------------------------------------------------------------------------------------- client errors
+
+
+def access_log_count(log: Path, status: int) -> int:
+    """POST /score requests the server answered with ``status``, from its access log (uvicorn's, on stderr)."""
+    return sum(f'"POST /score HTTP/1.1" {status}' in line for line in log.read_text().splitlines())
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_metadata_the_reward_cannot_use_is_a_400_the_client_does_not_retry(server):
+    # The digit classifier reads metadata["digit"] with int(): "seven" raises ValueError inside the reward. That
+    # is the request's fault, answered 400 with the cause; the client gives up at once instead of retrying
+    # for retry_for (120 s by default), and the server has seen exactly one request.
+    images, prompts, _ = digits(1)
+    before = request(server.url, "GET", "/health")[1]
+    refused_before = access_log_count(server.log, 400)
+    client = RemoteReward(server.url, token=TOKEN)
+    assert client.retry_for == 120.0
+    start = time.monotonic()
+    with pytest.raises(RewardServerError) as info:
+        client(images, prompts, [{"digit": "seven"}])
+    elapsed = time.monotonic() - start
+    assert str(info.value) == f"reward server {server.url} refused the request (HTTP 400: {SEVEN[:-1]})."
+    assert elapsed < 2.0, elapsed
+    after = request(server.url, "GET", "/health")[1]
+    assert after["requests"] - before["requests"] == 1  # scored (and failed) once
+    assert after["samples"] == before["samples"]
+    wait_for(lambda: access_log_count(server.log, 400) == refused_before + 1)  # answered once, 400
+    time.sleep(0.2)
+    assert access_log_count(server.log, 400) == refused_before + 1
+    # A missing key is refused before the request is queued: nothing reaches the model.
+    with pytest.raises(RewardServerError) as info:
+        client(images, prompts, [{}])
+    assert str(info.value) == f"reward server {server.url} refused the request (HTTP 400: {NO_DIGIT.format(0)[:-1]})."
+    assert request(server.url, "GET", "/health")[1]["requests"] == after["requests"]
+    assert "Traceback" not in server.log.read_text()  # a client error is no server failure
+
+
+def test_a_bad_request_merged_with_good_ones_fails_alone(reference):
+    # max_batch 4 = the good client's 3 samples + the bad client's 1: the two requests are merged into one
+    # model call, which raises on "seven"; each request is then scored alone, so only the bad one fails.
+    with RewardServer(
+        ServerConfig(reward=RewardConfig(components=COMPONENTS), device="cpu", max_batch=4, max_wait_ms=20_000), TOKEN
+    ) as srv:
+        good = digits(3)
+        bad = (digits(1)[0], ["a handwritten seven"], [{"digit": "seven"}])
+        results: list = [None, None]
+        barrier = threading.Barrier(2)
+
+        def score(i: int, batch) -> None:
+            client = RemoteReward(srv.url, token=TOKEN, timeout=20)
+            barrier.wait(timeout=20)
+            try:
+                results[i] = client(*batch)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                results[i] = e
+
+        start = time.monotonic()
+        threads = [threading.Thread(target=score, args=(i, b)) for i, b in enumerate((good, bad))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        elapsed = time.monotonic() - start
+        stats = request(srv.url, "GET", "/health")[1]
+    assert elapsed < 10  # the batch was full when the second request came: no 20 s wait, no retries
+    assert isinstance(results[0], RewardOutput), results[0]
+    assert_same(results[0], reference(*good))
+    assert isinstance(results[1], RewardServerError) and str(results[1]) == (
+        f"reward server {srv.url} refused the request (HTTP 400: {SEVEN[:-1]})."
+    )
+    # one merged call of 4 samples that failed, then each request alone: 3 samples scored, 1 refused
+    assert (stats["requests"], stats["batches"], stats["samples"]) == (2, 3, 3)
+
+
+class _FailsThenScores:
+    """A reward whose first ``failures`` calls raise ``error`` (a server-side failure), then scores the mean pixel."""
+
+    name, differentiable = "flaky", False
+
+    def __init__(self, error: BaseException, failures: int) -> None:
+        self.error, self.failures, self.calls = error, failures, 0
+
+    def __call__(self, samples, prompts, metadata):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return RewardOutput(scores=samples.mean(dim=(1, 2, 3)))
+
+
+def test_a_server_side_failure_is_a_500_the_client_retries(capfd):
+    images, prompts, meta = digits(2)
+    config = ServerConfig(reward=RewardConfig(components=COMPONENTS), device="cpu")
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    reward = _FailsThenScores(oom, failures=2)
+    with RewardServer(config, TOKEN, reward=reward) as srv:
+        out = RemoteReward(srv.url, token=TOKEN, backoff=0.05, retry_for=20)(images, prompts, meta)
+        torch.testing.assert_close(out.scores, images.mean(dim=(1, 2, 3)), atol=1e-6, rtol=0)
+        assert reward.calls == 3  # two 500s, retried, then scored
+        always = _FailsThenScores(RuntimeError("the model crashed\nin layer 3"), failures=10**6)
+    with RewardServer(config, TOKEN, reward=always) as srv:
+        with pytest.raises(RewardServerError) as info:
+            RemoteReward(srv.url, token=TOKEN, backoff=0.01, retries=3)(images, prompts, meta)
+    assert always.calls == 3
+    assert (
+        str(info.value)
+        == f"reward server {srv.url} did not answer after 3 attempts (HTTP 500: the reward raised RuntimeError: the model crashed)."
+    )
+    assert "RuntimeError: the model crashed" in capfd.readouterr().err  # the traceback is on the server's stderr
+
+
+def test_nan_and_infinite_scores_cross_the_wire():
+    # NaN ("not applicable") is null on the wire and +-inf are "inf"/"-inf": the client gets the same floats.
+    class Special:
+        name, differentiable = "special", False
+
+        def __call__(self, samples, prompts, metadata):
+            scores = torch.tensor([math.nan, math.inf, -math.inf, 0.25])
+            return RewardOutput(scores=scores, extras={"twice": 2 * scores})
+
+    with RewardServer(ServerConfig(reward=RewardConfig(components=COMPONENTS), device="cpu"), TOKEN, reward=Special()) as srv:
+        images, prompts, meta = digits(4)
+        status, answer = request(srv.url, "POST", "/score", npz(images.numpy(), {"prompts": prompts, "metadata": meta}), auth())
+        out = RemoteReward(srv.url, token=TOKEN)(images, prompts, meta)
+    assert status == 200 and answer == {"scores": [None, "inf", "-inf", 0.25], "extras": {"twice": [None, "inf", "-inf", 0.5]}}
+    expected = torch.tensor([math.nan, math.inf, -math.inf, 0.25])
+    torch.testing.assert_close(out.scores, expected, equal_nan=True)
+    torch.testing.assert_close(out.extras["twice"], 2 * expected, equal_nan=True)
+
+
 # ----------------------------------------------------------------------------------------- failures
 
 
@@ -324,9 +492,9 @@ def test_non_finite_samples_score_nan_without_being_sent(server, reference):
     out = RemoteReward(server.url, token=TOKEN, batch_size=2)(images, prompts, meta)
     ref = reference(images, prompts, meta)
     assert out.scores[1].isnan() and out.extras["ink"][1].isnan()
-    keep = [0, 2, 3]  # 4 has no digit: NaN from the server, as in process
+    keep = [0, 2, 3, 4]
     torch.testing.assert_close(out.scores[keep], ref.scores[keep], atol=1e-6, rtol=0)
-    assert out.scores[4].isnan()
+    assert not out.scores[keep].isnan().any()
 
 
 def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path):
@@ -464,8 +632,10 @@ def test_a_saturated_server_answers_503_with_retry_after_and_the_client_comes_ba
         # Two requests in flight whose bodies never finish arriving: each holds one of the 2 scoring slots.
         for _ in range(2):
             s = socket.create_connection((parts.hostname, parts.port), timeout=10)
-            s.sendall(f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-                      "Content-Type: application/x-npz\r\nContent-Length: 1000\r\n\r\nPK".encode())
+            s.sendall(
+                f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/x-npz\r\nContent-Length: 1000\r\n\r\nPK".encode()
+            )
             held.append(s)
         deadline = time.monotonic() + 10
         while raw(proc.url, "GET", "/health")[2]["in_flight"] != 2:  # health answers while scoring is saturated
@@ -478,8 +648,11 @@ def test_a_saturated_server_answers_503_with_retry_after_and_the_client_comes_ba
         with pytest.raises(RewardServerError) as info:
             RemoteReward(proc.url, token=TOKEN, retry_for=1.5, backoff=0.1, timeout=5)(images, prompts, meta)
         assert 1.5 <= time.monotonic() - start < 3.5
-        assert re.fullmatch(rf"reward server {re.escape(proc.url)} did not answer after \d+ attempts \(HTTP 503: the reward server is "
-                            r"busy; retry later\)\.", str(info.value)), str(info.value)
+        assert re.fullmatch(
+            rf"reward server {re.escape(proc.url)} did not answer after \d+ attempts \(HTTP 503: the reward server is "
+            r"busy; retry later\)\.",
+            str(info.value),
+        ), str(info.value)
         # Slots free up while the client waits: it gets its scores.
         release = threading.Timer(1.0, lambda: [s.close() for s in held])
         release.start()
@@ -517,8 +690,9 @@ def test_5xx_answers_are_retried_and_4xx_are_not(status, attempts):
 def test_unknown_config_key_fails_to_start_with_one_line(tmp_path):
     config = write_config(tmp_path / "bad.yaml", bogus=1)
     env = dict(os.environ, PYTHONPATH=str(REPO), FLOWRL_REWARD_TOKEN=TOKEN, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "flowrl.reward_server", str(config)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl.reward_server", str(config)], capture_output=True, text=True, cwd=REPO, env=env, timeout=60
+    )
     assert proc.returncode != 0 and proc.stdout == ""
     assert proc.stderr.strip() == "flowrl: error: unknown config key 'bogus'."
 
@@ -610,18 +784,28 @@ class KillServerAfterFirstCall:
 
 def test_trainer_stops_cleanly_and_keeps_its_work_when_the_server_dies(tmp_path, monkeypatch, capsys):
     from conftest import CONFIGS, fast_overrides
+
     from flowrl.checkpoint import read_checkpoint
     from flowrl.config import load_config
+    from flowrl.reward_models import build_reward_from_config
     from flowrl.trainer import Trainer
 
     server = ServerProcess(write_config(tmp_path / "server.yaml"), tmp_path / "server.log")
     try:
         monkeypatch.setenv("FLOWRL_REWARD_TOKEN", TOKEN)
-        overrides = fast_overrides(tmp_path / "run", **{"train.iterations": 3, "reward.components": "{remote: 1.0}",
-                                                        "reward.kwargs.remote.url": server.url, "reward.kwargs.remote.retries": 2,
-                                                        "reward.kwargs.remote.backoff": 0.05})
-        trainer = Trainer(load_config(CONFIGS / "digits" / "grpo.yaml", overrides))
-        trainer.reward = KillServerAfterFirstCall(trainer.reward.components["remote"], server)
+        overrides = fast_overrides(
+            tmp_path / "run",
+            **{
+                "train.iterations": 3,
+                "reward.components": "{remote: 1.0}",
+                "reward.kwargs.remote.url": server.url,
+                "reward.kwargs.remote.retries": 2,
+                "reward.kwargs.remote.backoff": 0.05,
+            },
+        )
+        config = load_config(CONFIGS / "digits" / "grpo.yaml", overrides)
+        remote = build_reward_from_config(config.reward).components["remote"]
+        trainer = Trainer(config, reward=KillServerAfterFirstCall(remote, server))
         with pytest.raises(FlowRLError) as info:
             trainer.fit()
     finally:

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
+from test_reward_server import COMPONENTS, REPO, TOKEN, assert_same, digits, raw, write_config
 
 from flowrl.config import RewardConfig
 from flowrl.errors import FlowRLError
@@ -26,7 +27,6 @@ from flowrl.reward_models import build_reward_from_config
 from flowrl.reward_models.remote import RemoteReward, RewardServerError
 from flowrl.reward_server import RewardServer, ServerConfig
 from flowrl.types import RewardOutput
-from test_reward_server import COMPONENTS, REPO, TOKEN, assert_same, digits, raw, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,9 +146,19 @@ def test_health_answers_without_a_token_and_reports_the_batching():
         out = RemoteReward(server.url, token=TOKEN)(*digits(6))
         after = health(server)
     assert status == 200 and headers["content-type"] == "application/json"
-    assert body == {"status": "ok", "reward": list(COMPONENTS), "max_batch": 48, "max_request_bytes": 64 * 2**20,
-                    "coalesce": True, "max_wait_ms": 7.5, "requests": 0, "batches": 0, "samples": 0, "queued": 0,
-                    "in_flight": 0}
+    assert body == {
+        "status": "ok",
+        "reward": list(COMPONENTS),
+        "max_batch": 48,
+        "max_request_bytes": 64 * 2**20,
+        "coalesce": True,
+        "max_wait_ms": 7.5,
+        "requests": 0,
+        "batches": 0,
+        "samples": 0,
+        "queued": 0,
+        "in_flight": 0,
+    }
     assert out.scores.shape == (6,)
     assert (after["requests"], after["batches"], after["samples"], after["in_flight"]) == (1, 1, 6, 0)
 

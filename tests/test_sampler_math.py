@@ -1,4 +1,4 @@
-"""Numerical tests of the sampler math (MATH.md sections 1-2), against oracles re-derived here.
+"""Numerical tests of the sampler math (docs/math.md sections 1-2), against oracles re-derived here.
 
 Conventions: sigma in [0, 1], sigma = 1 is pure noise; a flow state is x_sigma = (1 - sigma) x0 + sigma x1
 with x1 ~ N(0, I), the velocity is v = x1 - x0, a step goes sigma -> sigma_next < sigma, dt = sigma_next - sigma.
@@ -15,7 +15,7 @@ import torch
 from torch.distributions import Normal
 
 from flowrl.samplers.ddim import DDIMSampler
-from flowrl.samplers.flow_sde import FlowCPSSampler, FlowMemorylessSampler, FlowSDESampler, flow_euler_step
+from flowrl.samplers.flow_sde import FlowCPSConfig, FlowMemorylessConfig, FlowSDEConfig, flow_euler_step
 from flowrl.samplers.ode import ODESampler
 from flowrl.samplers.schedules import DiscreteSchedule, FlowSchedule
 
@@ -110,7 +110,7 @@ def alpha_bar_oracle(sigma: float) -> float:
 
 
 def ddim_oracle(out, x, sigma, sigma_next, prediction_type, eta):
-    """DDIM step (Song et al. eq. 12), MATH.md section 2.
+    """DDIM step (Song et al. eq. 12), docs/math.md section 2.
     x_t = sqrt(a) x0 + sqrt(1 - a) eps.  v-prediction: v = sqrt(a) eps - sqrt(1 - a) x0, so (x, v) is a rotation
     of (x0, eps) and eps = sqrt(1 - a) x + sqrt(a) v.  Then x0_hat = (x - sqrt(1 - a) eps) / sqrt(a),
         var  = (1 - a') / (1 - a) (1 - a / a')     (DDPM posterior variance for the jump t -> t'),
@@ -147,16 +147,16 @@ CASE_PARAMS = [pytest.param(name, s, sn, id=f"{name}-{s}-{sn}") for name, pairs 
 
 def make_sampler(name: str, reduction: str = "mean"):
     if name == "flow_grpo":
-        return FlowSDESampler(noise_level=0.7, diffusion="flow_grpo", reduction=reduction)
+        return FlowSDEConfig(noise_level=0.7, diffusion="flow_grpo", reduction=reduction).build()
     if name == "dance_grpo":
-        return FlowSDESampler(noise_level=0.3, diffusion="dance_grpo", reduction=reduction)
+        return FlowSDEConfig(noise_level=0.3, diffusion="dance_grpo", reduction=reduction).build()
     if name == "cps":
-        return FlowCPSSampler(noise_level=0.7, reduction=reduction)
+        return FlowCPSConfig(noise_level=0.7, reduction=reduction).build()
     if name == "memoryless":
-        return FlowMemorylessSampler(reduction=reduction)
+        return FlowMemorylessConfig(reduction=reduction).build()
     pred = "epsilon" if "_eps_" in name else "v_prediction"
     eta = 1.0 if name.endswith("eta1") else 0.5
-    return DDIMSampler(_schedule(), prediction_type=pred, eta=eta, reduction=reduction)
+    return DDIMSampler(_schedule(), prediction_type=pred, eta=eta, reduction=reduction, clip_sample=None)
 
 
 def oracle(name, out, x, sigma, sigma_next):
@@ -222,7 +222,7 @@ def test_flow_grpo_mean_matches_expanded_form(sigma, sigma_next):
     mean, std, g = flow_sde_oracle(v, x, sigma, sigma_next, "flow_grpo", 0.7)
     expanded = flow_grpo_expanded_mean(v, x, sigma, sigma_next, g)
     torch.testing.assert_close(mean, expanded, rtol=1e-12, atol=1e-12)
-    res = FlowSDESampler(noise_level=0.7).step(v, x, torch.tensor(sigma), torch.tensor(sigma_next))
+    res = FlowSDEConfig(noise_level=0.7).build().step(v, x, torch.tensor(sigma), torch.tensor(sigma_next))
     torch.testing.assert_close(res.mean.double(), expanded, rtol=1e-5, atol=1e-5)
     # sigma = 1: g^2 = a^2 * 1 / (1 - sigma_next), finite.
     if sigma == 1.0:
@@ -231,8 +231,8 @@ def test_flow_grpo_mean_matches_expanded_form(sigma, sigma_next):
 
 def test_python_float_sigmas_accepted():
     x, v = _inputs(2)
-    a = FlowSDESampler().step(v, x, 0.6, 0.55, generator=torch.Generator().manual_seed(0))
-    b = FlowSDESampler().step(v, x, torch.tensor(0.6), torch.tensor(0.55), generator=torch.Generator().manual_seed(0))
+    a = FlowSDEConfig().build().step(v, x, 0.6, 0.55, generator=torch.Generator().manual_seed(0))
+    b = FlowSDEConfig().build().step(v, x, torch.tensor(0.6), torch.tensor(0.55), generator=torch.Generator().manual_seed(0))
     assert torch.equal(a.x_next, b.x_next) and torch.equal(a.log_prob, b.log_prob)
 
 
@@ -246,7 +246,7 @@ def test_python_float_sigmas_accepted():
 def test_flow_sde_zero_noise_is_euler(diffusion, sigma, sigma_next):
     x, v = _inputs(3)
     s, sn = torch.tensor(sigma), torch.tensor(sigma_next)
-    sampler = FlowSDESampler(noise_level=0.0, diffusion=diffusion)
+    sampler = FlowSDEConfig(noise_level=0.0, diffusion=diffusion).build()
     res = sampler.step(v, x, s, sn, generator=torch.Generator().manual_seed(0))
     euler = x + (sigma_next - sigma) * v  # probability-flow ODE: dx/dsigma = v
     assert res.log_prob is None
@@ -261,7 +261,7 @@ def test_flow_sde_zero_noise_is_euler(diffusion, sigma, sigma_next):
 def test_ddim_eta0_is_deterministic_ddim(pred, sigma, sigma_next):
     x, out = _inputs(4)
     s, sn = torch.tensor(sigma), torch.tensor(sigma_next)
-    sampler = DDIMSampler(_schedule(), prediction_type=pred, eta=0.0)
+    sampler = DDIMSampler(_schedule(), prediction_type=pred, eta=0.0, clip_sample=None, reduction="mean")
     assert not sampler.stochastic
     res = sampler.step(out, x, s, sn, generator=torch.Generator().manual_seed(0))
     assert res.log_prob is None
@@ -270,13 +270,17 @@ def test_ddim_eta0_is_deterministic_ddim(pred, sigma, sigma_next):
     assert float(std) == 0.0
     torch.testing.assert_close(res.x_next.double(), mean, rtol=1e-5, atol=1e-5)
     # The eta = 1 sampler's deterministic_step is the same eta = 0 step.
-    stoch = DDIMSampler(_schedule(), prediction_type=pred, eta=1.0)
+    stoch = DDIMSampler(_schedule(), prediction_type=pred, eta=1.0, clip_sample=None, reduction="mean")
     assert torch.equal(stoch.deterministic_step(out, x, s, sn), res.x_next)
 
 
 @pytest.mark.parametrize(
     "base",
-    [FlowSDESampler(), FlowCPSSampler(), DDIMSampler(DiscreteSchedule.from_betas(BETAS))],
+    [
+        FlowSDEConfig().build(),
+        FlowCPSConfig().build(),
+        DDIMSampler(DiscreteSchedule.from_betas(BETAS), prediction_type="epsilon", eta=1.0, clip_sample=None, reduction="mean"),
+    ],
     ids=["flow_sde", "cps", "ddim"],
 )
 def test_ode_sampler_wraps_deterministic_step(base):
@@ -294,11 +298,11 @@ def test_ode_sampler_wraps_deterministic_step(base):
 def test_zero_std_steps_have_no_log_prob():
     x, out = _inputs(6)
     # CPS to sigma_next = 0: std = 0 * sin(.) = 0 and mean = x0_hat = x - sigma v.
-    res = FlowCPSSampler(noise_level=0.7).step(out, x, torch.tensor(0.1), torch.tensor(0.0))
+    res = FlowCPSConfig(noise_level=0.7).build().step(out, x, torch.tensor(0.1), torch.tensor(0.0))
     assert res.log_prob is None and float(res.std) == 0.0
     torch.testing.assert_close(res.x_next, x - 0.1 * out, rtol=1e-6, atol=1e-6)
     # DDIM (eta = 1) to sigma = 0 with final alpha-bar 1: var = (1 - 1) / ... = 0, mean = x0_hat.
-    sampler = DDIMSampler(_schedule(), eta=1.0)
+    sampler = DDIMSampler(_schedule(), eta=1.0, prediction_type="epsilon", clip_sample=None, reduction="mean")
     res = sampler.step(out, x, torch.tensor(0.05), torch.tensor(0.0))
     assert res.log_prob is None and float(res.std) == 0.0
     a = alpha_bar_oracle(0.05)
@@ -427,11 +431,11 @@ def toy_chain_moments(kind: str, a: float, num_steps: int, stop: float = 0.0) ->
 
 
 TOY_SAMPLERS = [
-    pytest.param("ode", 0.0, ODESampler(FlowSDESampler()), id="ode_euler"),
-    pytest.param("flow_grpo", 0.7, FlowSDESampler(noise_level=0.7, diffusion="flow_grpo"), id="flow_grpo_0.7"),
-    pytest.param("dance_grpo", 0.5, FlowSDESampler(noise_level=0.5, diffusion="dance_grpo"), id="dance_grpo_0.5"),
-    pytest.param("cps", 0.7, FlowCPSSampler(noise_level=0.7), id="cps_0.7"),
-    pytest.param("memoryless", 0.0, FlowMemorylessSampler(), id="memoryless"),
+    pytest.param("ode", 0.0, ODESampler(FlowSDEConfig().build()), id="ode_euler"),
+    pytest.param("flow_grpo", 0.7, FlowSDEConfig(noise_level=0.7, diffusion="flow_grpo").build(), id="flow_grpo_0.7"),
+    pytest.param("dance_grpo", 0.5, FlowSDEConfig(noise_level=0.5, diffusion="dance_grpo").build(), id="dance_grpo_0.5"),
+    pytest.param("cps", 0.7, FlowCPSConfig(noise_level=0.7).build(), id="cps_0.7"),
+    pytest.param("memoryless", 0.0, FlowMemorylessConfig().build(), id="memoryless"),
 ]
 
 CPS_BIAS = (
@@ -471,8 +475,8 @@ def test_memoryless_forgets_the_start_noise():
             x = sampler.step(toy_velocity(x, float(sigmas[k])), x, sigmas[k], sigmas[k + 1], generator=gen).x_next
         return torch.stack([torch.corrcoef(torch.stack([x0[:, d], x[:, d]]))[0, 1] for d in range(D)])
 
-    assert correlation(FlowMemorylessSampler()).abs().max() < 4 / math.sqrt(N)
-    assert correlation(FlowSDESampler(noise_level=0.7)).min() > 0.15  # 0.21-0.22 here
+    assert correlation(FlowMemorylessConfig().build()).abs().max() < 4 / math.sqrt(N)
+    assert correlation(FlowSDEConfig(noise_level=0.7).build()).min() > 0.15  # 0.21-0.22 here
 
 
 @pytest.mark.parametrize("sigma", [0.2, 0.5, 0.8])
@@ -483,7 +487,7 @@ def test_memoryless_step_is_the_sde_with_g2_two_sigma_over_one_minus_sigma(sigma
     gaps = []
     for h in (1e-3, 1e-4):
         s, sn = torch.tensor(sigma, dtype=torch.float64), torch.tensor(sigma - h, dtype=torch.float64)
-        ours = FlowMemorylessSampler().step(v.double(), x.double(), s, sn)
+        ours = FlowMemorylessConfig().build().step(v.double(), x.double(), s, sn)
         assert float(ours.std) ** 2 / (2 * sigma / (1 - sigma) * h) == pytest.approx(1.0, rel=5 * h / (sigma * (1 - sigma)))
         em_mean, _, _ = flow_sde_oracle(v, x, sigma, sigma - h, "flow_grpo", math.sqrt(2))
         gaps.append(float((ours.mean.double() - em_mean).abs().max()) / h)  # drift difference
@@ -491,7 +495,7 @@ def test_memoryless_step_is_the_sde_with_g2_two_sigma_over_one_minus_sigma(sigma
 
 
 def test_gaussian_toy_intermediate_marginal_flow_grpo():
-    _, mid = run_toy(FlowSDESampler(noise_level=0.7, diffusion="flow_grpo"), 200, record=0.5, seed=1)
+    _, mid = run_toy(FlowSDEConfig(noise_level=0.7, diffusion="flow_grpo").build(), 200, record=0.5, seed=1)
     m, var = toy_marginal(0.5)  # (1.0, 0.3125)
     assert_gaussian(mid, m, var)
 
@@ -535,7 +539,7 @@ def test_cps_marginal_bias_is_a_property_of_the_formula():
     m, var = toy_marginal(sigma)
     k2, c = sigma**2 / var, math.cos(a * math.pi / 2)
     x = m + math.sqrt(var) * torch.randn(200000, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    res = FlowCPSSampler(noise_level=a).step(toy_velocity(x, sigma), x, sigma, sigma, generator=torch.Generator().manual_seed(1))
+    res = FlowCPSConfig(noise_level=a).build().step(toy_velocity(x, sigma), x, sigma, sigma, generator=torch.Generator().manual_seed(1))
     ratio = 1 - k2 * (1 - k2) * (1 - c) ** 2  # 0.954 here
     assert float(res.x_next.var()) / var == pytest.approx(ratio, abs=0.01)
     assert ratio < 0.96
@@ -584,7 +588,7 @@ def ddim_chain_moments(eta: float, num_steps: int) -> tuple[float, float]:
 
 def run_ddim_toy(pred: str, eta: float, num_steps: int, seed: int = 0) -> torch.Tensor:
     sched = _schedule()
-    sampler = DDIMSampler(sched, prediction_type=pred, eta=eta)
+    sampler = DDIMSampler(sched, prediction_type=pred, eta=eta, clip_sample=None, reduction="mean")
     sigmas = sched.sigmas(num_steps)
     gen = torch.Generator().manual_seed(seed)
     a_T = alpha_bar_oracle(float(sigmas[0]))
@@ -687,15 +691,16 @@ def ddim_float64_reference(betas: torch.Tensor, t: int, t_prev: int, final: floa
     return std, elem.mean(DIMS)
 
 
-@pytest.mark.parametrize("betas,final", [(SD_BETAS, None), (SD_BETAS, 1.0), (BETAS.double(), 1.0)],
-                         ids=["sd15_alpha0", "sd_alpha1", "linear_alpha1"])
+@pytest.mark.parametrize(
+    "betas,final", [(SD_BETAS, None), (SD_BETAS, 1.0), (BETAS.double(), 1.0)], ids=["sd15_alpha0", "sd_alpha1", "linear_alpha1"]
+)
 def test_ddim_std_and_log_prob_within_1e6_of_float64_at_every_timestep(betas, final):
     """Every single-timestep step t -> t - 1 (t = 999 .. 0) and Stable Diffusion's 50-step leading grid: std and
     log-prob within 1e-6 relative of the float64 reference. final=None is SD1.5's set_alpha_to_one=False."""
     ac = torch.cumprod(1 - betas, 0)
     final = float(ac[0]) if final is None else final
     sched = DiscreteSchedule(alphas_cumprod=ac, final_alpha_cumprod=final)
-    sampler = DDIMSampler(sched, eta=1.0)
+    sampler = DDIMSampler(sched, eta=1.0, prediction_type="epsilon", clip_sample=None, reduction="mean")
     x, out = _inputs(11)
     T = 1000
     pairs = [(t, t - 1) for t in range(T - 1, -1, -1)]
@@ -752,8 +757,9 @@ def test_per_sample_sigma_equals_the_scalar_step_row_by_row(name):
         one = sampler.step(out[i : i + 1], x[i : i + 1], torch.tensor(s), torch.tensor(sn), x_next=batch.x_next[i : i + 1])
         assert one.std.ndim == 0
         assert torch.equal(batch.mean[i], one.mean[0]) and torch.equal(batch.std[i].reshape(()), one.std)
-        assert torch.equal(batch.x_next[i], (one.mean[0].double() + one.std.double() * z[i].double()).float()) or \
-            torch.allclose(batch.x_next[i], one.mean[0] + one.std * z[i], rtol=0, atol=1e-6)
+        assert torch.equal(batch.x_next[i], (one.mean[0].double() + one.std.double() * z[i].double()).float()) or torch.allclose(
+            batch.x_next[i], one.mean[0] + one.std * z[i], rtol=0, atol=1e-6
+        )
         if one.log_prob is None:  # a deterministic row: NaN in the batch
             assert float(one.std) == 0 and torch.isnan(batch.log_prob[i]) and torch.isnan(rescored.log_prob[i])
         else:
@@ -766,14 +772,20 @@ def test_per_sample_sigma_all_deterministic_rows_have_no_log_prob_and_bad_shapes
     from flowrl.errors import FlowRLError
 
     x, out = _inputs(13)
-    res = FlowCPSSampler().step(out, x, torch.full((4,), 0.1), torch.zeros(4))
+    res = FlowCPSConfig().build().step(out, x, torch.full((4,), 0.1), torch.zeros(4))
     assert res.log_prob is None and res.std.shape == (4, 1, 1, 1)
-    same = FlowSDESampler().step(out, x, torch.full((4,), 0.6), torch.full((4,), 0.5), generator=torch.Generator().manual_seed(0))
-    scalar = FlowSDESampler().step(out, x, 0.6, 0.5, generator=torch.Generator().manual_seed(0))
+    same = FlowSDEConfig().build().step(out, x, torch.full((4,), 0.6), torch.full((4,), 0.5), generator=torch.Generator().manual_seed(0))
+    scalar = FlowSDEConfig().build().step(out, x, 0.6, 0.5, generator=torch.Generator().manual_seed(0))
     assert torch.equal(same.x_next, scalar.x_next) and torch.equal(same.log_prob, scalar.log_prob)
-    torch.testing.assert_close(ODESampler(FlowSDESampler()).step(out, x, torch.full((4,), 0.6), torch.full((4,), 0.5)).x_next,
-                               flow_euler_step(out, x, 0.6, 0.5), rtol=0, atol=0)
+    torch.testing.assert_close(
+        ODESampler(FlowSDEConfig().build()).step(out, x, torch.full((4,), 0.6), torch.full((4,), 0.5)).x_next,
+        flow_euler_step(out, x, 0.6, 0.5),
+        rtol=0,
+        atol=0,
+    )
     with pytest.raises(FlowRLError, match=r"one value per sample, shape \(4,\); got shape \(3,\)"):
-        FlowSDESampler().step(out, x, torch.full((3,), 0.6), torch.full((3,), 0.5))
+        FlowSDEConfig().build().step(out, x, torch.full((3,), 0.6), torch.full((3,), 0.5))
     with pytest.raises(FlowRLError, match="one value per sample"):
-        DDIMSampler(_schedule()).step(out, x, torch.full((4, 1), 0.6), torch.full((4, 1), 0.5))
+        DDIMSampler(_schedule(), prediction_type="epsilon", eta=1.0, clip_sample=None, reduction="mean").step(
+            out, x, torch.full((4, 1), 0.6), torch.full((4, 1), 0.5)
+        )

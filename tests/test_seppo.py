@@ -9,14 +9,14 @@ import math
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+from tiny_components import replace_overrides, two_iterations_change_every_parameter
+
 from flowrl.config import load_config
 from flowrl.data.winners import load_winners, top_fraction
 from flowrl.errors import FlowRLError
 from flowrl.objectives.reference_ring import ReferenceRing
 from flowrl.objectives.seppo import anchor_flip, seppo_pair_loss, winner_latents
-from tiny_components import replace_overrides, two_iterations_change_every_parameter
 
 SEPPO = CONFIGS / "digits" / "seppo.yaml"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,10 +31,12 @@ def _rows(*pairs):
 
 def test_flipper_and_loss_hand_values():
     # beta 10, margin 0.5. Implicit reward s = -5 (err - ref_err). Every winner: s_w = -5 (0.30 - 0.40) = 0.5.
-    err, ref = _rows(((0.30, 0.40), (0.50, 0.45)),   # s_r = -0.25, delta = -0.75 < -0.5: loser
-                     ((0.30, 0.40), (0.10, 0.40)),   # s_r =  1.5,  delta =  1.0  >  0.5: learned as a winner
-                     ((0.30, 0.40), (0.40, 0.42)),   # s_r =  0.1,  delta = -0.4: skipped
-                     ((0.30, 0.40), (0.30, 0.40)))   # s_r =  0.5,  delta =  0: skipped
+    err, ref = _rows(
+        ((0.30, 0.40), (0.50, 0.45)),  # s_r = -0.25, delta = -0.75 < -0.5: loser
+        ((0.30, 0.40), (0.10, 0.40)),  # s_r =  1.5,  delta =  1.0  >  0.5: learned as a winner
+        ((0.30, 0.40), (0.40, 0.42)),  # s_r =  0.1,  delta = -0.4: skipped
+        ((0.30, 0.40), (0.30, 0.40)),
+    )  # s_r =  0.5,  delta =  0: skipped
     loss, flip = seppo_pair_loss(err, ref, 10.0, 0.5)
     assert flip.tolist() == [1.0, -1.0, 0.0, 0.0]
     # loser:   z = -5 ((0.30 - 0.40) - (0.50 - 0.45)) = 0.75 (Diffusion-DPO's logit)
@@ -143,7 +145,9 @@ def test_winners_from_folder_jsonl_and_embedded(tmp_path):
     best = top_fraction(emb, ink, 0.1)
     for d in range(10):  # the boldest tenth of every class: no kept image of a digit is fainter than a dropped one
         kept = {i for i, m in enumerate(best.metadata) if m["digit"] == d}
-        assert kept and min(best.images[i].mean() for i in kept) >= ink[[i for i, m in enumerate(emb.metadata) if m["digit"] == d]].quantile(0.85)
+        assert kept and min(best.images[i].mean() for i in kept) >= ink[
+            [i for i, m in enumerate(emb.metadata) if m["digit"] == d]
+        ].quantile(0.85)
         # the fraction counts distinct images (each listed once per prompt phrasing), and a kept image keeps all its rows
         images_of_d = sum(m["digit"] == d for m in emb.metadata) // 4
         assert len(kept) == 4 * round(0.1 * images_of_d)
@@ -152,11 +156,13 @@ def test_winners_from_folder_jsonl_and_embedded(tmp_path):
     # weighted rewards select by their weighted sum (the preset: the evaluation reward's own direction)
     from types import SimpleNamespace
 
-    from flowrl.objectives.seppo import SePPOObjective, winners_for
+    from flowrl.objectives.seppo import SePPOConfig, winners_for
     from flowrl.reward_models import build_reward
 
     weights = {"ink": 1.0, "digit_classifier": 0.5}
-    chosen = winners_for(SePPOObjective(winners_select=weights, winners_top_fraction=0.02), SimpleNamespace(latent_shape=lambda: (1, 8, 8)))
+    chosen = winners_for(
+        SePPOConfig(winners_select=weights, winners_top_fraction=0.02).build(), SimpleNamespace(latent_shape=lambda: (1, 8, 8))
+    )
     score = sum(w * build_reward(n)(emb.images, emb.prompts, emb.metadata).scores for n, w in weights.items())
     expected = top_fraction(emb, score, 0.02)
     assert chosen.prompts == expected.prompts and torch.equal(chosen.images, expected.images)
@@ -194,8 +200,10 @@ def test_bad_winners_fail_in_one_sentence(tmp_path):
 
 def _overrides(run, **extra):
     # a constant rate: the preset's cosine would reach 0 at the second of fast_overrides' two iterations
-    return fast_overrides(run, **{"train.num_generations": 2, "train.learning_rate": 1e-3, "train.weight_decay": 0.0,
-                                  "train.lr_schedule": "constant", **extra})
+    return fast_overrides(
+        run,
+        **{"train.num_generations": 2, "train.learning_rate": 1e-3, "train.weight_decay": 0.0, "train.lr_schedule": "constant", **extra},
+    )
 
 
 def test_first_iteration_is_log2_all_skipped_and_reference_samples_are_the_initial_models(tmp_path):
@@ -216,8 +224,17 @@ def test_first_iteration_is_log2_all_skipped_and_reference_samples_are_the_initi
 
     gen = torch.Generator().manual_seed(seeding.derive_seed(0, 0, 0, seppo._REFERENCE_NOISE))
     noise = trainer.pipeline.initial_noise(2, gen)
-    again = rollout(trainer.pipeline, trainer.sampler, batch.prompts[1::2], batch.metadata[1::2], torch.arange(2),
-                    trainer.pipeline.schedule.sigmas(4), gen, 1.0, initial_noise=noise)
+    again = rollout(
+        trainer.pipeline,
+        trainer.sampler,
+        batch.prompts[1::2],
+        batch.metadata[1::2],
+        torch.arange(2),
+        trainer.pipeline.schedule.sigmas(4),
+        gen,
+        1.0,
+        initial_noise=noise,
+    )
     torch.testing.assert_close(batch.latents[1::2, -1], again.latents[:, -1])
 
 
@@ -235,8 +252,7 @@ def test_two_iterations_change_every_parameter(tmp_path, model):
 
 def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
     """The paper's setting: an epsilon UNet in VAE latents; winners are PNGs encoded by the VAE."""
-    from test_family_stable_diffusion import build_tiny_sd
-    from tiny_components import family_config
+    from tiny_components import build_tiny_sd, family_config
 
     directory = build_tiny_sd(tmp_path / "sd")
     lines = []
@@ -244,8 +260,11 @@ def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
         _png(tmp_path / f"{d}.png", (40 * d, 200, 90), size=(16, 16), mode="RGB")
         lines.append(json.dumps({"prompt": f"digit {d}", "image": f"{d}.png", "digit": d}))
     (tmp_path / "w.jsonl").write_text("\n".join(lines))
-    overrides = replace_overrides(family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim"), ("objective.",),
-                                  ["objective.name=seppo", f"objective.winners={tmp_path / 'w.jsonl'}", "objective.beta=5000"])
+    overrides = replace_overrides(
+        family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim"),
+        ("objective.",),
+        ["objective.name=seppo", f"objective.winners={tmp_path / 'w.jsonl'}", "objective.beta=5000"],
+    )
     trainer = two_iterations_change_every_parameter(overrides)
     winners = trainer.modality.winners
     assert winners.images.shape == (3, 3, 16, 16) and winners.metadata == [{"digit": d} for d in range(3)]
@@ -260,15 +279,24 @@ def test_resume_restores_the_ring_and_continues_exactly(tmp_path):
 
     from flowrl.trainer import Trainer
 
-    extra = {"train.iterations": 4, "eval.every": 2, "log.checkpoint_every": 2, "objective.ref_update_every": 1,
-             "objective.max_checkpoints": 3, "objective.reference_strategy": "psm"}
+    extra = {
+        "train.iterations": 4,
+        "eval.every": 2,
+        "log.checkpoint_every": 2,
+        "objective.ref_update_every": 1,
+        "objective.max_checkpoints": 3,
+        "objective.reference_strategy": "psm",
+    }
     Trainer(load_config(SEPPO, _overrides(tmp_path / "full", **extra))).fit()
     Trainer(load_config(SEPPO, _overrides(tmp_path / "cut", **extra, **{"train.stop_after": 3}))).fit()
     resumed = Trainer(load_config(SEPPO, _overrides(tmp_path / "cut", **extra, resume_from="latest")))
     assert resumed.fit()["iterations_completed"] == 4
 
     def metrics(run):
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
 
     assert metrics(tmp_path / "cut") == metrics(tmp_path / "full")
     a = load_file(tmp_path / "full" / "checkpoints" / "step_000004" / "denoiser.safetensors")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import CONFIGS, fast_overrides
+
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.inference.svdd import svdd_sample
@@ -32,17 +32,37 @@ def _items(trainer, n=6):
 def test_one_candidate_is_a_plain_stochastic_rollout(trainer):
     prompts, metadata, sigmas, guidance = _items(trainer)
     noise = trainer.pipeline.initial_noise(len(prompts), torch.Generator().manual_seed(5))
-    ours = svdd_sample(trainer.pipeline, trainer.sampler, trainer.reward, prompts, metadata, 1, sigmas, torch.Generator().manual_seed(7),
-                       guidance, initial_noise=noise)
-    plain = rollout(trainer.pipeline, trainer.sampler, prompts, metadata, torch.arange(len(prompts)), sigmas, torch.Generator().manual_seed(7),
-                    guidance, initial_noise=noise)
+    ours = svdd_sample(
+        trainer.pipeline,
+        trainer.sampler,
+        trainer.reward,
+        prompts,
+        metadata,
+        1,
+        sigmas,
+        torch.Generator().manual_seed(7),
+        guidance,
+        initial_noise=noise,
+    )
+    plain = rollout(
+        trainer.pipeline,
+        trainer.sampler,
+        prompts,
+        metadata,
+        torch.arange(len(prompts)),
+        sigmas,
+        torch.Generator().manual_seed(7),
+        guidance,
+        initial_noise=noise,
+    )
     torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
 
 
 def test_best_lookahead_is_kept_and_the_final_score_is_the_samples_reward(trainer):
     prompts, metadata, sigmas, guidance = _items(trainer)
-    result = svdd_sample(trainer.pipeline, trainer.sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(0),
-                         guidance)
+    result = svdd_sample(
+        trainer.pipeline, trainer.sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(0), guidance
+    )
     assert result.step_scores.shape == (sigmas.shape[0] - 1, len(prompts), 4)
     # At the last step the candidates are final samples, so the kept one carries its row's best score,
     # and re-scoring the returned samples gives exactly that score.
@@ -54,7 +74,9 @@ def test_best_lookahead_is_kept_and_the_final_score_is_the_samples_reward(traine
 def test_deterministic_sampler_is_refused(trainer):
     prompts, metadata, sigmas, guidance = _items(trainer, 2)
     with pytest.raises(FlowRLError, match="deterministic"):
-        svdd_sample(trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 2, sigmas, torch.Generator(), guidance)
+        svdd_sample(
+            trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 2, sigmas, torch.Generator(), guidance
+        )
 
 
 def test_cli_svdd(tmp_path, capsys):

@@ -14,13 +14,13 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import CONFIGS
+
 from flowrl.config import RewardConfig, load_config
 from flowrl.errors import FlowRLError
 from flowrl.inference.masked_svdd import masked_svdd, masked_svdd_in_batches
 from flowrl.inference.text_best_of_n import ORACLE, candidate_generator, text_best_of_n
-from flowrl.inference.text_candidates import (RewardScorer, answer_key, build_scorer, build_scorers, generate_texts, majority_choice)
+from flowrl.inference.text_candidates import RewardScorer, answer_key, build_scorer, build_scorers, generate_texts, majority_choice
 from flowrl.reward_models import build_reward_from_config
 from flowrl.reward_models.math_answer import extract_answer
 from flowrl.types import RewardOutput
@@ -56,8 +56,19 @@ def setup():
 def best(setup):
     config, modality, grader, prompts, metadata = setup
     scorers = [build_scorer("likelihood"), build_scorer("format")]
-    return text_best_of_n(modality.pipeline, config.sampler, config.pipeline.prompt_length, grader, scorers, prompts, metadata, N,
-                          config.sampler.eval_temperature, config.eval.seed, config.rollout.batch_size)
+    return text_best_of_n(
+        modality.pipeline,
+        config.sampler,
+        config.pipeline.prompt_length,
+        grader,
+        scorers,
+        prompts,
+        metadata,
+        N,
+        config.sampler.eval_temperature,
+        config.eval.seed,
+        config.rollout.batch_size,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +85,9 @@ def test_best_of_one_is_the_plain_evaluation_for_every_rule(setup, best, plain):
     assert best.pass_at(1) == pytest.approx(metrics["eval/reward/mean"], abs=1e-12)
     # the candidates differ (T = 1) and are exactly what the keyed generators give
     config, modality, *_ = setup
-    j2 = generate_texts(modality.pipeline, setup[3][:8], config.sampler, config.pipeline.prompt_length, 1.0, candidate_generator(config.eval.seed, 2))
+    j2 = generate_texts(
+        modality.pipeline, setup[3][:8], config.sampler, config.pipeline.prompt_length, 1.0, candidate_generator(config.eval.seed, 2)
+    )
     assert j2.completions == [c[2] for c in best.completions[:8]]
     assert any(len(set(c)) > 1 for c in best.completions)
 
@@ -107,7 +120,9 @@ def test_pass_at_n_is_an_upper_bound_on_every_rule(best):
 
 def test_likelihood_rule_is_the_recorded_log_likelihood_and_picks_its_argmax(setup, best):
     config, modality, _, prompts, _ = setup
-    traj = generate_texts(modality.pipeline, prompts[:8], config.sampler, config.pipeline.prompt_length, 1.0, candidate_generator(config.eval.seed, 1))
+    traj = generate_texts(
+        modality.pipeline, prompts[:8], config.sampler, config.pipeline.prompt_length, 1.0, candidate_generator(config.eval.seed, 1)
+    )
     torch.testing.assert_close(best.scores["likelihood"][:8, 1], traj.token_log_probs.double().sum(1), atol=0, rtol=0)
     assert torch.equal(best.choose("likelihood", N), best.scores["likelihood"].argmax(1))
     # every arith completion is tagged "<answer> .. </answer>": the format reward ties, and a tie keeps candidate 0
@@ -116,8 +131,16 @@ def test_likelihood_rule_is_the_recorded_log_likelihood_and_picks_its_argmax(set
 
 
 def test_answer_keys_and_majority_choice():
-    assert [answer_key(a) for a in ("12", "12.0", " $12$ ", "12.", "1,200", "0.5", "x + 1", None)] == \
-        ["12", "12", "12", "12", "1200", "0.5", "x + 1", None]
+    assert [answer_key(a) for a in ("12", "12.0", " $12$ ", "12.", "1,200", "0.5", "x + 1", None)] == [
+        "12",
+        "12",
+        "12",
+        "12",
+        "1200",
+        "0.5",
+        "x + 1",
+        None,
+    ]
     assert majority_choice(["3", "4", "4", "3"]) == 0  # tie 2-2: the answer seen first
     assert majority_choice(["3", "4", "4", None]) == 1
     assert majority_choice([None, None]) == 0
@@ -144,10 +167,23 @@ def test_gold_graders_never_select_and_rewards_never_see_the_gold_answer(setup):
     fmt_only = RewardConfig(components={"format": 1.0})
     assert [s.name for s in build_scorers(["majority", "reward", "likelihood", "format"], fmt_only)] == ["reward", "likelihood", "format"]
     probe = _SeesMetadata()
-    result = text_best_of_n(modality.pipeline, config.sampler, config.pipeline.prompt_length, grader, [RewardScorer("len", probe)],
-                            prompts[:4], metadata[:4], 2, 1.0, config.eval.seed, 8)
+    result = text_best_of_n(
+        modality.pipeline,
+        config.sampler,
+        config.pipeline.prompt_length,
+        grader,
+        [RewardScorer("len", probe)],
+        prompts[:4],
+        metadata[:4],
+        2,
+        1.0,
+        config.eval.seed,
+        8,
+    )
     assert probe.seen == [{}] * 8 and all("answer" in m for m in metadata[:4])
-    assert torch.equal(result.scores["len"], torch.tensor([[float(len(c)) for c in row] for row in result.completions], dtype=torch.float64))
+    assert torch.equal(
+        result.scores["len"], torch.tensor([[float(len(c)) for c in row] for row in result.completions], dtype=torch.float64)
+    )
     # a reward that needs the metadata cannot select
     with pytest.raises(FlowRLError, match="no finite score"):
         RewardScorer("math_answer", grader)(["1 + 1 = 2 . <answer> 2 </answer>"], ["q"], torch.zeros(1))
@@ -174,8 +210,17 @@ def test_svdd_with_one_candidate_is_the_plain_evaluation(setup, plain):
     config, modality, _, prompts, _ = setup
     counter = _CountRows(modality.pipeline)
     try:
-        result = masked_svdd_in_batches(modality.pipeline, config.sampler, config.pipeline.prompt_length, build_scorer("likelihood"), prompts,
-                                        1, 1.0, config.eval.seed, config.rollout.batch_size)
+        result = masked_svdd_in_batches(
+            modality.pipeline,
+            config.sampler,
+            config.pipeline.prompt_length,
+            build_scorer("likelihood"),
+            prompts,
+            1,
+            1.0,
+            config.eval.seed,
+            config.rollout.batch_size,
+        )
     finally:
         counter.restore()
     assert result.completions == [r["completion"] for r in plain[1]]
@@ -187,8 +232,16 @@ def test_svdd_counts_its_forwards_and_keeps_the_best_look_ahead(setup):
     m, k = 3, config.sampler.steps
     counter = _CountRows(modality.pipeline)
     try:
-        result = masked_svdd(modality.pipeline, config.sampler, config.pipeline.prompt_length, build_scorer("likelihood"), prompts[:6], m, 1.0,
-                             torch.Generator().manual_seed(3))
+        result = masked_svdd(
+            modality.pipeline,
+            config.sampler,
+            config.pipeline.prompt_length,
+            build_scorer("likelihood"),
+            prompts[:6],
+            m,
+            1.0,
+            torch.Generator().manual_seed(3),
+        )
     finally:
         counter.restore()
     assert result.forwards == counter.rows == 6 * (1 + m * (k - 1))  # first step's forward + M look-aheads on all but the last step
@@ -196,8 +249,16 @@ def test_svdd_counts_its_forwards_and_keeps_the_best_look_ahead(setup):
     torch.testing.assert_close(result.scores, result.step_scores[-1].max(1).values, atol=0, rtol=0)
     assert result.completion_ids.ne(modality.pipeline.mask_token_id).all()
     # choosing by the model's likelihood raises the likelihood of what comes out over M = 1 from the same generator
-    one = masked_svdd(modality.pipeline, config.sampler, config.pipeline.prompt_length, build_scorer("likelihood"), prompts[:6], 1, 1.0,
-                      torch.Generator().manual_seed(3))
+    one = masked_svdd(
+        modality.pipeline,
+        config.sampler,
+        config.pipeline.prompt_length,
+        build_scorer("likelihood"),
+        prompts[:6],
+        1,
+        1.0,
+        torch.Generator().manual_seed(3),
+    )
     assert float(result.scores.mean()) > float(one.scores.mean())
     with pytest.raises(FlowRLError, match="majority"):
         masked_svdd(modality.pipeline, config.sampler, None, type("M", (), {"name": "majority"})(), prompts[:2], 2, 1.0, torch.Generator())
@@ -207,7 +268,12 @@ def test_cli_best_of_n_and_svdd_on_a_dllm_config(tmp_path, capsys):
     from flowrl.cli import main
 
     out = tmp_path / "curve.png"
-    assert main(["eval", str(CONFIG), *OVERRIDES, "prompts.eval_size=8", "--best-of", "2", "--select", "majority,likelihood", "--out", str(out)]) == 0
+    assert (
+        main(
+            ["eval", str(CONFIG), *OVERRIDES, "prompts.eval_size=8", "--best-of", "2", "--select", "majority,likelihood", "--out", str(out)]
+        )
+        == 0
+    )
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out.stat().st_size > 0 and (tmp_path / "curve.jsonl").read_text().count("\n") == 8
     assert line["eval/reward/mean@1/majority"] == line["eval/reward/mean@1/likelihood"] == line["eval/oracle_pass@1"]

@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONFIGS, fast_overrides
 
 from flowrl.config import load_config
 from flowrl.objectives.functional import noise_level_step_weights
 from flowrl.objectives.policy_gradient import transition_stds
 from flowrl.prompts import prompt_pool
-from flowrl.samplers.flow_sde import FlowSDESampler
+from flowrl.samplers.flow_sde import FlowSDEConfig
 from flowrl.trainer import Trainer
 from flowrl.types import Trajectory
-
-from conftest import CONFIGS, fast_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "time_to_reward.py"
@@ -45,9 +44,16 @@ def one_thread():
 
 def _trajectory(sigmas: list[float]) -> Trajectory:
     k = len(sigmas) - 1
-    return Trajectory(latents=torch.randn(2, k + 1, 1, 2, 2), sigmas=torch.tensor(sigmas), log_probs=torch.zeros(2, k),
-                      stochastic=torch.ones(k, dtype=torch.bool), cond={}, prompts=["a", "b"], metadata=[{}, {}],
-                      group_ids=torch.tensor([0, 0]))
+    return Trajectory(
+        latents=torch.randn(2, k + 1, 1, 2, 2),
+        sigmas=torch.tensor(sigmas),
+        log_probs=torch.zeros(2, k),
+        stochastic=torch.ones(k, dtype=torch.bool),
+        cond={},
+        prompts=["a", "b"],
+        metadata=[{}, {}],
+        group_ids=torch.tensor([0, 0]),
+    )
 
 
 def test_noise_level_weights_hand_values():
@@ -55,7 +61,7 @@ def test_noise_level_weights_hand_values():
     # g = 0.7 sqrt(sigma / (1 - sigma)) (at sigma = 1: 1 - sigma_next = 1/4), so
     # std = 0.7 * [sqrt(4), sqrt(3), 1, sqrt(1/3)] / 2 = [0.7, 0.35 sqrt 3, 0.35, 0.35 / sqrt 3].
     traj = _trajectory([1.0, 0.75, 0.5, 0.25, 0.0])
-    stds = transition_stds(FlowSDESampler(noise_level=0.7), traj, [0, 1, 2, 3])
+    stds = transition_stds(FlowSDEConfig(noise_level=0.7).build(), traj, [0, 1, 2, 3])
     hand = [0.7, 0.35 * math.sqrt(3), 0.35, 0.35 / math.sqrt(3)]
     assert stds.tolist() == pytest.approx(hand, rel=1e-6)
     # Trained steps {0, 2}: mean std 0.525, weights 0.7 / 0.525 = 4/3 and 0.35 / 0.525 = 2/3.
@@ -65,7 +71,7 @@ def test_noise_level_weights_hand_values():
     assert w.tolist() == pytest.approx([h / (sum(hand) / 4) for h in hand], rel=1e-6)
     assert float(w.mean()) == pytest.approx(1.0)
     # DanceGRPO's constant g on a uniform grid: every std is eta sqrt(1/4), so every weight is exactly 1.
-    dance = transition_stds(FlowSDESampler(noise_level=0.3, diffusion="dance_grpo"), traj, [0, 1, 2, 3])
+    dance = transition_stds(FlowSDEConfig(noise_level=0.3, diffusion="dance_grpo").build(), traj, [0, 1, 2, 3])
     assert noise_level_step_weights(dance).tolist() == pytest.approx([1.0] * 4, abs=1e-6)
 
 
@@ -73,14 +79,19 @@ def test_weighting_scales_each_step_policy_loss_and_leaves_ratios(tmp_path, one_
     # The real digits model and GRPO objective on a real rollout of 3 steps (grid 1, 2/3, 1/3, 0), every step
     # trained. Flow-GRPO stds: 0.7 [sqrt(3) sqrt(1/3), sqrt(2) sqrt(1/3), sqrt(1/2) sqrt(1/3)] = 0.7 [1, sqrt(2/3),
     # sqrt(1/6)]; weights = those / their mean = 3 [1, sqrt(2/3), sqrt(1/6)] / (1 + sqrt(2/3) + sqrt(1/6)).
-    config = load_config(CONFIGS / "digits" / "grpo.yaml", fast_overrides(tmp_path / "run", **{
-        "rollout.num_inference_steps": 3, "objective.timestep_fraction": 1.0, "eval.judge": "null", "log.trackers": "[]"}))
+    config = load_config(
+        CONFIGS / "digits" / "grpo.yaml",
+        fast_overrides(
+            tmp_path / "run",
+            **{"rollout.num_inference_steps": 3, "objective.timestep_fraction": 1.0, "eval.judge": "null", "log.trackers": "[]"},
+        ),
+    )
     trainer = Trainer(config)
     batch = trainer.advantages(trainer.score(trainer.collect(0)))
     # Advantage 1 for every sample: at unchanged weights r = 1, so each step's clipped surrogate is exactly -1.
     batch.advantages = torch.ones(len(batch))
     objective = trainer.objective
-    raw = [3 ** 0.0, math.sqrt(2 / 3), math.sqrt(1 / 6)]
+    raw = [3**0.0, math.sqrt(2 / 3), math.sqrt(1 / 6)]
     hand = [3 * r / sum(raw) for r in raw]  # 1.3485, 1.1010, 0.5505
     losses = {}
     for weighting in ("none", "noise_level"):
@@ -97,8 +108,13 @@ def test_weighting_scales_each_step_policy_loss_and_leaves_ratios(tmp_path, one_
 def test_bench_counts_denoiser_work_by_hand(one_thread):
     # One iteration, 2 prompts x 2 samples = 4 rows, 3 steps, evaluation 20 held-out prompts x 1 seed on 3 steps.
     bench = _bench()
-    tiny = {"rollout.num_inference_steps": 3, "train.prompts_per_iteration": 2, "train.num_generations": 2,
-            "train.batch_size": 4, "eval.samples_per_prompt": 1}
+    tiny = {
+        "rollout.num_inference_steps": 3,
+        "train.prompts_per_iteration": 2,
+        "train.num_generations": 2,
+        "train.batch_size": 4,
+        "eval.samples_per_prompt": 1,
+    }
     n_eval = len(prompt_pool("digits", "eval"))
     assert n_eval == 20
     full = bench.run_method("full_sde", 0, math.inf, 1, 1, tiny)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import CONFIGS, fast_overrides
+
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.trackers import supported_trackers
@@ -46,11 +46,11 @@ def wandb_records(path: Path):
         if left < 7:  # a block's tail too short for a header is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:  # zero padding
             pos += left
             continue
-        chunks.append(data[pos + 7:pos + 7 + length])
+        chunks.append(data[pos + 7 : pos + 7 + length])
         pos += 7 + length
         if kind in (1, 4):
             record = pb.Record()
@@ -78,7 +78,9 @@ def read_offline_run(run_dir: Path) -> dict:
 
 def test_wandb_offline_gets_config_scalars_and_sample_grids(tmp_path, offline_wandb, one_thread):
     run = tmp_path / "run"
-    cfg = load_config(GRPO, fast_overrides(run, **{"log.trackers": "[tensorboard,wandb]", "log.tracker_kwargs": "{wandb: {mode: offline}}"}))
+    cfg = load_config(
+        GRPO, fast_overrides(run, **{"log.trackers": "[tensorboard,wandb]", "log.tracker_kwargs": "{wandb: {mode: offline}}"})
+    )
     Trainer(cfg).fit()
     logged = read_offline_run(run)
     assert logged["project"] == "run"  # log.project defaults to the output_dir's name

@@ -10,17 +10,31 @@ import sys
 
 import pytest
 import torch
+from conftest import CONFIGS, REPO, fast_overrides
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, fast_overrides
 from flowrl.config import load_config
+from flowrl.reward_models import build_reward_from_config
 from flowrl.trainer import Trainer
 from flowrl.types import RewardOutput
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 DDPO = CONFIGS / "digits" / "ddpo.yaml"
-TRAIN_KEYS = {"step", "reward/mean", "reward/std", "reward/nonfinite_count", "reward/digit_classifier", "loss/policy",
-              "policy/ratio_mean", "policy/clipfrac", "policy/approx_kl", "train/grad_norm", "perf/rollout_s", "perf/score_s", "perf/update_s"}
+TRAIN_KEYS = {
+    "step",
+    "reward/mean",
+    "reward/std",
+    "reward/nonfinite_count",
+    "reward/digit_classifier",
+    "loss/policy",
+    "policy/ratio_mean",
+    "policy/clipfrac",
+    "policy/approx_kl",
+    "train/grad_norm",
+    "perf/rollout_s",
+    "perf/score_s",
+    "perf/update_s",
+}
 
 
 @pytest.mark.parametrize("config", [GRPO, DDPO], ids=["grpo", "ddpo"])
@@ -81,8 +95,8 @@ class NaNEveryThird:
 
 
 def test_nonfinite_rewards_are_dropped_and_counted(tmp_path):
-    trainer = Trainer(load_config(GRPO, fast_overrides(tmp_path)))
-    trainer.reward = NaNEveryThird(trainer.reward)
+    config = load_config(GRPO, fast_overrides(tmp_path))
+    trainer = Trainer(config, reward=NaNEveryThird(build_reward_from_config(config.reward)))
     with pytest.warns(UserWarning, match="NaN or infinite"):
         trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -100,12 +114,32 @@ def _free_port() -> int:
 def test_accelerate_launch_two_cpu_processes(tmp_path):
     # accelerate's --cpu flag always takes its single-process launcher; several CPU processes come from its
     # torchrun path (--multi_gpu), which on a machine without GPUs gives DistributedType.MULTI_CPU over gloo.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           "-m", "flowrl.cli", "train", str(GRPO), *fast_overrides(tmp_path, **{"log.checkpoint_every": 1})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "flowrl.cli",
+        "train",
+        str(GRPO),
+        *fast_overrides(tmp_path, **{"log.checkpoint_every": 1}),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 1 and json.loads(summaries[0])["status"] == "completed"  # printed by the main process only
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # logged once, by the main process
     state = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
@@ -139,8 +173,9 @@ def test_ctrl_c_finishes_the_iteration_and_saves(tmp_path):
     import time
 
     cmd = [sys.executable, "-m", "flowrl.cli", "train", str(GRPO), *fast_overrides(tmp_path, **{"train.iterations": 200})]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):

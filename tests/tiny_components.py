@@ -13,9 +13,16 @@ from pathlib import Path
 import torch
 
 CORPUS = [
-    "a photo of a cat", "a painting of a dog sitting on a bench", "an astronaut riding a horse on the moon",
-    "the digit seven", "a red apple on a wooden table", "a city at night with neon lights", "",
-    "a small boat moving left across a lake", "a bird flying up into the sky", "one two three four five six",
+    "a photo of a cat",
+    "a painting of a dog sitting on a bench",
+    "an astronaut riding a horse on the moon",
+    "the digit seven",
+    "a red apple on a wooden table",
+    "a city at night with neon lights",
+    "",
+    "a small boat moving left across a lake",
+    "a bird flying up into the sky",
+    "one two three four five six",
 ]
 
 
@@ -27,21 +34,36 @@ def tiny_tokenizer(max_length: int = 16):
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     specials = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS * 4,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     bos, eos = tok.token_to_id("[BOS]"), tok.token_to_id("[EOS]")
     tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", bos), ("[EOS]", eos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]",
-                                   eos_token="[EOS]", model_max_length=max_length)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", model_max_length=max_length
+    )
 
 
 def tiny_clip_text(hidden: int = 32, projection: bool = False, seed: int = 0, vocab_size: int = 512):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
-    config = CLIPTextConfig(bos_token_id=2, eos_token_id=3, pad_token_id=0, hidden_size=hidden, intermediate_size=37,
-                            layer_norm_eps=1e-5, num_attention_heads=4, num_hidden_layers=2, vocab_size=vocab_size,
-                            projection_dim=hidden, max_position_embeddings=64)
+    config = CLIPTextConfig(
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        hidden_size=hidden,
+        intermediate_size=37,
+        layer_norm_eps=1e-5,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=vocab_size,
+        projection_dim=hidden,
+        max_position_embeddings=64,
+    )
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
@@ -59,24 +81,46 @@ def tiny_vae(latent_channels: int = 4, seed: int = 0, **kwargs):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    return AutoencoderKL(block_out_channels=[8, 16], in_channels=3, out_channels=3,
-                         down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
-                         latent_channels=latent_channels, norm_num_groups=4, sample_size=32, **kwargs).eval()
+    return AutoencoderKL(
+        block_out_channels=[8, 16],
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=32,
+        **kwargs,
+    ).eval()
 
 
 # -- the checks every family runs ---------------------------------------------------------------------
 
+
 def family_config(name: str, pretrained: Path, output_dir: Path, sampler: str = "flow_sde", **extra) -> list[str]:
     """Overrides for two fast GRPO iterations of a tiny family model on the CPU."""
     base = {
-        "pipeline.name": name, "pipeline.pretrained": str(pretrained), "pipeline.device": "cpu",
-        "sampler.name": sampler, "output_dir": str(output_dir),
+        "pipeline.name": name,
+        "pipeline.pretrained": str(pretrained),
+        "pipeline.device": "cpu",
+        "sampler.name": sampler,
+        "output_dir": str(output_dir),
         "reward.components": "{ink: 1.0}",
-        "train.iterations": 2, "train.prompts_per_iteration": 2, "train.num_generations": 2, "train.batch_size": 4,
-        "train.learning_rate": 1e-3, "objective.name": "grpo", "objective.clip_range": 10.0,
-        "rollout.num_inference_steps": 3, "rollout.batch_size": 4,
-        "eval.every": 0, "eval.samples_per_prompt": 1, "prompts.dataset": "digits",
-        "log.checkpoint_every": 0, "log.progress": False, "log.grid_prompts": 2,
+        "train.iterations": 2,
+        "train.prompts_per_iteration": 2,
+        "train.num_generations": 2,
+        "train.batch_size": 4,
+        "train.learning_rate": 1e-3,
+        "objective.name": "grpo",
+        "objective.clip_range": 10.0,
+        "rollout.num_inference_steps": 3,
+        "rollout.batch_size": 4,
+        "eval.every": 0,
+        "eval.samples_per_prompt": 1,
+        "prompts.dataset": "digits",
+        "log.checkpoint_every": 0,
+        "log.progress": False,
+        "log.grid_prompts": 2,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -94,17 +138,32 @@ def as_adjoint_matching(overrides: list[str], flow: bool = True, guidance_mode: 
     decoder, every step trained, and by default guided rollouts with an unguided control (the authors' CFG
     recipe)."""
     sampler = ["sampler.name=flow_memoryless"] if flow else ["sampler.name=ddim", "sampler.eta=1.0"]
-    return replace_overrides(overrides, ("objective.", "sampler.", "reward.components=", "rollout.guidance_mode="),
-                             sampler + ["objective.name=adjoint_matching", "objective.reward_multiplier=10.0",
-                                        "objective.num_trained_steps=null", "reward.components={ink: 1.0}",
-                                        f"rollout.guidance_mode={guidance_mode}"])
+    return replace_overrides(
+        overrides,
+        ("objective.", "sampler.", "reward.components=", "rollout.guidance_mode="),
+        sampler
+        + [
+            "objective.name=adjoint_matching",
+            "objective.reward_multiplier=10.0",
+            "objective.num_trained_steps=null",
+            "reward.components={ink: 1.0}",
+            f"rollout.guidance_mode={guidance_mode}",
+        ],
+    )
 
 
 def as_diffusion_nft(overrides: list[str], guidance_scale: float = 1.0) -> list[str]:
     """A family's GRPO test overrides turned into DiffusionNFT: deterministic ODE rollouts (no log-probs), CFG-free."""
-    return replace_overrides(overrides, ("objective.", "sampler.", "rollout.guidance_scale=", "rollout.same_noise_in_group="),
-                             ["sampler.name=ode", "objective.name=diffusion_nft", f"rollout.guidance_scale={guidance_scale}",
-                              "rollout.same_noise_in_group=false"])  # deterministic rollouts from one noise would all be the same sample
+    return replace_overrides(
+        overrides,
+        ("objective.", "sampler.", "rollout.guidance_scale=", "rollout.same_noise_in_group="),
+        [
+            "sampler.name=ode",
+            "objective.name=diffusion_nft",
+            f"rollout.guidance_scale={guidance_scale}",
+            "rollout.same_noise_in_group=false",
+        ],
+    )  # deterministic rollouts from one noise would all be the same sample
 
 
 def two_iterations_change_every_parameter(overrides: list[str], config: Path | None = None):
@@ -112,8 +171,8 @@ def two_iterations_change_every_parameter(overrides: list[str], config: Path | N
     objective); assert every trainable tensor moved. Returns the trainer."""
     from accelerate.state import AcceleratorState
 
-    from flowrl.trainer import Trainer
     from flowrl.config import load_config
+    from flowrl.trainer import Trainer
 
     AcceleratorState._reset_state(True)  # tests build trainers with different mixed_precision in one process
     trainer = Trainer(load_config(config, overrides))
@@ -166,6 +225,60 @@ def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guid
 
     gen = torch.Generator().manual_seed(seed)
     sampler = build_sampler(ODEConfig(), pipeline)
-    traj = rollout(pipeline, sampler, prompts, [{} for _ in prompts], torch.arange(len(prompts)),
-                   pipeline.schedule.sigmas(steps).to(pipeline.device), gen, guidance_scale, same_noise_in_group=False)
+    traj = rollout(
+        pipeline,
+        sampler,
+        prompts,
+        [{} for _ in prompts],
+        torch.arange(len(prompts)),
+        pipeline.schedule.sigmas(steps).to(pipeline.device),
+        gen,
+        guidance_scale,
+        same_noise_in_group=False,
+    )
     return traj.samples
+
+
+def tiny_sd_pipeline(prediction_type: str = "epsilon"):
+    """A tiny Stable Diffusion pipeline of the real diffusers classes (UNet, VAE, CLIP text encoder), in memory."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        prediction_type=prediction_type,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=tiny_vae(),
+        text_encoder=tiny_clip_text(),
+        tokenizer=tiny_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    return pipe
+
+
+def build_tiny_sd(directory, prediction_type: str = "epsilon"):
+    """:func:`tiny_sd_pipeline` saved with ``save_pretrained`` (a real pipeline directory with model_index.json)."""
+    tiny_sd_pipeline(prediction_type).save_pretrained(directory)
+    return directory

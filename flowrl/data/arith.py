@@ -34,14 +34,23 @@ def make_problem(rng: random.Random) -> tuple[str, str, int]:
     he = _pronoun(name)
     if rng.random() < 0.5:  # one step: add or take away
         if rng.random() < 0.5:
-            return (f"{name} has {a} {item} . {he} buys {b} more . how many {item} now ?",
-                    f"{a} + {b} = {a + b} . <answer> {a + b} </answer>", a + b)
+            return (
+                f"{name} has {a} {item} . {he} buys {b} more . how many {item} now ?",
+                f"{a} + {b} = {a + b} . <answer> {a + b} </answer>",
+                a + b,
+            )
         a, b = max(a, b), min(a, b)
-        return (f"{name} has {a} {item} . {he} gives away {b} . how many {item} now ?",
-                f"{a} - {b} = {a - b} . <answer> {a - b} </answer>", a - b)
+        return (
+            f"{name} has {a} {item} . {he} gives away {b} . how many {item} now ?",
+            f"{a} - {b} = {a - b} . <answer> {a - b} </answer>",
+            a - b,
+        )
     c = rng.randint(1, a + b)
-    return (f"{name} has {a} {item} . {he} buys {b} more . then {he} gives away {c} . how many {item} now ?",
-            f"{a} + {b} = {a + b} . {a + b} - {c} = {a + b - c} . <answer> {a + b - c} </answer>", a + b - c)
+    return (
+        f"{name} has {a} {item} . {he} buys {b} more . then {he} gives away {c} . how many {item} now ?",
+        f"{a} + {b} = {a + b} . {a + b} - {c} = {a + b - c} . <answer> {a + b - c} </answer>",
+        a + b - c,
+    )
 
 
 def is_held_out(prompt: str) -> bool:
@@ -78,8 +87,30 @@ def problems(split: str, n: int, seed: int, flaw_rate: float = 0.0) -> list[tupl
 
 
 def vocabulary() -> list[str]:
-    words = set(NAMES + ITEMS + ["he", "she", "has", "buys", "more", "gives", "away", "then", "how", "many", "now",
-                                 "?", ".", "+", "-", "=", "<answer>", "</answer>"])
+    words = set(
+        NAMES
+        + ITEMS
+        + [
+            "he",
+            "she",
+            "has",
+            "buys",
+            "more",
+            "gives",
+            "away",
+            "then",
+            "how",
+            "many",
+            "now",
+            "?",
+            ".",
+            "+",
+            "-",
+            "=",
+            "<answer>",
+            "</answer>",
+        ]
+    )
     words |= {str(i) for i in range(MAX_NUMBER + 1)}
     return SPECIALS + sorted(words)
 
@@ -92,5 +123,6 @@ def build_tokenizer():
     vocab = {w: i for i, w in enumerate(vocabulary())}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
-                                   eos_token="[EOS]", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]", eos_token="[EOS]", padding_side="left"
+    )

@@ -15,8 +15,8 @@ both, so the held-out phrasings are understood but never optimised against. Meta
 
 from __future__ import annotations
 
-import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,8 +30,7 @@ JITTER = 0  # the path is centred; the start may move up to JITTER pixels along 
 # direction -> (dy, dx) per frame, image coordinates (y grows downwards)
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 DIRECTION_NAMES = list(DIRECTIONS)
-TRAIN_TEMPLATES = ["the digit {word} moving {dir}", "a handwritten {word} sliding {dir}", "digit {n} going {dir}",
-                   "a {word} moves {dir}"]
+TRAIN_TEMPLATES = ["the digit {word} moving {dir}", "a handwritten {word} sliding {dir}", "digit {n} going {dir}", "a {word} moves {dir}"]
 EVAL_TEMPLATES = ["the number {word} drifting {dir}", "handwritten digit {n} travelling {dir}"]
 MAX_PROMPT_TOKENS = 8  # [BOS] + at most 6 words + [EOS]
 
@@ -70,7 +69,11 @@ def build_tokenizer():
         single="[BOS] $A [EOS]", special_tokens=[("[BOS]", vocab["[BOS]"]), ("[EOS]", vocab["[EOS]"])]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]",
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="[BOS]",
+        eos_token="[EOS]",
         model_max_length=MAX_PROMPT_TOKENS,
     )
 

@@ -36,7 +36,7 @@ class Winners:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def subset(self, index: list[int]) -> "Winners":
+    def subset(self, index: list[int]) -> Winners:
         return Winners(self.images[index], [self.prompts[i] for i in index], [dict(self.metadata[i]) for i in index])
 
 
@@ -75,8 +75,10 @@ def _embedded(channels: int, size: tuple[int, int]) -> Winners:
     from .digits import IMAGE_SIZE, TRAIN_TEMPLATES, load_digit_images, prompt_for
 
     if (channels, *size) != (1, IMAGE_SIZE, IMAGE_SIZE):
-        raise FlowRLError(f"objective.winners 'embedded' holds the embedded digits models' 1x{IMAGE_SIZE}x{IMAGE_SIZE} images, "
-                          f"but this model makes {channels}x{size[0]}x{size[1]} samples; give a folder or a .jsonl file of images.")
+        raise FlowRLError(
+            f"objective.winners 'embedded' holds the embedded digits models' 1x{IMAGE_SIZE}x{IMAGE_SIZE} images, "
+            f"but this model makes {channels}x{size[0]}x{size[1]} samples; give a folder or a .jsonl file of images."
+        )
     images, labels = load_digit_images()
     rows = [(i, prompt_for(int(labels[i]), t)) for i in range(len(labels)) for t in TRAIN_TEMPLATES]  # image-major
     index = [i for i, _ in rows]

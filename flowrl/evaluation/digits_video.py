@@ -14,16 +14,18 @@ from pathlib import Path
 
 import torch
 
-from ..config import ODEConfig, PipelineConfig
 from ..data.digits_video import digit_crops, direction_accuracy, prompt_set
+from ..pipelines.diffusers_base import PipelineConfig
 from ..pipelines.digits_video import DigitsVideoPipeline
 from ..reward_models import build_reward
-from ..samplers import build_sampler
+from ..samplers import ODEConfig, build_sampler
 from ..samplers.rollout import rollout
 
 
 @torch.no_grad()
-def measure(model: str, checkpoint: Path | None = None, seeds: int = 4, steps: int = 10, guidance_scale: float = 1.0, seed: int = 1234) -> dict:
+def measure(
+    model: str, checkpoint: Path | None = None, seeds: int = 4, steps: int = 10, guidance_scale: float = 1.0, seed: int = 1234
+) -> dict:
     """Sample quality of a model directory (optionally with a run checkpoint's weights) on the held-out
     prompts: ``seeds`` ODE samples per prompt. Returns the fraction of clips moving in the prompted
     direction (centre of mass, first to last frame), the digit classifier's accuracy on the digit cut
@@ -37,15 +39,28 @@ def measure(model: str, checkpoint: Path | None = None, seeds: int = 4, steps: i
     items = [item for item in prompt_set("eval") for _ in range(seeds)]
     prompts, metadata = [p for p, _ in items], [m for _, m in items]
     gen = torch.Generator().manual_seed(seed)
-    traj = rollout(pipeline, build_sampler(ODEConfig(), pipeline), prompts, metadata, torch.arange(len(items)),
-                   pipeline.schedule.sigmas(steps), gen, guidance_scale, same_noise_in_group=False)
+    traj = rollout(
+        pipeline,
+        build_sampler(ODEConfig(), pipeline),
+        prompts,
+        metadata,
+        torch.arange(len(items)),
+        pipeline.schedule.sigmas(steps),
+        gen,
+        guidance_scale,
+        same_noise_in_group=False,
+    )
     videos = traj.samples
     classifier, motion = build_reward("digit_classifier"), build_reward("motion_quality")
     digit_first = classifier(digit_crops(videos, 0), prompts, metadata).extras["accuracy"]
     digit_last = classifier(digit_crops(videos, -1), prompts, metadata).extras["accuracy"]
-    return {"samples": len(items), "direction_accuracy": round(direction_accuracy(videos, [m["direction"] for m in metadata]), 4),
-            "digit_accuracy_first_frame": round(float(digit_first.mean()), 4), "digit_accuracy_last_frame": round(float(digit_last.mean()), 4),
-            "motion_quality": round(float(motion(videos, prompts, metadata).scores.mean()), 4)}
+    return {
+        "samples": len(items),
+        "direction_accuracy": round(direction_accuracy(videos, [m["direction"] for m in metadata]), 4),
+        "digit_accuracy_first_frame": round(float(digit_first.mean()), 4),
+        "digit_accuracy_last_frame": round(float(digit_last.mean()), 4),
+        "motion_quality": round(float(motion(videos, prompts, metadata).scores.mean()), 4),
+    }
 
 
 def main() -> None:

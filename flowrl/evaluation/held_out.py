@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..config import Config, eval_steps_and_guidance
-from ..prompts import prompt_pool
+from ..prompts import prompts_for
 
 
 @dataclass
@@ -34,13 +34,17 @@ class HeldOut:
 
 
 def eval_pool(config: Config) -> list[tuple[str, dict[str, Any]]]:
-    pc = config.prompts
-    return prompt_pool(pc.dataset, pc.eval_split, pc.eval_size, file=pc.eval_file)
+    return prompts_for(config.prompts, "eval")
 
 
 def held_out_images(config: Config, pipeline, device: torch.device | str) -> HeldOut:
     ec = config.eval
     items = [item for item in eval_pool(config) for _ in range(ec.samples_per_prompt)]
     steps, guidance = eval_steps_and_guidance(config)
-    return HeldOut(prompts=[p for p, _ in items], metadata=[m for _, m in items], sigmas=pipeline.schedule.sigmas(steps).to(device),
-                   guidance_scale=guidance, seed=ec.seed)
+    return HeldOut(
+        prompts=[p for p, _ in items],
+        metadata=[m for _, m in items],
+        sigmas=pipeline.schedule.sigmas(steps).to(device),
+        guidance_scale=guidance,
+        seed=ec.seed,
+    )

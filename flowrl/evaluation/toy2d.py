@@ -38,11 +38,20 @@ class ToyComparison:
 
     @property
     def passed(self) -> bool:
-        return self.weight_error <= WEIGHT_TOLERANCE and self.mean_error <= MEAN_TOLERANCE and self.std_relative_error <= STD_RELATIVE_TOLERANCE
+        return (
+            self.weight_error <= WEIGHT_TOLERANCE
+            and self.mean_error <= MEAN_TOLERANCE
+            and self.std_relative_error <= STD_RELATIVE_TOLERANCE
+        )
 
     def as_dict(self) -> dict:
-        return {"weight_error": round(self.weight_error, 4), "mean_error": round(self.mean_error, 4),
-                "std_relative_error": round(self.std_relative_error, 4), "passed": self.passed, **self.stats}
+        return {
+            "weight_error": round(self.weight_error, 4),
+            "mean_error": round(self.mean_error, 4),
+            "std_relative_error": round(self.std_relative_error, 4),
+            "passed": self.passed,
+            **self.stats,
+        }
 
 
 def compare_to_target(samples: torch.Tensor, target: GaussianMixture) -> ToyComparison:
@@ -55,11 +64,21 @@ def compare_to_target(samples: torch.Tensor, target: GaussianMixture) -> ToyComp
     w = torch.tensor(target.weights, dtype=torch.float64)
     m = torch.tensor(target.means, dtype=torch.float64)
     s = torch.tensor(target.stds, dtype=torch.float64)[:, None]
-    stats = {"n": int(samples.shape[0]), "weights": [round(float(v), 4) for v in st.weights], "target_weights": [round(float(v), 4) for v in w],
-             "means": [[round(float(v), 4) for v in r] for r in st.means], "target_means": [[round(float(v), 4) for v in r] for r in m],
-             "stds": [[round(float(v), 4) for v in r] for r in st.stds], "target_stds": [round(float(v), 4) for v in s[:, 0]]}
-    return ToyComparison(weight_error=float((st.weights - w).abs().max()), mean_error=float((st.means - m).abs().max()),
-                         std_relative_error=float((st.stds / s - 1).abs().max()), stats=stats)
+    stats = {
+        "n": int(samples.shape[0]),
+        "weights": [round(float(v), 4) for v in st.weights],
+        "target_weights": [round(float(v), 4) for v in w],
+        "means": [[round(float(v), 4) for v in r] for r in st.means],
+        "target_means": [[round(float(v), 4) for v in r] for r in m],
+        "stds": [[round(float(v), 4) for v in r] for r in st.stds],
+        "target_stds": [round(float(v), 4) for v in s[:, 0]],
+    }
+    return ToyComparison(
+        weight_error=float((st.weights - w).abs().max()),
+        mean_error=float((st.means - m).abs().max()),
+        std_relative_error=float((st.stds / s - 1).abs().max()),
+        stats=stats,
+    )
 
 
 def target_of(source: str | Path) -> tuple[GaussianMixture, float]:
@@ -78,9 +97,11 @@ def target_of(source: str | Path) -> tuple[GaussianMixture, float]:
     else:
         lam = None
     if config.pipeline.name != "toy2d" or lam is None or len(config.reward.components) != 1:
-        raise FlowRLError(f"'{source}' is not a run of the 2-D toy with a tilted target (pipeline toy2d, one toy reward component, "
-                          "objective adjoint_matching, or grpo / ddpo with a KL weight beta > 0).")
-    (name, weight), = config.reward.components.items()
+        raise FlowRLError(
+            f"'{source}' is not a run of the 2-D toy with a tilted target (pipeline toy2d, one toy reward component, "
+            "objective adjoint_matching, or grpo / ddpo with a KL weight beta > 0)."
+        )
+    ((name, weight),) = config.reward.components.items()
     lam = lam * weight  # the loop optimises weight * r
     return tilted_target(TWO_MODES, build_reward(name, **config.reward.kwargs.get(name, {})), lam), lam
 
@@ -105,10 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     st = result.stats
     print(f"lambda {lam}: {st['n']} samples against the closed-form tilted target")
     for j in range(len(target.weights)):
-        print(f"  mode {j}: weight {st['weights'][j]:.4f} (target {st['target_weights'][j]:.4f})  mean {st['means'][j]} "
-              f"(target {st['target_means'][j]})  std {st['stds'][j]} (target {st['target_stds'][j]})")
-    print(f"  largest errors: weight {result.weight_error:.4f} (<= {WEIGHT_TOLERANCE}), mean {result.mean_error:.4f} (<= {MEAN_TOLERANCE}), "
-          f"std {100 * result.std_relative_error:.1f}% (<= {100 * STD_RELATIVE_TOLERANCE:.0f}%): {'PASS' if result.passed else 'FAIL'}")
+        print(
+            f"  mode {j}: weight {st['weights'][j]:.4f} (target {st['target_weights'][j]:.4f})  mean {st['means'][j]} "
+            f"(target {st['target_means'][j]})  std {st['stds'][j]} (target {st['target_stds'][j]})"
+        )
+    print(
+        f"  largest errors: weight {result.weight_error:.4f} (<= {WEIGHT_TOLERANCE}), mean {result.mean_error:.4f} (<= {MEAN_TOLERANCE}), "
+        f"std {100 * result.std_relative_error:.1f}% (<= {100 * STD_RELATIVE_TOLERANCE:.0f}%): {'PASS' if result.passed else 'FAIL'}"
+    )
     print(json.dumps(result.as_dict()))
     return 0 if result.passed else 1
 

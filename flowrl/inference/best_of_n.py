@@ -1,4 +1,4 @@
-"""Best-of-N (MATH.md section 7): N candidates per prompt, scored by a verifier, keep the argmax.
+"""Best-of-N (docs/math.md section 7): N candidates per prompt, scored by a verifier, keep the argmax.
 
 Any reward or reward mix is the verifier. The N candidates of a prompt differ only in their initial
 noise: N successive draws of P noises from the generator, so candidate 0 gets exactly the noise a plain
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,8 +48,18 @@ def _better(score: Tensor, current: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def best_of_n(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], n: int,
-              sigmas: Tensor, generator: torch.Generator, guidance_scale: float = 1.0, batch_size: int = 64) -> BestOfN:
+def best_of_n(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    reward,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    n: int,
+    sigmas: Tensor,
+    generator: torch.Generator,
+    guidance_scale: float = 1.0,
+    batch_size: int = 64,
+) -> BestOfN:
     """Sample ``n`` candidates for each prompt with ``sampler``, score them with ``reward``, keep the best.
 
     Candidates are generated and scored ``batch_size`` at a time, one round of P noises at a time, and
@@ -60,8 +71,18 @@ def best_of_n(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[st
     scores = torch.full((p, n), float("nan"))
     best = torch.zeros(p, dtype=torch.long)
     for j in range(n):  # candidate j of every prompt: the j-th draw of P noises
-        samples, scores[:, j], extras = sample_and_score(pipeline, sampler, reward, prompts, metadata, pipeline.initial_noise(p, generator),
-                                                         sigmas, generator, guidance_scale, batch_size)
+        samples, scores[:, j], extras = sample_and_score(
+            pipeline,
+            sampler,
+            reward,
+            prompts,
+            metadata,
+            pipeline.initial_noise(p, generator),
+            sigmas,
+            generator,
+            guidance_scale,
+            batch_size,
+        )
         if j == 0:
             chosen, components = samples, extras
             continue

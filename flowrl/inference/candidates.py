@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,8 +13,18 @@ from ..types import Pipeline, Sampler
 
 
 @torch.no_grad()
-def sample_and_score(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], noise: Tensor,
-                     sigmas: Tensor, generator: torch.Generator, guidance_scale: float, batch_size: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+def sample_and_score(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    reward,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    noise: Tensor,
+    sigmas: Tensor,
+    generator: torch.Generator,
+    guidance_scale: float,
+    batch_size: int,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Sample prompt i from start noise ``noise[i]``, ``batch_size`` prompts at a time, and score it.
 
     Returns the decoded samples (P, *S) on the CPU, their rewards (P,) float32 (NaN where the reward
@@ -21,8 +32,18 @@ def sample_and_score(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequ
     samples, scores, extras = [], [], []
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
-        traj = rollout(pipeline, sampler, [prompts[i] for i in idx], [metadata[i] for i in idx], torch.tensor(idx), sigmas, generator,
-                       guidance_scale, initial_noise=noise[idx], same_noise_in_group=False)
+        traj = rollout(
+            pipeline,
+            sampler,
+            [prompts[i] for i in idx],
+            [metadata[i] for i in idx],
+            torch.tensor(idx),
+            sigmas,
+            generator,
+            guidance_scale,
+            initial_noise=noise[idx],
+            same_noise_in_group=False,
+        )
         out = reward(traj.samples, traj.prompts, traj.metadata)
         samples.append(traj.samples.cpu())
         scores.append(out.scores.float().cpu())

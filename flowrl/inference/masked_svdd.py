@@ -21,16 +21,25 @@ the candidates draw their randomness in the same order and shapes as the plain s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from ..config import MaskedSamplerConfig
 from ..errors import FlowRLError
-from ..samplers.masked import (_check_args, _num_to_unmask, _Recorder, _scores, _token_log_probs, decode_completions, gumbel_sample,
-                               shift_logits, transfer_schedule)
+from ..samplers.masked import (
+    MaskedSamplerConfig,
+    _check_args,
+    _num_to_unmask,
+    _Recorder,
+    _scores,
+    _token_log_probs,
+    decode_completions,
+    gumbel_sample,
+    shift_logits,
+    transfer_schedule,
+)
 from ..types import MaskedLM
 from .text_best_of_n import candidate_generator
 from .text_candidates import MAJORITY, TextScorer, check_candidates_differ, encode_prompts
@@ -46,13 +55,27 @@ class MaskedSVDDResult:
 
 
 def _keep(rec: _Recorder, rows: Tensor) -> _Recorder:
-    return _Recorder(completion=rec.completion[rows], unmask_step=rec.unmask_step[rows], unmask_rank=rec.unmask_rank[rows],
-                     token_log_probs=rec.token_log_probs[rows], committed=rec.committed[rows])
+    return _Recorder(
+        completion=rec.completion[rows],
+        unmask_step=rec.unmask_step[rows],
+        unmask_rank=rec.unmask_rank[rows],
+        token_log_probs=rec.token_log_probs[rows],
+        committed=rec.committed[rows],
+    )
 
 
 @torch.no_grad()
-def masked_svdd(lm: MaskedLM, sampler: MaskedSamplerConfig, prompt_length: int | None, scorer: TextScorer, prompts: Sequence[str], m: int,
-                temperature: float, generator: torch.Generator, position_scorer=None) -> MaskedSVDDResult:
+def masked_svdd(
+    lm: MaskedLM,
+    sampler: MaskedSamplerConfig,
+    prompt_length: int | None,
+    scorer: TextScorer,
+    prompts: Sequence[str],
+    m: int,
+    temperature: float,
+    generator: torch.Generator,
+    position_scorer=None,
+) -> MaskedSVDDResult:
     """One completion per prompt by SVDD with ``m`` candidates per unmasking step (batch = prompts x m rows)."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
@@ -115,27 +138,48 @@ def masked_svdd(lm: MaskedLM, sampler: MaskedSamplerConfig, prompt_length: int |
             rec = _keep(cand, chosen)
             logits = None if look is None else look[chosen]
     final = step_scores[-1].gather(1, best[:, None].cpu()).squeeze(1) if step_scores else torch.full((p,), float("nan"))
-    return MaskedSVDDResult(completions=decode_completions(lm.tokenizer, rec.completion, lm.eos_token_id), completion_ids=rec.completion,
-                            scores=final, step_scores=step_scores, forwards=forwards)
+    return MaskedSVDDResult(
+        completions=decode_completions(lm.tokenizer, rec.completion, lm.eos_token_id),
+        completion_ids=rec.completion,
+        scores=final,
+        step_scores=step_scores,
+        forwards=forwards,
+    )
 
 
-def masked_svdd_in_batches(lm: MaskedLM, sampler: MaskedSamplerConfig, prompt_length: int | None, scorer: TextScorer, prompts: Sequence[str],
-                           m: int, temperature: float, seed: int, batch_size: int, position_scorer=None,
-                           progress=None) -> MaskedSVDDResult:
+def masked_svdd_in_batches(
+    lm: MaskedLM,
+    sampler: MaskedSamplerConfig,
+    prompt_length: int | None,
+    scorer: TextScorer,
+    prompts: Sequence[str],
+    m: int,
+    temperature: float,
+    seed: int,
+    batch_size: int,
+    position_scorer=None,
+    progress=None,
+) -> MaskedSVDDResult:
     """:func:`masked_svdd` over many prompts, ``batch_size // m`` prompts (x ``m`` candidates) at a time, each
     chunk with a fresh generator seeded with ``seed`` as the plain evaluation draws (M = 1 reproduces it
     exactly). ``progress``: called with the number of prompts done after each chunk."""
     chunk = max(1, batch_size // m)
     parts = []
     for i in range(0, len(prompts), chunk):
-        parts.append(masked_svdd(lm, sampler, prompt_length, scorer, prompts[i : i + chunk], m, temperature, candidate_generator(seed, 0),
-                                 position_scorer))
+        parts.append(
+            masked_svdd(
+                lm, sampler, prompt_length, scorer, prompts[i : i + chunk], m, temperature, candidate_generator(seed, 0), position_scorer
+            )
+        )
         if progress is not None:
             progress(len(prompts[i : i + chunk]))
-    return MaskedSVDDResult(completions=[c for r in parts for c in r.completions], completion_ids=torch.cat([r.completion_ids for r in parts]),
-                            scores=torch.cat([r.scores for r in parts]),
-                            step_scores=[torch.cat(s) for s in zip(*(r.step_scores for r in parts))] if len({len(r.step_scores) for r in parts}) == 1 else [],
-                            forwards=sum(r.forwards for r in parts))
+    return MaskedSVDDResult(
+        completions=[c for r in parts for c in r.completions],
+        completion_ids=torch.cat([r.completion_ids for r in parts]),
+        scores=torch.cat([r.scores for r in parts]),
+        step_scores=[torch.cat(s) for s in zip(*(r.step_scores for r in parts))] if len({len(r.step_scores) for r in parts}) == 1 else [],
+        forwards=sum(r.forwards for r in parts),
+    )
 
 
 __all__: Sequence[str] = ["MaskedSVDDResult", "masked_svdd", "masked_svdd_in_batches"]

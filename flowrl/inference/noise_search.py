@@ -1,5 +1,5 @@
 """Zero-order search over the initial noise (Ma et al. 2025, "Inference-time scaling for diffusion models
-beyond scaling denoising steps"; MATH.md section 7).
+beyond scaling denoising steps"; docs/math.md section 7).
 
 Random search over the start noise is Best-of-N (best_of_n.py). Zero-order search spends the same
 budget locally: keep a pivot noise per item, draw ``neighbors`` candidates around it, move the pivot to
@@ -16,8 +16,9 @@ same draws (tested).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,16 +42,30 @@ def _neighbors(pivot: Tensor, n: int, step: float, generator: torch.Generator) -
 
 
 @torch.no_grad()
-def zero_order_search(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[str], metadata: Sequence[dict[str, Any]],
-                      rounds: int, neighbors: int, step: float, sigmas: Tensor, generator: torch.Generator, guidance_scale: float = 1.0,
-                      batch_size: int = 64, initial_noise: Tensor | None = None) -> NoiseSearchResult:
+def zero_order_search(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    reward,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    rounds: int,
+    neighbors: int,
+    step: float,
+    sigmas: Tensor,
+    generator: torch.Generator,
+    guidance_scale: float = 1.0,
+    batch_size: int = 64,
+    initial_noise: Tensor | None = None,
+) -> NoiseSearchResult:
     """Search the start noise of each prompt's sample with ``rounds`` x ``neighbors`` evaluations (see the module docstring)."""
     if rounds < 1 or neighbors < 1 or not 0 < step <= 1:
         raise ValueError(f"need rounds >= 1, neighbors >= 1 and 0 < step <= 1, got {rounds}, {neighbors}, {step}")
     p = len(prompts)
 
     def evaluate(noise: Tensor) -> tuple[Tensor, Tensor]:
-        samples, scores, _ = sample_and_score(pipeline, sampler, reward, prompts, metadata, noise, sigmas, generator, guidance_scale, batch_size)
+        samples, scores, _ = sample_and_score(
+            pipeline, sampler, reward, prompts, metadata, noise, sigmas, generator, guidance_scale, batch_size
+        )
         return samples, torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
 
     pivot = (initial_noise if initial_noise is not None else pipeline.initial_noise(p, generator)).float()
@@ -68,5 +83,9 @@ def zero_order_search(pipeline: Pipeline, sampler: Sampler, reward, prompts: Seq
         pivot = new_pivot
         history.append(best_scores.clone())
     nan = torch.tensor(float("nan"))
-    return NoiseSearchResult(samples=best_samples, scores=torch.where(torch.isfinite(best_scores), best_scores, nan),
-                             history=torch.stack(history), evaluations=1 + rounds * neighbors)
+    return NoiseSearchResult(
+        samples=best_samples,
+        scores=torch.where(torch.isfinite(best_scores), best_scores, nan),
+        history=torch.stack(history),
+        evaluations=1 + rounds * neighbors,
+    )

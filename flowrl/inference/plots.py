@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from ..checkpoint import atomic_path
 
 
-def save_scaling_plot(panels: Mapping[str, Mapping[str, Mapping[int, float]]], path: Path, ylabel: str,
-                      references: Mapping[str, Mapping[str, float]] | None = None, title: str = "") -> None:
+def save_scaling_plot(
+    panels: Mapping[str, Mapping[str, Mapping[int, float]]],
+    path: Path,
+    ylabel: str,
+    references: Mapping[str, Mapping[str, float]] | None = None,
+    title: str = "",
+) -> None:
     """One panel per entry of ``panels`` ({panel title: {line label: {N: value}}}), N on a log2 axis, all
     panels on one y scale so they compare at a glance. A label containing "oracle" is drawn dashed (an
     upper bound, not a method); ``references`` ({panel title: {label: value}}) are horizontal dotted lines
@@ -27,8 +32,15 @@ def save_scaling_plot(panels: Mapping[str, Mapping[str, Mapping[int, float]]], p
         for label, curve in lines.items():
             ns = sorted(curve)
             oracle = "oracle" in label
-            ax.plot(ns, [curve[n] for n in ns], marker="o", ms=4, label=label, color="0.45" if oracle else colors[labels.index(label) % len(colors)],
-                    linestyle="--" if oracle else "-")
+            ax.plot(
+                ns,
+                [curve[n] for n in ns],
+                marker="o",
+                ms=4,
+                label=label,
+                color="0.45" if oracle else colors[labels.index(label) % len(colors)],
+                linestyle="--" if oracle else "-",
+            )
         for i, (label, value) in enumerate(references.get(panel, {}).items()):
             ax.axhline(value, color="0.2", linestyle=":", linewidth=1.2 + 0.4 * i, label=label)
         ax.set_xscale("log", base=2)

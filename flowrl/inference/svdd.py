@@ -1,4 +1,4 @@
-"""SVDD-PM (Li et al. 2024, soft value-based decoding; MATH.md section 7): per-step Best-of-M with a look-ahead.
+"""SVDD-PM (Li et al. 2024, soft value-based decoding; docs/math.md section 7): per-step Best-of-M with a look-ahead.
 
 At every denoising step each sample draws M candidates x_{k+1} from the pre-trained (stochastic)
 transition, scores each by the reward of its Tweedie estimate x0_hat(x_{k+1}), and keeps the best. No
@@ -14,8 +14,9 @@ generator (tested).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,8 +39,18 @@ def _repeat(cond: Condition, m: int) -> Condition:
 
 
 @torch.no_grad()
-def svdd_sample(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], m: int,
-                sigmas: Tensor, generator: torch.Generator, guidance_scale: float = 1.0, initial_noise: Tensor | None = None) -> SVDDResult:
+def svdd_sample(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    reward,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    m: int,
+    sigmas: Tensor,
+    generator: torch.Generator,
+    guidance_scale: float = 1.0,
+    initial_noise: Tensor | None = None,
+) -> SVDDResult:
     """Sample one result per prompt with SVDD-PM using ``m`` candidates per step (batch = all prompts x m)."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
@@ -76,13 +87,40 @@ def svdd_sample(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[
     return SVDDResult(samples=pipeline.decode(x), scores=final, step_scores=torch.stack(step_scores), components=components)
 
 
-def svdd_in_batches(pipeline: Pipeline, sampler: Sampler, reward, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], m: int,
-                    sigmas: Tensor, generator: torch.Generator, guidance_scale: float, batch_size: int, initial_noise: Tensor) -> SVDDResult:
+def svdd_in_batches(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    reward,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    m: int,
+    sigmas: Tensor,
+    generator: torch.Generator,
+    guidance_scale: float,
+    batch_size: int,
+    initial_noise: Tensor,
+) -> SVDDResult:
     """:func:`svdd_sample` over many prompts, ``batch_size // m`` prompts (x ``m`` candidates) at a time,
     prompt i starting from ``initial_noise[i]``."""
     chunk = max(1, batch_size // m)
-    parts = [svdd_sample(pipeline, sampler, reward, prompts[i : i + chunk], metadata[i : i + chunk], m, sigmas, generator, guidance_scale,
-                         initial_noise=initial_noise[i : i + chunk]) for i in range(0, len(prompts), chunk)]
-    return SVDDResult(samples=torch.cat([r.samples for r in parts]), scores=torch.cat([r.scores for r in parts]),
-                      step_scores=torch.cat([r.step_scores for r in parts], 1),
-                      components={k: torch.cat([r.components[k] for r in parts]) for k in parts[0].components})
+    parts = [
+        svdd_sample(
+            pipeline,
+            sampler,
+            reward,
+            prompts[i : i + chunk],
+            metadata[i : i + chunk],
+            m,
+            sigmas,
+            generator,
+            guidance_scale,
+            initial_noise=initial_noise[i : i + chunk],
+        )
+        for i in range(0, len(prompts), chunk)
+    ]
+    return SVDDResult(
+        samples=torch.cat([r.samples for r in parts]),
+        scores=torch.cat([r.scores for r in parts]),
+        step_scores=torch.cat([r.step_scores for r in parts], 1),
+        components={k: torch.cat([r.components[k] for r in parts]) for k in parts[0].components},
+    )

@@ -20,16 +20,17 @@ selection among the completions the next point also sees.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import seeding
-from ..config import MaskedSamplerConfig
 from ..errors import FlowRLError
 from ..reward_models.math_answer import extract_answer
+from ..samplers.masked import MaskedSamplerConfig
 from ..types import MaskedLM
 from .text_candidates import MAJORITY, TextScorer, answer_key, check_candidates_differ, generate_texts, majority_choice
 
@@ -97,9 +98,21 @@ def candidate_generator(seed: int, j: int) -> torch.Generator:
 
 
 @torch.no_grad()
-def text_best_of_n(lm: MaskedLM, sampler: MaskedSamplerConfig, prompt_length: int | None, grader, scorers: Sequence[TextScorer],
-                   prompts: Sequence[str], metadata: Sequence[dict[str, Any]], n: int, temperature: float, seed: int, batch_size: int,
-                   position_scorer=None, progress=None) -> TextBestOfN:
+def text_best_of_n(
+    lm: MaskedLM,
+    sampler: MaskedSamplerConfig,
+    prompt_length: int | None,
+    grader,
+    scorers: Sequence[TextScorer],
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    n: int,
+    temperature: float,
+    seed: int,
+    batch_size: int,
+    position_scorer=None,
+    progress=None,
+) -> TextBestOfN:
     """Sample ``n`` completions per item at ``temperature``, ``batch_size`` items at a time; score each with
     every scorer (verifier-free) and with ``grader`` (the run's reward, which may read the gold answer in
     ``metadata``: it measures, it never selects).

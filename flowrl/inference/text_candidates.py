@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from ..config import MaskedSamplerConfig
 from ..errors import FlowRLError
-from ..samplers.masked import decode_completions, generate
+from ..samplers.masked import MaskedSamplerConfig, decode_completions, generate
 from ..types import MaskedLM, TokenTrajectory
 
 MAJORITY, LIKELIHOOD = "majority", "likelihood"
@@ -36,19 +36,42 @@ def encode_prompts(lm: MaskedLM, prompts: Sequence[str], prompt_length: int | No
     truncates to a fixed length (the embedded model's position table), None pads to the longest."""
     tok = lm.tokenizer
     tok.padding_side = "left"  # the completion must follow the prompt's last real token
-    enc = tok(list(prompts), padding="max_length" if prompt_length else "longest", max_length=prompt_length,
-              truncation=prompt_length is not None, return_tensors="pt")
+    enc = tok(
+        list(prompts),
+        padding="max_length" if prompt_length else "longest",
+        max_length=prompt_length,
+        truncation=prompt_length is not None,
+        return_tensors="pt",
+    )
     return enc.input_ids.to(lm.device), enc.attention_mask.bool().to(lm.device)
 
 
-def generate_texts(lm: MaskedLM, prompts: Sequence[str], sampler: MaskedSamplerConfig, prompt_length: int | None, temperature: float,
-                   generator: torch.Generator, position_scorer=None) -> TokenTrajectory:
+def generate_texts(
+    lm: MaskedLM,
+    prompts: Sequence[str],
+    sampler: MaskedSamplerConfig,
+    prompt_length: int | None,
+    temperature: float,
+    generator: torch.Generator,
+    position_scorer=None,
+) -> TokenTrajectory:
     """Generate one completion per prompt with the sampler settings at ``temperature``, decoded into
     ``.completions``. The training rollout, the held-out evaluation and best-of-N all call this."""
     ids, mask = encode_prompts(lm, prompts, prompt_length)
-    traj = generate(lm, ids, mask, sampler.gen_length, sampler.steps, sampler.block_length, temperature=temperature,
-                    remasking=sampler.remasking, threshold=sampler.threshold, position_scorer=position_scorer,
-                    logit_shift=sampler.logit_shift, generator=generator)
+    traj = generate(
+        lm,
+        ids,
+        mask,
+        sampler.gen_length,
+        sampler.steps,
+        sampler.block_length,
+        temperature=temperature,
+        remasking=sampler.remasking,
+        threshold=sampler.threshold,
+        position_scorer=position_scorer,
+        logit_shift=sampler.logit_shift,
+        generator=generator,
+    )
     traj.completions = decode_completions(lm.tokenizer, traj.completion_ids, lm.eos_token_id)
     return traj
 
@@ -56,8 +79,10 @@ def generate_texts(lm: MaskedLM, prompts: Sequence[str], sampler: MaskedSamplerC
 def check_candidates_differ(flag: str, count: int, temperature: float, remasking: str) -> None:
     """Refuse ``count`` > 1 candidates when every candidate would be the same completion."""
     if count > 1 and temperature == 0 and remasking != "random":
-        raise FlowRLError(f"{flag} {count} at temperature 0 draws {count} identical completions; "
-                          f"sample them at a temperature, e.g. sampler.eval_temperature=1.")
+        raise FlowRLError(
+            f"{flag} {count} at temperature 0 draws {count} identical completions; "
+            f"sample them at a temperature, e.g. sampler.eval_temperature=1."
+        )
 
 
 class TextScorer(Protocol):
@@ -86,8 +111,10 @@ class RewardScorer:
     def __call__(self, texts: Sequence[str], prompts: Sequence[str], log_likelihood: Tensor) -> Tensor:
         scores = self.reward(list(texts), list(prompts), [{} for _ in texts]).scores.double().cpu()
         if not torch.isfinite(scores).any():
-            raise FlowRLError(f"the reward '{self.name}' gives no finite score without the items' metadata, "
-                              f"so it cannot select; use majority, likelihood or a reward that reads only the completion.")
+            raise FlowRLError(
+                f"the reward '{self.name}' gives no finite score without the items' metadata, "
+                f"so it cannot select; use majority, likelihood or a reward that reads only the completion."
+            )
         return scores
 
 
@@ -98,8 +125,10 @@ def build_scorer(rule: str, reward_kwargs: dict[str, dict[str, Any]] | None = No
     if rule == LIKELIHOOD:
         return LikelihoodScorer()
     if rule in GOLD_GRADERS:
-        raise FlowRLError(f"'{rule}' grades against the gold answer, so selecting with it measures pass@N, "
-                          f"not inference-time scaling; select by majority, likelihood or a verifier-free reward such as format.")
+        raise FlowRLError(
+            f"'{rule}' grades against the gold answer, so selecting with it measures pass@N, "
+            f"not inference-time scaling; select by majority, likelihood or a verifier-free reward such as format."
+        )
     return RewardScorer(rule, build_reward(rule, **(reward_kwargs or {}).get(rule, {})))
 
 
@@ -116,8 +145,10 @@ def build_scorers(rules: Sequence[str], reward_config) -> list[TextScorer]:
             names = set(reward_config.components) | {m.name for e in reward_config.ensembles.values() for m in e.members}
             gold = sorted(names & GOLD_GRADERS)
             if gold:
-                raise FlowRLError(f"--select reward: the run's reward reads the gold answer ({', '.join(gold)}), so it would select "
-                                  f"with the answer in hand; select by a reward that does not, e.g. --select format.")
+                raise FlowRLError(
+                    f"--select reward: the run's reward reads the gold answer ({', '.join(gold)}), so it would select "
+                    f"with the answer in hand; select by a reward that does not, e.g. --select format."
+                )
             scorers.append(RewardScorer("reward", build_reward_from_config(reward_config)))
         else:
             scorers.append(build_scorer(rule, reward_config.kwargs))
@@ -159,5 +190,18 @@ def majority_choice(keys: Sequence[str | None]) -> int:
     return next(i for i, k in enumerate(keys) if k is not None and counts[k] == top)
 
 
-__all__: Sequence[str] = ["GOLD_GRADERS", "LIKELIHOOD", "MAJORITY", "LikelihoodScorer", "RewardScorer", "TextScorer", "answer_key",
-                          "build_scorer", "build_scorers", "check_candidates_differ", "encode_prompts", "generate_texts", "majority_choice"]
+__all__: Sequence[str] = [
+    "GOLD_GRADERS",
+    "LIKELIHOOD",
+    "MAJORITY",
+    "LikelihoodScorer",
+    "RewardScorer",
+    "TextScorer",
+    "answer_key",
+    "build_scorer",
+    "build_scorers",
+    "check_candidates_differ",
+    "encode_prompts",
+    "generate_texts",
+    "majority_choice",
+]

@@ -44,17 +44,23 @@ class Modality(Protocol):
         (eval.judge, never trained on) scores the same samples as ``eval/judge/*``."""
         ...
 
+    def sample(self, prompts: list[str], num_samples: int, seed: int, **options: Any) -> Any:
+        """``num_samples`` samples of each prompt with the current weights (``flowrl.Trainer.sample``)."""
+        ...
+
     def save_eval_samples(self, shown: Any, run_dir: Path, step: int, tag: str | None) -> None:
         """Write the shown evaluation samples (image grids / videos / decoded text) into the run directory."""
         ...
 
 
-def build_modality(config, device: torch.device) -> Modality:
-    """The modality of the config's pipeline: masked-diffusion text (``dllm``) or images and video."""
-    if config.pipeline.name == "dllm":
+def build_modality(config, device: torch.device, loaded: Any = None, objective: Any = None) -> Modality:
+    """The modality of the config's model family (its section's ``modality``): masked-diffusion text or images and
+    video. ``loaded``: a model already in memory to use instead of loading ``pipeline.pretrained``; ``objective``: an
+    objective object to train instead of building ``config.objective``."""
+    if config.pipeline.modality == "text":
         from .text import TextModality
 
-        return TextModality(config, device)
+        return TextModality(config, device, loaded, objective)
     from .images import ImageModality
 
-    return ImageModality(config, device)
+    return ImageModality(config, device, loaded, objective)

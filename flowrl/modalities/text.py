@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import gather_object
@@ -16,14 +17,12 @@ from ..config import Config
 from ..errors import FlowRLError
 from ..evaluation.held_out import eval_pool
 from ..inference.text_candidates import generate_texts
-from ..objectives.dllm.policy import build_dllm_objective
-from ..pipelines.dllm import load_masked_lm
-from ..prompts import prompt_pool, sample_prompts
+from ..objectives import BuildContext, build_objective
+from ..pipelines import build_pipeline
+from ..prompts import prompts_for, sample_prompts
 from ..run_logger import nanmean
 from ..types import Reward, RewardOutput, TokenTrajectory
 
-EMBEDDED_LMS = {"arith_mdlm": Path(__file__).resolve().parents[1] / "assets" / "arith_mdlm"}
-DLLM_OBJECTIVES = ("diffu_grpo", "unigrpo", "dcolt", "bgpo")
 NUM_EVAL_SAMPLES_SHOWN = 12
 
 
@@ -44,19 +43,14 @@ def draw_mask_seeds(groups: int, group_size: int, num_seeds: int, shared: bool, 
 class TextModality:
     module_attr = "model"
 
-    def __init__(self, config: Config, device: torch.device):
+    def __init__(self, config: Config, device: torch.device, loaded: Any = None, objective: Any = None):
+        """``loaded``: a transformers model (or a (model, tokenizer) pair) already in memory (flowrl.Trainer(pipeline=...))."""
         self.config, self.device = config, device
-        if config.sampler.name != "masked":
-            raise FlowRLError(f"a dllm pipeline needs sampler.name=masked, got '{config.sampler.name}'.")
-        if config.objective.name not in DLLM_OBJECTIVES:
-            raise FlowRLError(f"objective '{config.objective.name}' is for image models; use diffu_grpo, unigrpo, dcolt or bgpo.")
-        pc = config.pipeline
-        pretrained = str(EMBEDDED_LMS.get(pc.pretrained, pc.pretrained))
-        lora = pc.lora.model_dump() if pc.lora else None
-        self.pipeline = load_masked_lm(pretrained, family=pc.family, trust_remote_code=pc.trust_remote_code, dtype=pc.dtype, device=device, lora=lora)
+        self.pipeline = build_pipeline(config.pipeline, device, loaded)
         self.sampler = config.sampler
-        self.objective = build_dllm_objective(config.objective, config.sampler, self.pipeline.mask_token_id)
-        self.train_pool = prompt_pool(config.prompts.dataset, config.prompts.train_split, file=config.prompts.train_file)
+        context = BuildContext(reward_weights=dict(config.reward.components), sampler=config.sampler, pipeline=self.pipeline)
+        self.objective = objective if objective is not None else build_objective(config.objective, context)
+        self.train_pool = prompts_for(config.prompts, "train")
         self.eval_pool = eval_pool(config)
 
     def check(self) -> None:
@@ -73,8 +67,9 @@ class TextModality:
 
     def _generate(self, prompts: list[str], temperature: float, gen: torch.Generator) -> TokenTrajectory:
         # one generation path for rollouts, evaluation and inference-time scaling (best-of-1 = the evaluation)
-        return generate_texts(self.pipeline, prompts, self.config.sampler, self.config.pipeline.prompt_length, temperature, gen,
-                              self.position_scorer)
+        return generate_texts(
+            self.pipeline, prompts, self.config.sampler, self.config.pipeline.prompt_length, temperature, gen, self.position_scorer
+        )
 
     @torch.no_grad()
     def collect(self, iteration: int, rank: int, world: int) -> TokenTrajectory:
@@ -82,7 +77,9 @@ class TextModality:
         groups, n = tc.prompts_per_iteration // world, tc.num_generations
         # Every draw is made for the whole world and keyed by global indices, as for images (seeding.RowGenerators):
         # an N-process run generates exactly the completions of a 1-process run, split in N.
-        chosen = seeding.global_draw(lambda k: sample_prompts(self.train_pool, k, seeding.python_rng(seed, iteration, 0, "prompts")), groups, rank, world)
+        chosen = seeding.global_draw(
+            lambda k: sample_prompts(self.train_pool, k, seeding.python_rng(seed, iteration, 0, "prompts")), groups, rank, world
+        )
         prompts = [p for p, _ in chosen for _ in range(n)]
         group_ids = torch.arange(groups).repeat_interleave(n) + rank * groups
         rows = seeding.global_rows(group_ids, n)
@@ -91,8 +88,9 @@ class TextModality:
         traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(n)]
         traj.group_ids = group_ids
         oc = self.config.objective
-        traj.mask_seeds = draw_mask_seeds(groups * world, n, oc.num_mask_seeds, oc.group_shared_masks,
-                                          seeding.torch_generator(seed, iteration, 0, "rollout"))[rows]
+        traj.mask_seeds = draw_mask_seeds(
+            groups * world, n, oc.num_mask_seeds, oc.group_shared_masks, seeding.torch_generator(seed, iteration, 0, "rollout")
+        )[rows]
         # The rollout policy's log-likelihood estimates (and the reference's) are part of the record, computed
         # with the weights that generated it, before any update: the first ratio is exactly 1.
         self.objective.old_and_ref(self.pipeline, traj)
@@ -105,6 +103,18 @@ class TextModality:
         if with_gradient:
             raise FlowRLError("text rewards have no gradient; the dLLM objectives train on rollouts.")
         return reward(batch.completions, batch.prompts, batch.metadata), None
+
+    # -- sample (flowrl.Trainer.sample) ----------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, prompts: list[str], num_samples: int, seed: int, temperature: float | None = None) -> list[str]:
+        self.pipeline.model.eval()
+        rows = [p for p in prompts for _ in range(num_samples)]
+        temperature = self.config.sampler.eval_temperature if temperature is None else temperature
+        completions: list[str] = []
+        gen = torch.Generator().manual_seed(seed)
+        for start in range(0, len(rows), self.config.rollout.batch_size):
+            completions += self._generate(rows[start : start + self.config.rollout.batch_size], temperature, gen).completions
+        return completions
 
     # -- evaluate -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -121,9 +131,20 @@ class TextModality:
             out = reward(traj.completions, prompts, meta)
             judged = judge(traj.completions, prompts, meta) if judge is not None else None  # eval.judge: logged as eval/judge/*
             for j, i in enumerate(idx):
-                rows.append({"index": i, "prompt": prompts[j], "completion": traj.completions[j], "score": float(out.scores[j]),
-                             **{k: float(v[j]) for k, v in out.extras.items()},
-                             **({"judge/mean": float(judged.scores[j]), **{f"judge/{k}": float(v[j]) for k, v in judged.extras.items()}} if judged is not None else {})})
+                rows.append(
+                    {
+                        "index": i,
+                        "prompt": prompts[j],
+                        "completion": traj.completions[j],
+                        "score": float(out.scores[j]),
+                        **{k: float(v[j]) for k, v in out.extras.items()},
+                        **(
+                            {"judge/mean": float(judged.scores[j]), **{f"judge/{k}": float(v[j]) for k, v in judged.extras.items()}}
+                            if judged is not None
+                            else {}
+                        ),
+                    }
+                )
         rows = sorted((r for part in gather_object([rows]) for r in part), key=lambda r: r["index"])
         metrics = {"eval/reward/mean": nanmean([r["score"] for r in rows])}
         for key in rows[0]:

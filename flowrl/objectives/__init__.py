@@ -1,37 +1,39 @@
-"""Objectives: pure loss math (functional.py) composed into trainable objectives."""
+"""Objectives: pure loss math (functional.py) composed into trainable objectives.
+
+``OBJECTIVES`` is the one table of ``objective.name`` values: each names the objective's config section, which
+builds it (docs/architecture.md, "Adding an objective"; flowrl/registry.py for users' own).
+"""
 
 from __future__ import annotations
 
-from ..errors import FlowRLError
+from ..registry import Registry
+from ..sections import BuildContext, ObjectiveSection
 from ..types import Objective
-from .adjoint_matching import build_adjoint_matching
-from .d3po import build_d3po
-from .ddpo import build_ddpo
-from .diffusion_dpo import DiffusionDPOObjective
-from .diffusion_nft import build_diffusion_nft
-from .grpo import build_grpo
-from .seppo import build_seppo
 
-__all__ = ["build_objective"]
+__all__ = ["OBJECTIVES", "BuildContext", "build_objective"]
+
+OBJECTIVES = Registry(
+    "objective",
+    "objective.name",
+    {
+        "grpo": "flowrl.objectives.grpo:GRPOConfig",
+        "ddpo": "flowrl.objectives.ddpo:DDPOConfig",
+        "d3po": "flowrl.objectives.d3po:D3POConfig",
+        "diffusion_dpo": "flowrl.objectives.diffusion_dpo:DiffusionDPOConfig",
+        "seppo": "flowrl.objectives.seppo:SePPOConfig",
+        "adjoint_matching": "flowrl.objectives.adjoint_matching:AdjointMatchingConfig",
+        "diffusion_nft": "flowrl.objectives.diffusion_nft:DiffusionNFTConfig",
+        # diffusion language models (modality "text")
+        "diffu_grpo": "flowrl.objectives.dllm.policy:DiffuGRPOConfig",
+        "unigrpo": "flowrl.objectives.dllm.policy:UniGRPOConfig",
+        "dcolt": "flowrl.objectives.dllm.policy:DCoLTConfig",
+        "bgpo": "flowrl.objectives.dllm.policy:BGPOConfig",
+    },
+    base=ObjectiveSection,
+)
 
 
-def build_objective(config, reward_weights: dict[str, float] | None = None) -> Objective:
-    """Build the objective a config section names. ``reward_weights`` (component -> weight) is used by
-    GRPO's per-reward advantage option and D3PO's Pareto preferences."""
-    kwargs = config.model_dump(exclude={"name"})
-    if config.name == "grpo":
-        return build_grpo(reward_weights=reward_weights, **kwargs)
-    if config.name == "d3po":
-        if config.preference == "pareto" and len(reward_weights or {}) < 2:
-            raise FlowRLError("objective.preference=pareto compares reward components: reward.components needs at least two.")
-        return build_d3po(**kwargs)
-    if config.name == "diffusion_dpo":
-        return DiffusionDPOObjective(**kwargs)
-    if config.name == "seppo":
-        return build_seppo(**kwargs)
-    if config.name == "adjoint_matching":
-        kwargs.pop("allow_non_memoryless")  # checked with the sampler when the config is validated
-        return build_adjoint_matching(**kwargs)
-    if config.name == "diffusion_nft":
-        return build_diffusion_nft(**kwargs)
-    return build_ddpo(**kwargs)
+def build_objective(section: ObjectiveSection, context: BuildContext | None = None) -> Objective:
+    """The objective ``section`` describes; ``context`` carries what it may need of the run (reward weights, the
+    sampler section, the built model)."""
+    return section.build(context)

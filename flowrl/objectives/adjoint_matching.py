@@ -76,13 +76,16 @@ the next), so beyond the stored trajectory memory does not grow with the number 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 
 # -----------------------------------------------------------------------------------------------
@@ -212,8 +215,12 @@ def stratified_steps(trainable: Tensor, num: int | None, early_fraction: float, 
     n_early = min(num // 2, early.numel())
     n_late = min(num - n_early, late.numel())
     n_early = min(num - n_late, early.numel())  # a short stratum's share goes to the other one
-    pick = torch.cat([early[torch.randperm(early.numel(), generator=generator)[:n_early]],
-                      late[torch.randperm(late.numel(), generator=generator)[:n_late]]])
+    pick = torch.cat(
+        [
+            early[torch.randperm(early.numel(), generator=generator)[:n_early]],
+            late[torch.randperm(late.numel(), generator=generator)[:n_late]],
+        ]
+    )
     return sorted(pick.tolist())
 
 
@@ -233,11 +240,11 @@ class AdjointMatchingObjective:
     clip_ema_decay: decay of that EMA.
     """
 
-    reward_multiplier: float = 1.0
-    num_trained_steps: int | None = 4
-    early_fraction: float = 0.6
-    clip_quantile: float | None = 0.9
-    clip_ema_decay: float = 0.9
+    reward_multiplier: float
+    num_trained_steps: int | None
+    early_fraction: float
+    clip_quantile: float | None
+    clip_ema_decay: float
     name: str = field(default="adjoint_matching", init=False)
     trains_on: TrainingData = field(default="reward_gradient_rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)
@@ -250,11 +257,15 @@ class AdjointMatchingObjective:
 
     def prepare(self, batch: Trajectory) -> Trajectory:
         if batch.reward_grads is None:
-            raise FlowRLError("objective 'adjoint_matching' needs the reward gradient of every sample (Trajectory.reward_grads); "
-                              "the loop must collect reward_gradient_rollouts.")
+            raise FlowRLError(
+                "objective 'adjoint_matching' needs the reward gradient of every sample (Trajectory.reward_grads); "
+                "the loop must collect reward_gradient_rollouts."
+            )
         if batch.reward_grads.shape != batch.latents[:, -1].shape:
-            raise FlowRLError(f"reward_grads has shape {tuple(batch.reward_grads.shape)} but the final states have shape "
-                              f"{tuple(batch.latents[:, -1].shape)}.")
+            raise FlowRLError(
+                f"reward_grads has shape {tuple(batch.reward_grads.shape)} but the final states have shape "
+                f"{tuple(batch.latents[:, -1].shape)}."
+            )
         return batch
 
     def trainable_steps(self, pipeline: Pipeline, batch: Trajectory) -> Tensor:
@@ -277,7 +288,9 @@ class AdjointMatchingObjective:
 
         return step
 
-    def adjoints(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, steps: list[int]) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    def adjoints(
+        self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, steps: list[int]
+    ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
         """For each step k in ``steps``: (a_k, the base model's output at x_k), both detached.
 
         Integrates the lean adjoint from a_K = -lambda * reward_grads down to a_{min(steps)}: one base VJP
@@ -300,7 +313,11 @@ class AdjointMatchingObjective:
             raise FlowRLError("objective 'adjoint_matching' found no step to train: the time grid has no step below sigma = 1.")
         adjoint, base_out = self.adjoints(pipeline, sampler, batch, steps)
         device = batch.latents.device
-        valid = torch.isfinite(batch.rewards.to(device)) if batch.rewards is not None else torch.ones(len(batch), dtype=torch.bool, device=device)
+        valid = (
+            torch.isfinite(batch.rewards.to(device))
+            if batch.rewards is not None
+            else torch.ones(len(batch), dtype=torch.bool, device=device)
+        )
         n_valid = valid.sum().clamp(min=1)
         threshold = self._clip_ema if self.clip_quantile is not None else None
         schedule = getattr(pipeline, "schedule", None)
@@ -317,18 +334,21 @@ class AdjointMatchingObjective:
             seen.append(root[valid])
             with torch.no_grad():
                 vf = valid.float()
-                metrics = {"loss/adjoint_matching": loss.detach(),
-                           "adjoint/control_norm": (weight * (dscore.detach() ** 2).flatten(1).sum(1) * vf).sum() / n_valid,
-                           "adjoint/target_norm": (weight * (adjoint[k] ** 2).flatten(1).sum(1) * vf).sum() / n_valid,
-                           "adjoint/clipped_fraction": (valid & ~keep).float().sum() / n_valid}
+                metrics = {
+                    "loss/adjoint_matching": loss.detach(),
+                    "adjoint/control_norm": (weight * (dscore.detach() ** 2).flatten(1).sum(1) * vf).sum() / n_valid,
+                    "adjoint/target_norm": (weight * (adjoint[k] ** 2).flatten(1).sum(1) * vf).sum() / n_valid,
+                    "adjoint/clipped_fraction": (valid & ~keep).float().sum() / n_valid,
+                }
                 if threshold is not None:
                     metrics["adjoint/clip_threshold"] = torch.tensor(threshold)
             yield LossOutput(loss=loss / len(steps), metrics=metrics)
         if self.clip_quantile is not None:
             values = torch.cat(seen)
             if values.numel():
-                self._clip_ema = ema_update(self._clip_ema, self._clip_updates, float(torch.quantile(values.double(), self.clip_quantile)),
-                                            self.clip_ema_decay)
+                self._clip_ema = ema_update(
+                    self._clip_ema, self._clip_updates, float(torch.quantile(values.double(), self.clip_quantile)), self.clip_ema_decay
+                )
                 self._clip_updates += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -339,10 +359,52 @@ class AdjointMatchingObjective:
         self._clip_updates = int(state.get("clip_updates", 0))
 
 
-def build_adjoint_matching(**kwargs: Any) -> AdjointMatchingObjective:
-    return AdjointMatchingObjective(**kwargs)
+class AdjointMatchingConfig(ObjectiveSection):
+    """Adjoint Matching: regress the control onto the lean adjoint of the reward gradient (needs a differentiable
+    reward and a memoryless sampler: flow_memoryless for flow models, ddim with eta 1 for diffusion models)."""
+
+    name: str = "adjoint_matching"
+    reward_multiplier: float = Field(1.0, gt=0)  # lambda: the target is p_base(x) exp(lambda r(x)); the authors use 100 with ImageReward
+    num_trained_steps: int | None = Field(4, ge=1)  # steps per minibatch with a loss; None: every step below sigma = 1
+    early_fraction: float = Field(0.6, gt=0, lt=1)  # stratified draw: half the trained steps from this first fraction
+    clip_quantile: float | None = Field(0.9, gt=0, le=1)  # per-sample loss clipping at the EMA'd quantile; None: off
+    clip_ema_decay: float = Field(0.9, ge=0, lt=1)
+    # The tilt p_base exp(lambda r) is the fixed point only on a memoryless schedule; true lets another
+    # sampler run anyway, to measure the bias it leaves (docs/objectives/adjoint_matching.md)
+    allow_non_memoryless: bool = False
+
+    def check_run(self, config: Any) -> None:
+        s = config.sampler
+        if not s.memoryless and not self.allow_non_memoryless:
+            eta = f" with eta {s.eta}" if s.name == "ddim" else ""
+            raise ValueError(
+                f"adjoint_matching needs a memoryless sampler (flow_memoryless, or ddim with eta 1) but sampler.name is "
+                f"'{s.name}'{eta}; on another schedule its fixed point is not p_base exp(lambda r) (set "
+                f"objective.allow_non_memoryless=true to run it anyway)"
+            )
+
+    def build(self, context: BuildContext | None = None) -> AdjointMatchingObjective:
+        return AdjointMatchingObjective(
+            reward_multiplier=self.reward_multiplier,
+            num_trained_steps=self.num_trained_steps,
+            early_fraction=self.early_fraction,
+            clip_quantile=self.clip_quantile,
+            clip_ema_decay=self.clip_ema_decay,
+        )
 
 
-__all__ = ["AdjointMatchingObjective", "build_adjoint_matching", "lean_adjoint_step", "adjoint_matching_residual", "score_difference",
-           "memoryless_step_weight", "score_depends_on_model", "memoryless_flow_diffusion_sq", "memoryless_flow_drift",
-           "memoryless_vp_diffusion_sq", "ddpm_memoryless_variance", "ema_update", "stratified_steps"]
+__all__ = [
+    "AdjointMatchingObjective",
+    "AdjointMatchingConfig",
+    "lean_adjoint_step",
+    "adjoint_matching_residual",
+    "score_difference",
+    "memoryless_step_weight",
+    "score_depends_on_model",
+    "memoryless_flow_diffusion_sq",
+    "memoryless_flow_drift",
+    "memoryless_vp_diffusion_sq",
+    "ddpm_memoryless_variance",
+    "ema_update",
+    "stratified_steps",
+]

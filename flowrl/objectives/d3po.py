@@ -23,24 +23,29 @@ Differences from the reference implementation:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 
+from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .functional import d3po_pair_loss, masked_mean, pair_preferences
-from .policy_gradient import choose_train_steps
+from .policy_gradient import TimestepOrder, choose_train_steps
+
+Preference = Literal["reward", "pareto", "human"]
 
 
 @dataclass
 class D3POObjective:
-    name: str = "d3po"
-    beta: float = 0.1
-    clip_range: float = 0.1  # D3PO's eps: the ratio to the reference is clamped to [0.9, 1.1]
-    preference: Literal["reward", "pareto", "human"] = "reward"
-    timestep_fraction: float = 1.0
-    timestep_order: Literal["random", "first"] = "random"
+    beta: float
+    clip_range: float  # D3PO's eps: the ratio to the reference is clamped to [1 - eps, 1 + eps]
+    preference: Preference
+    timestep_fraction: float
+    timestep_order: TimestepOrder
+    name: str = field(default="d3po", init=False)
     trains_on: TrainingData = field(default="rollouts", init=False)  # pairs: consecutive rows of a group
     needs_log_probs: bool = field(default=True, init=False)
     reference: ReferenceModel = field(default="initial", init=False)  # the ratio is to the initial model
@@ -77,7 +82,9 @@ class D3POObjective:
         decisive = batch.advantages[0::2].to(batch.latents.device)
         for k in steps:
             x, x_next, sigma, sigma_next = batch.latents[:, k], batch.latents[:, k + 1], batch.sigmas[k], batch.sigmas[k + 1]
-            log_prob = sampler.step(pipeline.predict(x, sigma, batch.cond, batch.guidance_scale), x, sigma, sigma_next, x_next=x_next).log_prob
+            log_prob = sampler.step(
+                pipeline.predict(x, sigma, batch.cond, batch.guidance_scale), x, sigma, sigma_next, x_next=x_next
+            ).log_prob
             with torch.no_grad(), pipeline.reference():
                 ref_output = pipeline.predict(x, sigma, batch.cond, batch.guidance_scale)
                 ref_log_prob = sampler.step(ref_output, x, sigma, sigma_next, x_next=x_next).log_prob
@@ -86,11 +93,14 @@ class D3POObjective:
             loss = masked_mean(pair_loss, decisive)
             with torch.no_grad():
                 ratio = torch.exp(log_ratio)
-                metrics = {"loss/policy": loss.detach(), "policy/ratio_mean": ratio.mean(),
-                           "policy/clipfrac": ((ratio - 1).abs() > self.clip_range).float().mean(),
-                           # the implicit reward orders the pair as the labels do
-                           "d3po/pair_accuracy": masked_mean((log_ratio[0::2] > log_ratio[1::2]).float(), decisive),
-                           "d3po/decisive_fraction": decisive.mean()}
+                metrics = {
+                    "loss/policy": loss.detach(),
+                    "policy/ratio_mean": ratio.mean(),
+                    "policy/clipfrac": ((ratio - 1).abs() > self.clip_range).float().mean(),
+                    # the implicit reward orders the pair as the labels do
+                    "d3po/pair_accuracy": masked_mean((log_ratio[0::2] > log_ratio[1::2]).float(), decisive),
+                    "d3po/decisive_fraction": decisive.mean(),
+                }
             yield LossOutput(loss=loss / len(steps), metrics=metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -100,5 +110,27 @@ class D3POObjective:
         pass
 
 
-def build_d3po(**kwargs: Any) -> D3POObjective:
-    return D3POObjective(**kwargs)
+class D3POConfig(ObjectiveSection):
+    """D3PO: pairs of samples of one prompt, preference from the rewards, DPO loss on every trained step."""
+
+    name: str = "d3po"
+    beta: float = Field(0.1, gt=0)
+    clip_range: float = Field(0.1, gt=0, lt=1)  # the ratio to the reference is clamped to [1 - c, 1 + c]
+    # pareto: over the reward components; human: a person's labels of the pairs in prompts.pairs (flowrl label,
+    # labels.jsonl), trained on the trajectories stored with them (python -m flowrl.preference_pairs --trajectories)
+    preference: Preference = "reward"
+    timestep_fraction: float = Field(1.0, gt=0, le=1)
+    timestep_order: TimestepOrder = "random"
+
+    def check_run(self, config: Any) -> None:
+        if self.preference == "pareto" and len(config.reward.components) < 2:
+            raise ValueError("objective.preference=pareto compares reward components: reward.components needs at least two")
+
+    def build(self, context: BuildContext | None = None) -> D3POObjective:
+        return D3POObjective(
+            beta=self.beta,
+            clip_range=self.clip_range,
+            preference=self.preference,
+            timestep_fraction=self.timestep_fraction,
+            timestep_order=self.timestep_order,
+        )

@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from ..sections import BuildContext
 from ..types import Trajectory
-from .policy_gradient import PolicyGradientObjective
+from .policy_gradient import PolicyGradientConfig, PolicyGradientObjective
 
 
 @dataclass
 class PerPromptStatTracker:
-    buffer_size: int = 32
-    min_count: int = 16
+    buffer_size: int
+    min_count: int
     eps: float = 1e-6
     buffers: dict[str, deque] = field(default_factory=dict)
 
@@ -57,10 +59,18 @@ class PerPromptStatTracker:
         self.buffers = {p: deque(v, maxlen=self.buffer_size) for p, v in state.get("buffers", {}).items()}
 
 
-def build_ddpo(buffer_size: int = 32, min_count: int = 16, per_prompt_stat_tracking: bool = True, **kwargs: Any) -> PolicyGradientObjective:
-    if per_prompt_stat_tracking:
-        estimator = PerPromptStatTracker(buffer_size, min_count)
-    else:
-        estimator = PerPromptStatTracker(buffer_size=1, min_count=10**9)  # batch statistics only
-    kwargs.setdefault("adv_clip_max", 5.0)
-    return PolicyGradientObjective(name="ddpo", advantage_estimator=estimator, **kwargs)
+class DDPOConfig(PolicyGradientConfig):
+    """``objective.name: ddpo``: advantages from a per-prompt running buffer of rewards (ddpo-pytorch's stat tracker)."""
+
+    name: str = "ddpo"
+    per_prompt_stat_tracking: bool = True
+    buffer_size: int = Field(32, ge=1)
+    min_count: int = Field(16, ge=1)
+    adv_clip_max: float = Field(5.0, gt=0)
+
+    def build(self, context: BuildContext | None = None) -> PolicyGradientObjective:
+        if self.per_prompt_stat_tracking:
+            estimator = PerPromptStatTracker(self.buffer_size, self.min_count)
+        else:
+            estimator = PerPromptStatTracker(buffer_size=1, min_count=10**9)  # batch statistics only
+        return self.policy_gradient(estimator, self.adv_clip_max)

@@ -21,12 +21,15 @@ only as far as it does there (beta ~ 5000 for SD1.5/SDXL latents).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .functional import diffusion_dpo_loss
 
@@ -59,9 +62,9 @@ def denoising_errors(pipeline: Pipeline, x_t: Tensor, sigma: Tensor, cond, targe
 
 @dataclass
 class DiffusionDPOObjective:
-    name: str = "diffusion_dpo"
-    beta: float = 5000.0
-    preference: Literal["stored", "human"] = "stored"  # which order of the pairs is trained; the modality reads it
+    beta: float
+    preference: Literal["stored", "human"]  # which order of the pairs is trained; the modality reads it
+    name: str = field(default="diffusion_dpo", init=False)
     trains_on: TrainingData = field(default="offline_pairs", init=False)
     needs_log_probs: bool = field(default=False, init=False)
     reference: ReferenceModel = field(default="initial", init=False)
@@ -85,9 +88,13 @@ class DiffusionDPOObjective:
         loss = loss_per_pair.mean()
         with torch.no_grad():
             margin = (err[0::2] - err[1::2]) - (ref_err[0::2] - ref_err[1::2])
-            metrics = {"loss/policy": loss.detach(), "dpo/pair_accuracy": (margin < 0).float().mean(),
-                       "dpo/implicit_margin": (-0.5 * self.beta * margin).mean(), "dpo/err_winner": err[0::2].mean(),
-                       "dpo/err_loser": err[1::2].mean()}
+            metrics = {
+                "loss/policy": loss.detach(),
+                "dpo/pair_accuracy": (margin < 0).float().mean(),
+                "dpo/implicit_margin": (-0.5 * self.beta * margin).mean(),
+                "dpo/err_winner": err[0::2].mean(),
+                "dpo/err_loser": err[1::2].mean(),
+            }
         yield LossOutput(loss=loss, metrics=metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -95,3 +102,14 @@ class DiffusionDPOObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class DiffusionDPOConfig(ObjectiveSection):
+    """Diffusion-DPO: DPO on the denoising loss, from offline preference pairs (prompts.pairs)."""
+
+    name: str = "diffusion_dpo"
+    beta: float = Field(5000.0, gt=0)  # the reference's value for SD1.5 / SDXL latents
+    preference: Literal["stored", "human"] = "stored"  # stored: the pairs' own order; human: their labels.jsonl (flowrl label)
+
+    def build(self, context: BuildContext | None = None) -> DiffusionDPOObjective:
+        return DiffusionDPOObjective(beta=self.beta, preference=self.preference)

@@ -46,13 +46,16 @@ Choices the paper leaves open or states only in its code, as flowrl makes them:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .diffusion_dpo import noised_and_target
 from .functional import StdConvention, group_advantages, masked_mean
@@ -105,14 +108,14 @@ def swapped_weights(params: list[torch.nn.Parameter], values: list[Tensor]):
 
 @dataclass
 class DiffusionNFTObjective:
-    name: str = "diffusion_nft"
-    beta: float = 1.0
-    std: StdConvention = "global"
-    std_eps: float = 1e-4
-    adv_clip_max: float = 5.0
-    timestep_fraction: float = 0.99
-    old_decay_rate: float = 0.0
-    old_decay_max: float = 0.5
+    beta: float
+    std: StdConvention
+    std_eps: float
+    adv_clip_max: float
+    timestep_fraction: float
+    old_decay_rate: float
+    old_decay_max: float
+    name: str = field(default="diffusion_nft", init=False)
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)  # any sampler, the ODE included
     reference: ReferenceModel = field(default="none", init=False)  # the old policy is the objective's own copy
@@ -169,8 +172,14 @@ class DiffusionNFTObjective:
             out = pipeline.predict(x_t, sigma, batch.cond, batch.guidance_scale).float()
             per_sample = nft_loss(out, out_old, target, x0_error_scale(pipeline, sigma), r, self.beta)
             loss = masked_mean(per_sample, valid) / count
-            yield LossOutput(loss, {"loss/policy": loss.detach() * count, "nft/r_mean": masked_mean(r, valid).detach(),
-                                    "nft/old_deviation": (out - out_old).detach().pow(2).mean()})
+            yield LossOutput(
+                loss,
+                {
+                    "loss/policy": loss.detach() * count,
+                    "nft/r_mean": masked_mean(r, valid).detach(),
+                    "nft/old_deviation": (out - out_old).detach().pow(2).mean(),
+                },
+            )
         self.optimizer_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -181,5 +190,17 @@ class DiffusionNFTObjective:
         self._old, self._refresh = None, True
 
 
-def build_diffusion_nft(**kwargs: Any) -> DiffusionNFTObjective:
-    return DiffusionNFTObjective(**kwargs)
+class DiffusionNFTConfig(ObjectiveSection):
+    """DiffusionNFT: flow matching of implicit positive / negative policies on the rollouts' clean samples (no log-probs)."""
+
+    name: str = "diffusion_nft"
+    beta: float = Field(1.0, gt=0)  # implicit-policy mixing strength (the authors: 1; 0.1 for OCR)
+    std: StdConvention = "global"  # group advantage normalisation before r
+    std_eps: float = Field(1e-4, gt=0)
+    adv_clip_max: float = Field(5.0, gt=0)  # r = clip(1/2 + A / (2 adv_clip_max), 0, 1)
+    timestep_fraction: float = Field(0.99, gt=0, le=1)  # of the rollout grid's times, trained per sample
+    old_decay_rate: float = Field(0.0, ge=0)  # old policy soft update eta = min(rate * optimizer steps, max); 0: rollout weights
+    old_decay_max: float = Field(0.5, ge=0, lt=1)
+
+    def build(self, context: BuildContext | None = None) -> DiffusionNFTObjective:
+        return DiffusionNFTObjective(**self.target_kwargs())

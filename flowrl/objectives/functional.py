@@ -1,4 +1,4 @@
-"""Pure loss, advantage and preference math (MATH.md sections 3-4). Every objective calls these; none re-derives them."""
+"""Pure loss, advantage and preference math (docs/math.md sections 3-4). Every objective calls these; none re-derives them."""
 
 from __future__ import annotations
 
@@ -71,8 +71,9 @@ def k3_kl(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
-def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float,
-                      mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def clipped_surrogate(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float, mask: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate for one denoising step.
 
     loss = mean_B max(-A r, -A clip(r, 1 - eps, 1 + eps)),  r = exp(log_prob - old_log_prob),
@@ -116,8 +117,9 @@ def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduction: Reductio
     return elem.mean(dims) if reduction == "mean" else elem.sum(dims)
 
 
-def pair_preferences(rewards: Tensor, components: dict[str, Tensor] | None, first: Tensor, second: Tensor,
-                     mode: Literal["reward", "pareto"] = "reward") -> Tensor:
+def pair_preferences(
+    rewards: Tensor, components: dict[str, Tensor] | None, first: Tensor, second: Tensor, mode: Literal["reward", "pareto"] = "reward"
+) -> Tensor:
     """Preference h in {+1, -1, 0} of sample ``first[i]`` over ``second[i]`` (D3PO's labels from rewards).
 
     "reward": the sign of the combined-reward difference. "pareto" (D3PO's multi-reward comparison): +1 if
@@ -135,7 +137,7 @@ def pair_preferences(rewards: Tensor, components: dict[str, Tensor] | None, firs
 
 
 def d3po_pair_loss(log_ratio_winner: Tensor, log_ratio_loser: Tensor, beta: float, clip_range: float) -> Tensor:
-    """D3PO's per-pair loss ``-log sigmoid(beta * (log r_w - log r_l))`` (MATH.md section 4).
+    """D3PO's per-pair loss ``-log sigmoid(beta * (log r_w - log r_l))`` (docs/math.md section 4).
 
     ``log_ratio`` = log p_theta(x_{t-1} | x_t) - log p_ref(x_{t-1} | x_t) of one stored transition; the ratio
     is clamped to [1 - clip_range, 1 + clip_range] (D3PO's eps = 0.1), so a transition already moved that far
@@ -147,7 +149,7 @@ def d3po_pair_loss(log_ratio_winner: Tensor, log_ratio_loser: Tensor, beta: floa
 
 
 def diffusion_dpo_loss(err_winner: Tensor, err_loser: Tensor, ref_err_winner: Tensor, ref_err_loser: Tensor, beta: float) -> Tensor:
-    """Diffusion-DPO's per-pair loss (MATH.md section 4).
+    """Diffusion-DPO's per-pair loss (docs/math.md section 4).
 
     ``err`` = per-sample mean squared error of the denoiser's prediction against its regression target at
     the pair's shared noise and time. With d = err_w - err_l for the model and for the reference,

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from ..sections import BuildContext
 from ..types import Trajectory
 from .functional import StdConvention, group_advantages
-from .policy_gradient import PolicyGradientObjective
+from .policy_gradient import PolicyGradientConfig, PolicyGradientObjective, StepWeighting
 
 
 @dataclass
@@ -32,8 +34,8 @@ class GroupAdvantages:
     sum of each component's own group-normalised advantage (so a reward with a large scale or spread
     cannot drown the others; Flow-GRPO's multi-reward setting)."""
 
-    std: StdConvention = "unbiased"
-    eps: float = 1e-8
+    std: StdConvention
+    eps: float
     component_weights: dict[str, float] | None = None
 
     def __call__(self, batch: Trajectory) -> Tensor:
@@ -53,7 +55,20 @@ class GroupAdvantages:
         pass
 
 
-def build_grpo(std: StdConvention = "unbiased", std_eps: float = 1e-8, per_reward_advantages: bool = False,
-               reward_weights: dict[str, float] | None = None, **kwargs: Any) -> PolicyGradientObjective:
-    weights = dict(reward_weights or {}) if per_reward_advantages else None
-    return PolicyGradientObjective(name="grpo", advantage_estimator=GroupAdvantages(std, std_eps, weights), **kwargs)
+class GRPOConfig(PolicyGradientConfig):
+    """``objective.name: grpo``."""
+
+    name: str = "grpo"
+    std: StdConvention = "unbiased"
+    std_eps: float = Field(1e-8, gt=0)
+    per_reward_advantages: bool = False  # normalise each reward component in its group, then weight and sum
+    adv_clip_max: float | None = None
+    best_worst_k: int | None = Field(None, ge=2)
+    # TempFlow-GRPO's noise-aware step credit: each trained step's policy term weighted by its transition std,
+    # normalised to mean 1 over the trained steps (docs/objectives/grpo.md); none: every step alike
+    step_weighting: StepWeighting = "none"
+
+    def build(self, context: BuildContext | None = None) -> PolicyGradientObjective:
+        weights = dict(context.reward_weights) if self.per_reward_advantages and context is not None else None
+        estimator = GroupAdvantages(self.std, self.std_eps, weights)
+        return self.policy_gradient(estimator, self.adv_clip_max, self.best_worst_k, self.step_weighting)

@@ -7,14 +7,22 @@ two copies of the loop.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from ..sections import ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, masked_mean, noise_level_step_weights
+
+KLForm = Literal["gaussian", "flow_grpo"]
+TimestepOrder = Literal["random", "first"]
+StepWeighting = Literal["none", "noise_level"]
+
 
 class AdvantageEstimator(Protocol):
     """Advantages (B,) of a scored batch; stateful estimators (DDPO's per-prompt buffers) save their state."""
@@ -92,15 +100,15 @@ class PolicyGradientObjective:
 
     name: str
     advantage_estimator: AdvantageEstimator
-    clip_range: float = 1e-4
-    adv_clip_max: float | None = None
-    beta: float = 0.0
-    kl_form: Literal["gaussian", "flow_grpo"] = "gaussian"
-    timestep_fraction: float = 1.0
-    timestep_order: Literal["random", "first"] = "random"
-    best_worst_k: int | None = None
-    ratio_norm: bool = False
-    step_weighting: Literal["none", "noise_level"] = "none"
+    clip_range: float
+    adv_clip_max: float | None
+    beta: float
+    kl_form: KLForm
+    timestep_fraction: float
+    timestep_order: TimestepOrder
+    best_worst_k: int | None
+    ratio_norm: bool
+    step_weighting: StepWeighting
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
     minibatch_unit: int = field(default=1, init=False)
@@ -136,8 +144,11 @@ class PolicyGradientObjective:
                 log_prob = out.log_prob
             policy_loss, stats = clipped_surrogate(log_prob, old_log_prob, advantages, self.clip_range, valid)
             loss = policy_loss if weights is None else weights[i].to(policy_loss.device) * policy_loss
-            metrics = {"loss/policy": policy_loss.detach(), **{f"policy/{n}": v for n, v in stats.items()},
-                       **step_ratio_stats(log_prob.detach() - old_log_prob, valid, k)}
+            metrics = {
+                "loss/policy": policy_loss.detach(),
+                **{f"policy/{n}": v for n, v in stats.items()},
+                **step_ratio_stats(log_prob.detach() - old_log_prob, valid, k),
+            }
             if self.beta > 0:
                 kl = self._kl(pipeline, sampler, batch, k, out.mean, out.std, valid)
                 loss = loss + self.beta * kl
@@ -159,3 +170,39 @@ class PolicyGradientObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.advantage_estimator.load_state_dict(state.get("advantage_estimator", {}))
+
+
+class PolicyGradientConfig(ObjectiveSection):
+    """The knobs GRPO and DDPO share: the per-step clipped surrogate, its KL term and which steps are trained."""
+
+    clip_range: float = Field(1e-4, gt=0)
+    beta: float = Field(0.0, ge=0)  # KL weight; see docs/objectives for its scaling
+    kl_form: KLForm = "gaussian"
+    timestep_fraction: float = Field(1.0, gt=0, le=1)
+    timestep_order: TimestepOrder = "random"
+    # GRPO-Guard's ratio normalisation (Wang et al. 2025): each step's log-ratio re-centred and scaled by the
+    # transition std, so the ratio is centred at 1 with a step-independent spread (docs/instruments.md)
+    ratio_norm: bool = False
+    supports_branching: ClassVar[bool] = True  # B2-DiffuRL's branches train a policy-gradient objective
+
+    def policy_gradient(
+        self,
+        estimator: AdvantageEstimator,
+        adv_clip_max: float | None,
+        best_worst_k: int | None = None,
+        step_weighting: StepWeighting = "none",
+    ) -> PolicyGradientObjective:
+        """The objective with this section's shared knobs and the estimator and options of the concrete one."""
+        return PolicyGradientObjective(
+            name=self.name,
+            advantage_estimator=estimator,
+            clip_range=self.clip_range,
+            adv_clip_max=adv_clip_max,
+            beta=self.beta,
+            kl_form=self.kl_form,
+            timestep_fraction=self.timestep_fraction,
+            timestep_order=self.timestep_order,
+            best_worst_k=best_worst_k,
+            ratio_norm=self.ratio_norm,
+            step_weighting=step_weighting,
+        )

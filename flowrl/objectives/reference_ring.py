@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -42,8 +43,9 @@ class ReferenceRing(torch.nn.Module):
         while len(self.snapshots) > self.capacity:
             del self.snapshots[sorted(self.snapshots)[1]]  # the oldest after the initial one
 
-    def choose(self, strategy: Strategy, generator: torch.Generator, quality: dict[int, float] | None = None,
-               temperature: float = 1.0) -> int:
+    def choose(
+        self, strategy: Strategy, generator: torch.Generator, quality: dict[int, float] | None = None, temperature: float = 1.0
+    ) -> int:
         """The iteration of the snapshot to use as reference.
 
         latest: the newest (SPIN's previous iterate). rpc: uniform over every snapshot held, the initial

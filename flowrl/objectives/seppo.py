@@ -37,16 +37,19 @@ Every choice the paper leaves open is listed in docs/objectives/seppo.md.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from .. import seeding
 from ..data.winners import Winners, load_winners, top_fraction
 from ..errors import FlowRLError
 from ..samplers.rollout import rollout
+from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
 from .diffusion_dpo import denoising_errors, noised_and_target, training_sigmas
 from .functional import diffusion_dpo_loss
@@ -74,16 +77,18 @@ def seppo_pair_loss(err: Tensor, ref_err: Tensor, beta: float, margin: float) ->
 
 @dataclass
 class SePPOObjective:
-    name: str = "seppo"
-    beta: float = 5000.0
-    reference_strategy: Strategy = "rpc"
-    ref_update_every: int = 1  # iterations between snapshots
-    max_checkpoints: int = 8
-    psm_temperature: float = 0.1
-    flip_margin: float = 0.0
-    winners: str = "embedded"
-    winners_select: str | dict[str, float] | None = None  # a reward name or {name: weight}: keep the best winners_top_fraction of each metadata group by it
-    winners_top_fraction: float = 1.0
+    beta: float
+    reference_strategy: Strategy
+    ref_update_every: int  # iterations between snapshots
+    max_checkpoints: int
+    psm_temperature: float
+    flip_margin: float
+    winners: str
+    winners_select: (
+        str | dict[str, float] | None
+    )  # a reward name or {name: weight}: keep the best winners_top_fraction of each metadata group by it
+    winners_top_fraction: float
+    name: str = field(default="seppo", init=False)
     trains_on: TrainingData = field(default="reference_rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)
     reference: ReferenceModel = field(default="none", init=False)  # the reference is a snapshot of the ring, not the trainer's
@@ -119,7 +124,9 @@ class SePPOObjective:
 
     def losses(self, pipeline: Pipeline, sampler: Sampler, batch: Trajectory, generator: torch.Generator) -> Iterator[LossOutput]:
         if self.current is None:
-            raise FlowRLError("SePPO trains on its reference model's samples: no reference was chosen (the batch was not collected by SePPO).")
+            raise FlowRLError(
+                "SePPO trains on its reference model's samples: no reference was chosen (the batch was not collected by SePPO)."
+            )
         x0 = batch.latents[:, -1].float()
         pairs = x0.shape[0] // 2
         sigma = training_sigmas(pipeline, pairs, generator).to(x0.device).repeat_interleave(2)
@@ -133,11 +140,16 @@ class SePPOObjective:
         per_pair, flip = seppo_pair_loss(err, ref_err, self.beta, self.flip_margin)
         loss = per_pair.mean()  # a skipped reference sample still leaves its winner's term
         with torch.no_grad():
-            metrics = {"loss/policy": loss.detach(), "seppo/loser_fraction": (flip > 0).float().mean(),
-                       "seppo/flipped_fraction": (flip < 0).float().mean(), "seppo/skipped_fraction": (flip == 0).float().mean(),
-                       "seppo/reference_iteration": torch.tensor(float(self.current)),
-                       "seppo/checkpoints": torch.tensor(float(len(self.ring.snapshots))),
-                       "dpo/err_winner": err[0::2].mean(), "dpo/err_reference_sample": err[1::2].mean()}
+            metrics = {
+                "loss/policy": loss.detach(),
+                "seppo/loser_fraction": (flip > 0).float().mean(),
+                "seppo/flipped_fraction": (flip < 0).float().mean(),
+                "seppo/skipped_fraction": (flip == 0).float().mean(),
+                "seppo/reference_iteration": torch.tensor(float(self.current)),
+                "seppo/checkpoints": torch.tensor(float(len(self.ring.snapshots))),
+                "dpo/err_winner": err[0::2].mean(),
+                "dpo/err_reference_sample": err[1::2].mean(),
+            }
         yield LossOutput(loss=loss, metrics=metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,8 +160,24 @@ class SePPOObjective:
         self.quality = {int(k): [float(v[0]), int(v[1])] for k, v in state.get("quality", {}).items()}
 
 
-def build_seppo(**kwargs: Any) -> SePPOObjective:
-    return SePPOObjective(**kwargs)
+class SePPOConfig(ObjectiveSection):
+    """SePPO: winners from a dataset, losers sampled by a previous checkpoint, the anchor-based flipper (docs/objectives/seppo.md)."""
+
+    name: str = "seppo"
+    beta: float = Field(5000.0, gt=0)  # Diffusion-DPO's scale for SD latents
+    reference_strategy: Strategy = "rpc"  # newest checkpoint / uniform over all (initial included) / softmax of quality
+    ref_update_every: int = Field(1, ge=1)  # iterations between checkpoint snapshots
+    max_checkpoints: int = Field(8, ge=1)  # snapshots held in memory (and in each checkpoint), the initial one always among them
+    psm_temperature: float = Field(0.1, gt=0)  # psm: p ~ exp(quality / T), quality = mean reward of a checkpoint's samples
+    flip_margin: float = Field(0.0, ge=0)  # |implicit-reward gap| (loss-logit units) at or below which a reference sample is skipped
+    winners: str = "embedded"  # the embedded digits data, a .jsonl of {"prompt", "image"} lines, or a folder of images + .txt prompts
+    winners_select: str | dict[str, float] | None = (
+        None  # a reward name (ink) or weighted names ({ink: 1, digit_classifier: 1}): keep the best winners_top_fraction of each metadata group by it
+    )
+    winners_top_fraction: float = Field(1.0, gt=0, le=1)
+
+    def build(self, context: BuildContext | None = None) -> SePPOObjective:
+        return SePPOObjective(**self.target_kwargs())
 
 
 # -- what the modality needs: the winners and the iteration's batch -----------------------------------
@@ -175,8 +203,10 @@ def pixel_shape(pipeline: Pipeline) -> tuple[int, tuple[int, int]]:
     before anything is written."""
     vae, shape = getattr(pipeline, "vae", None), tuple(pipeline.latent_shape())
     if len(shape) != 3 or (vae is not None and getattr(vae.config, "latents_mean", None) is not None):
-        raise FlowRLError(f"SePPO encodes its winners for pixel-space image models and 2-D VAE latents (Stable Diffusion 1.5/2, SDXL, SD3, FLUX); "
-                          f"{type(pipeline).__name__}'s samples of shape {shape} are not supported.")
+        raise FlowRLError(
+            f"SePPO encodes its winners for pixel-space image models and 2-D VAE latents (Stable Diffusion 1.5/2, SDXL, SD3, FLUX); "
+            f"{type(pipeline).__name__}'s samples of shape {shape} are not supported."
+        )
     if vae is None:  # pixel-space models (the embedded digits): the latents are the images
         return shape[0], shape[1:]
     return 3, pipeline.sample_size()
@@ -194,8 +224,21 @@ def winner_latents(pipeline: Pipeline, images: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def reference_pair_batch(objective: SePPOObjective, pipeline: Pipeline, sampler: Sampler, winners: Winners, *, seed: int, iteration: int,
-                         rank: int, world: int, pairs: int, num_inference_steps: int, guidance_scale: float, chunk: int) -> Trajectory:
+def reference_pair_batch(
+    objective: SePPOObjective,
+    pipeline: Pipeline,
+    sampler: Sampler,
+    winners: Winners,
+    *,
+    seed: int,
+    iteration: int,
+    rank: int,
+    world: int,
+    pairs: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    chunk: int,
+) -> Trajectory:
     """This process's ``pairs`` (winner, reference sample) rows for ``iteration``. Winners and initial noise are
     drawn for the whole world and sliced, so the rows do not depend on the number of processes."""
     objective.begin_iteration(pipeline, seed, iteration)
@@ -206,7 +249,9 @@ def reference_pair_batch(objective: SePPOObjective, pipeline: Pipeline, sampler:
     x_w = winner_latents(pipeline, winners.images[idx])
     gen = torch.Generator().manual_seed(seeding.derive_seed(seed, iteration, 0, _REFERENCE_NOISE))
     noise = pipeline.initial_noise(pairs * world, gen)[mine]
-    step_gen = seeding.RowGenerators.keyed(seed, iteration, "rollout", range(rank * pairs, (rank + 1) * pairs))  # an SDE's step noise per pair
+    step_gen = seeding.RowGenerators.keyed(
+        seed, iteration, "rollout", range(rank * pairs, (rank + 1) * pairs)
+    )  # an SDE's step noise per pair
     sigmas = pipeline.schedule.sigmas(num_inference_steps).to(noise.device)
     group_ids = torch.arange(pairs) + rank * pairs
     pipeline.denoiser.eval()
@@ -214,11 +259,32 @@ def reference_pair_batch(objective: SePPOObjective, pipeline: Pipeline, sampler:
     with objective.ring.swapped_in(pipeline, objective.current):
         for start in range(0, pairs, chunk):
             sl = slice(start, start + chunk)
-            samples.append(rollout(pipeline, sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas, step_gen[sl], guidance_scale,
-                                   initial_noise=noise[sl], decode=False).latents[:, -1])
+            samples.append(
+                rollout(
+                    pipeline,
+                    sampler,
+                    prompts[sl],
+                    metadata[sl],
+                    group_ids[sl],
+                    sigmas,
+                    step_gen[sl],
+                    guidance_scale,
+                    initial_noise=noise[sl],
+                    decode=False,
+                ).latents[:, -1]
+            )
     x_r = torch.cat(samples)
     x0 = torch.stack([x_w, x_r.to(x_w)], 1).flatten(0, 1)  # winner, reference sample, winner, ...
     rows_prompts, rows_metadata = [p for p in prompts for _ in range(2)], [dict(m) for m in metadata for _ in range(2)]
-    return Trajectory(latents=x0[:, None], sigmas=torch.zeros(1), log_probs=x0.new_zeros(len(rows_prompts), 0),
-                      stochastic=torch.zeros(0, dtype=torch.bool), cond=pipeline.encode(rows_prompts), prompts=rows_prompts,
-                      metadata=rows_metadata, group_ids=group_ids.repeat_interleave(2), samples=pipeline.decode(x0), guidance_scale=1.0)
+    return Trajectory(
+        latents=x0[:, None],
+        sigmas=torch.zeros(1),
+        log_probs=x0.new_zeros(len(rows_prompts), 0),
+        stochastic=torch.zeros(0, dtype=torch.bool),
+        cond=pipeline.encode(rows_prompts),
+        prompts=rows_prompts,
+        metadata=rows_metadata,
+        group_ids=group_ids.repeat_interleave(2),
+        samples=pipeline.decode(x0),
+        guidance_scale=1.0,
+    )

@@ -15,12 +15,14 @@ frames at the front to a multiple of patch_size_t; decode drops them as the pipe
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import DiffusersAdapter, PipelineConfig
 from .stable_diffusion import discrete_schedule
 
 
@@ -69,8 +71,14 @@ class CogVideoXAdapter(DiffusersAdapter):
     # -- conditioning ---------------------------------------------------------------------------
     def _encode_prompts(self, prompts: list[str]) -> Condition:
         """T5 hidden states over max_sequence_length tokens (CogVideoXPipeline._get_t5_prompt_embeds)."""
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
-                             add_special_tokens=True, return_tensors="pt").input_ids
+        ids = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        ).input_ids
         with self._frozen_on_device(self.text_encoder):
             hidden = self.text_encoder(ids.to(self.text_encoder.device))[0]
         return {"prompt_embeds": hidden.float()}
@@ -94,25 +102,46 @@ class CogVideoXAdapter(DiffusersAdapter):
             base_w, base_h = cfg.sample_width // cfg.patch_size, cfg.sample_height // cfg.patch_size
             if cfg.patch_size_t is None:  # CogVideoX 1.0
                 crops = get_resize_crop_region_for_grid((grid_h, grid_w), base_w, base_h)
-                cos, sin = get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=crops, grid_size=(grid_h, grid_w),
-                                                   temporal_size=self.latent_frames, device=self.device)
+                cos, sin = get_3d_rotary_pos_embed(
+                    embed_dim=cfg.attention_head_dim,
+                    crops_coords=crops,
+                    grid_size=(grid_h, grid_w),
+                    temporal_size=self.latent_frames,
+                    device=self.device,
+                )
             else:  # CogVideoX 1.5
-                cos, sin = get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=None, grid_size=(grid_h, grid_w),
-                                                   temporal_size=(self.latent_frames + cfg.patch_size_t - 1) // cfg.patch_size_t,
-                                                   grid_type="slice", max_size=(base_h, base_w), device=self.device)
+                cos, sin = get_3d_rotary_pos_embed(
+                    embed_dim=cfg.attention_head_dim,
+                    crops_coords=None,
+                    grid_size=(grid_h, grid_w),
+                    temporal_size=(self.latent_frames + cfg.patch_size_t - 1) // cfg.patch_size_t,
+                    grid_type="slice",
+                    max_size=(base_h, base_w),
+                    device=self.device,
+                )
             self._rotary = (cos, sin)
         return self._rotary
 
     def _forward(self, model, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
         t = self.timestep(sigma).to(self.device).expand(x.shape[0])
         hidden = x.permute(0, 2, 1, 3, 4).to(self.model_dtype)  # (B, C, T, H, W) -> CogVideoX's (B, T, C, H, W)
-        out = model(hidden_states=hidden, encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype), timestep=t,
-                    image_rotary_emb=self.rotary_embeddings(), return_dict=False)[0]
+        out = model(
+            hidden_states=hidden,
+            encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
+            timestep=t,
+            image_rotary_emb=self.rotary_embeddings(),
+            return_dict=False,
+        )[0]
         return out.permute(0, 2, 1, 3, 4)
 
     def latent_shape(self) -> tuple[int, ...]:
         h, w = self.sample_size()
-        return (self.transformer_config.in_channels, self.latent_frames, h // self.vae_scale_factor_spatial, w // self.vae_scale_factor_spatial)
+        return (
+            self.transformer_config.in_channels,
+            self.latent_frames,
+            h // self.vae_scale_factor_spatial,
+            w // self.vae_scale_factor_spatial,
+        )
 
     def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         """(B, C, T_lat, h, w) latents -> (B, 3, T, H, W) float32 video in [0, 1], one sample at a time."""
@@ -122,3 +151,13 @@ class CogVideoXAdapter(DiffusersAdapter):
                 latents = latents.to(self.vae.device, self.vae.dtype) / self.scaling_factor
                 videos.append(self.vae.decode(latents).sample.float().to(self.device))
         return ((torch.cat(videos) + 1) / 2).clamp(0, 1)
+
+
+class CogVideoXConfig(PipelineConfig):
+    """``pipeline.name: cogvideox`` (CogVideoX text-to-video)."""
+
+    name: str = "cogvideox"
+    adapter: ClassVar[Any] = CogVideoXAdapter
+
+    def probe_samples(self, n: int) -> Any:
+        return torch.rand(n, 3, 2, 32, 32, generator=torch.Generator().manual_seed(0))  # (B, C, T, H, W): two small frames

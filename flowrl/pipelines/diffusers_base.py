@@ -18,15 +18,52 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..samplers.schedules import SamplingGrid
+from ..sections import PipelineSection
 from ..types import Condition, cat_conditions
+from .common import DTYPES, DeviceSpec, Dtype, LoraConfig
 from .guidance import guided_prediction
+
+
+class PipelineConfig(PipelineSection):
+    """``pipeline``: an image or video model driven through its diffusers components (docs/model_families.md).
+    Every family over diffusers components shares these fields; each family's section (in its own file) names
+    its adapter and may add fields of its own."""
+
+    name: str = "digits"
+    pretrained: str = "digits_flow"  # an embedded model name, a local directory, or a hub id
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    variant: str | None = None  # diffusers weight variant, e.g. "fp16"
+    device: DeviceSpec = "auto"  # "auto" lets accelerate place it (GPU when present); else exactly this one
+    dtype: Dtype = "float32"  # weights of the frozen parts and the base model
+    lora: LoraConfig | None = None  # None: full fine-tuning of the denoiser
+    gradient_checkpointing: bool = False
+    attention: Literal["sdpa", "xformers"] = "sdpa"  # xformers needs the [gpu] extra
+    offload_frozen: bool = False  # keep text encoders / VAE on the CPU except while they run
+    height: int | None = Field(None, ge=8)  # sample size in pixels; None: the family's default
+    width: int | None = Field(None, ge=8)
+    num_frames: int | None = Field(None, ge=1)  # video families
+    max_sequence_length: int | None = Field(None, ge=1)  # text-encoder tokens (T5 families)
+    flow_shift: float | None = Field(None, gt=0)  # rectified-flow families: override the checkpoint's sigma shift
+    # the sampling grid; default: the family's diffusers pipeline grid for the checkpoint (docs/samplers.md)
+    sampling_grid: SamplingGrid = "default"
+    adapter: ClassVar[Any] = None  # the family's adapter class (set by each family's section)
+
+    def build(self, device: Any, loaded: Any = None) -> Any:
+        if self.adapter is None:  # the generic section: build through the family's own
+            from . import family_section
+
+            return family_section(self).build(device, loaded)
+        return self.adapter.from_config(self, device, loaded=loaded)
 
 
 def resolve_source(pretrained: str) -> str:
@@ -41,6 +78,12 @@ def resolve_source(pretrained: str) -> str:
     if pretrained.startswith((".", "/", "~")) or pretrained.count("/") > 1 or path.exists():
         raise FlowRLError(f"pipeline.pretrained '{pretrained}' is not an existing model directory.")
     return pretrained
+
+
+def _loaded_source(loaded: Any, pretrained: str) -> str:
+    """Where a pipeline given in memory came from: its own ``name_or_path`` (a directory or hub id), else the config's."""
+    source = getattr(loaded, "name_or_path", None) or getattr(getattr(loaded, "config", None), "_name_or_path", None)
+    return str(source) if source else pretrained
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -60,11 +103,12 @@ class DiffusersAdapter:
     default_size = (512, 512)  # (height, width) when the config gives none
     prediction_type = "flow"
 
-    def __init__(self, config, device: str | torch.device):
-        from . import DTYPES
-
+    def __init__(self, config, device: str | torch.device, loaded: Any = None):
         self.config = config
-        self.source = self._resolve_source(config.pretrained)
+        # ``loaded``: a diffusers pipeline already in memory, whose components are used (not copied) instead of
+        # loading ``pretrained``; its own name_or_path is the source a checkpoint and an export refer to
+        self.loaded = loaded
+        self.source = self._resolve_source(config.pretrained) if loaded is None else _loaded_source(loaded, config.pretrained)
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         self.guidance_mode = "cfg"  # set by the trainer from rollout.guidance_mode
@@ -75,7 +119,9 @@ class DiffusersAdapter:
         self._load_components()
         if config.flow_shift is not None:  # override the checkpoint's (e.g. Wan 720p: 5.0, DanceGRPO's static 3.0)
             if self.prediction_type != "flow":
-                raise FlowRLError(f"pipeline.flow_shift applies to rectified-flow models; '{config.name}' is a {self.prediction_type} model.")
+                raise FlowRLError(
+                    f"pipeline.flow_shift applies to rectified-flow models; '{config.name}' is a {self.prediction_type} model."
+                )
             import dataclasses
 
             # keep the grid the family chose (and pipeline.sampling_grid); only the shift is overridden
@@ -86,8 +132,8 @@ class DiffusersAdapter:
         self._configure_denoiser()
 
     @classmethod
-    def from_config(cls, config, device: str | torch.device) -> "DiffusersAdapter":
-        return cls(config, device)
+    def from_config(cls, config, device: str | torch.device, loaded: Any = None) -> DiffusersAdapter:
+        return cls(config, device, loaded=loaded)
 
     # -- loading --------------------------------------------------------------------------------
     def _resolve_source(self, pretrained: str) -> str:
@@ -95,7 +141,10 @@ class DiffusersAdapter:
         return resolve_source(pretrained)
 
     def _load(self, cls: Any, subfolder: str | None, **kwargs) -> Any:
-        """``cls.from_pretrained(source, subfolder=...)`` with flowrl's options and one-sentence errors."""
+        """``cls.from_pretrained(source, subfolder=...)`` with flowrl's options and one-sentence errors (or, for a
+        pipeline given in memory, its component of that name)."""
+        if self.loaded is not None:
+            return self._from_loaded(cls, subfolder, kwargs.get("torch_dtype", self.dtype))
         options: dict[str, Any] = {"revision": self.config.revision}
         if subfolder:
             options["subfolder"] = subfolder
@@ -108,15 +157,55 @@ class DiffusersAdapter:
             return cls.from_pretrained(self.source, **options, **kwargs)
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise FlowRLError(f"could not load {cls.__name__} from '{self.source}'{f' ({subfolder}/)' if subfolder else ''}: {first[:200]}") from None
+            raise FlowRLError(
+                f"could not load {cls.__name__} from '{self.source}'{f' ({subfolder}/)' if subfolder else ''}: {first[:200]}"
+            ) from None
+
+    def _from_loaded(self, cls: Any, subfolder: str | None, dtype: torch.dtype) -> Any:
+        """The given pipeline's ``subfolder`` component as ``cls`` would load it: a model cast to ``dtype``, a
+        scheduler of another class rebuilt from its config (as ``from_pretrained`` reads any scheduler's file)."""
+        part = getattr(self.loaded, subfolder or "", None)
+        if part is None:
+            raise FlowRLError(
+                f"the pipeline given to flowrl ({type(self.loaded).__name__}) has no '{subfolder}' component, which "
+                f"pipeline.name={self.config.name} needs."
+            )
+        if "Scheduler" in cls.__name__:
+            return part if isinstance(part, cls) else cls.from_config(part.config)
+        if cls.__name__.startswith("Auto"):  # AutoTokenizer and the like: any tokenizer will do
+            return part
+        if not isinstance(part, cls):
+            raise FlowRLError(
+                f"the pipeline given to flowrl has a {type(part).__name__} as '{subfolder}', where "
+                f"pipeline.name={self.config.name} needs a {cls.__name__}."
+            )
+        return part.to(dtype=dtype) if isinstance(part, torch.nn.Module) else part
+
+    def _read_config(self, cls: Any, subfolder: str | None, what: str) -> dict:
+        """A component's config (``subfolder`` None: the pipeline's model_index.json) without loading weights, as
+        written in the checkpoint (or of the given pipeline's component); ``what`` names it in the error."""
+        if self.loaded is not None:
+            part = self.loaded if subfolder is None else getattr(self.loaded, subfolder, None)
+            if part is None:
+                raise FlowRLError(f"the pipeline given to flowrl ({type(self.loaded).__name__}) has no '{subfolder}' component.")
+            return dict(part.config)
+        options = {"revision": self.config.revision, **({"subfolder": subfolder} if subfolder else {})}
+        try:
+            return dict(cls.load_config(self.source, **options))
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise FlowRLError(f"could not read {what} of '{self.source}': {first[:200]}") from None
 
     def _load_components(self) -> None:
         raise NotImplementedError
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Text encoders, VAE, image encoders: never trained, optionally kept on the CPU."""
-        return [m for m in (getattr(self, n, None) for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "image_encoder"))
-                if m is not None]
+        return [
+            m
+            for m in (getattr(self, n, None) for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "image_encoder"))
+            if m is not None
+        ]
 
     def _configure_denoiser(self) -> None:
         cfg, model = self.config, self.denoiser
@@ -148,10 +237,13 @@ class DiffusersAdapter:
         self.denoiser.requires_grad_(False)
         targets = list(lora.target_modules or self.default_lora_targets)
         try:
-            self.denoiser.add_adapter(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 init_lora_weights="gaussian", target_modules=targets))
+            self.denoiser.add_adapter(
+                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=targets)
+            )
         except ValueError as e:
-            raise FlowRLError(f"pipeline.lora.target_modules {targets} do not match {type(self.denoiser).__name__}: {str(e).splitlines()[0][:160]}") from None
+            raise FlowRLError(
+                f"pipeline.lora.target_modules {targets} do not match {type(self.denoiser).__name__}: {str(e).splitlines()[0][:160]}"
+            ) from None
         for p in self.denoiser.parameters():
             if p.requires_grad:  # the adapter trains in fp32 over a bf16/fp16 base
                 p.data = p.data.float()
@@ -283,9 +375,11 @@ class DiffusersAdapter:
             layers = convert_state_dict_to_diffusers(layers)
         prefix = self.denoiser_subfolder
         pipeline_cls = getattr(diffusers, self.lora_pipeline_class)
-        pipeline_cls.save_lora_weights(str(directory), **{f"{prefix}_lora_layers": layers,
-                                                          f"{prefix}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
-                                       safe_serialization=True)
+        pipeline_cls.save_lora_weights(
+            str(directory),
+            **{f"{prefix}_lora_layers": layers, f"{prefix}_lora_adapter_metadata": model.peft_config["default"].to_dict()},
+            safe_serialization=True,
+        )
         return Path(directory) / "pytorch_lora_weights.safetensors"
 
     def merged_denoiser(self) -> torch.nn.Module:

@@ -10,11 +10,15 @@ checkpoints and the diffusers LoRA export (Stable Diffusion's format: the UNet i
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
+import torch
 from torch import Tensor
 
+from ..data.digits import MAX_PROMPT_TOKENS
 from ..samplers.schedules import DiscreteSchedule, FlowSchedule
 from ..types import Condition
-from ..data.digits import MAX_PROMPT_TOKENS
+from .diffusers_base import PipelineConfig
 from .embedded_adapter import EmbeddedAdapter
 
 
@@ -57,3 +61,16 @@ class DigitsPipeline(EmbeddedAdapter):
 
     def latent_shape(self) -> tuple[int, ...]:
         return (self.in_channels, *self.sample_size())
+
+
+class DigitsConfig(PipelineConfig):
+    """``pipeline.name: digits`` (the embedded 8x8 digit generators digits_flow / digits_ddpm)."""
+
+    name: str = "digits"
+    adapter: ClassVar[Any] = DigitsPipeline
+
+    def default_num_threads(self) -> int | None:
+        return 1  # an embedded model: too small to share among threads
+
+    def probe_samples(self, n: int) -> Any:
+        return torch.rand(n, 1, 8, 8, generator=torch.Generator().manual_seed(0))

@@ -11,13 +11,16 @@ CogVideoX's class) come from :class:`~flowrl.pipelines.diffusers_base.DiffusersA
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 
+from ..data.digits_video import CANVAS, MAX_PROMPT_TOKENS, NUM_FRAMES
 from ..errors import FlowRLError
 from ..samplers.schedules import FlowSchedule
 from ..types import Condition
-from ..data.digits_video import CANVAS, MAX_PROMPT_TOKENS, NUM_FRAMES
+from .diffusers_base import PipelineConfig
 from .embedded_adapter import EmbeddedAdapter
 
 
@@ -44,8 +47,10 @@ class DigitsVideoPipeline(EmbeddedAdapter):
         self.in_channels = self.denoiser.config.in_channels  # read here: under DDP the denoiser is wrapped later
         config = self._scheduler_config()
         if not config.get("_class_name", "").startswith("FlowMatch"):
-            raise FlowRLError(f"model directory '{self.source}' has a {config.get('_class_name')} scheduler; "
-                              "the video model is a rectified flow (FlowMatch*).")
+            raise FlowRLError(
+                f"model directory '{self.source}' has a {config.get('_class_name')} scheduler; "
+                "the video model is a rectified flow (FlowMatch*)."
+            )
         self.num_train_timesteps = int(config.get("num_train_timesteps", 1000))
         self.schedule = FlowSchedule(shift=float(config.get("shift", 1.0)))
         patch = self.denoiser.config.patch_size
@@ -64,3 +69,16 @@ class DigitsVideoPipeline(EmbeddedAdapter):
 
     def latent_shape(self) -> tuple[int, ...]:
         return (self.in_channels, self.config.num_frames or NUM_FRAMES, *self.sample_size())
+
+
+class DigitsVideoConfig(PipelineConfig):
+    """``pipeline.name: digits_video`` (the embedded text-to-video model of moving digits)."""
+
+    name: str = "digits_video"
+    adapter: ClassVar[Any] = DigitsVideoPipeline
+
+    def default_num_threads(self) -> int | None:
+        return 1  # an embedded model: too small to share among threads
+
+    def probe_samples(self, n: int) -> Any:
+        return torch.rand(n, 1, self.num_frames or NUM_FRAMES, CANVAS, CANVAS, generator=torch.Generator().manual_seed(0))

@@ -38,15 +38,19 @@ import copy
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
-from . import DTYPES
+from ..sections import PipelineSection
+from .common import DTYPES, DeviceSpec, Dtype, LoraConfig
 
-FAMILIES = ("llada", "mmada", "dream", "auto")
+DLLMFamily = Literal["auto", "llada", "mmada", "dream"]
+FAMILIES: tuple[str, ...] = get_args(DLLMFamily)
+EMBEDDED_LMS = {"arith_mdlm": Path(__file__).resolve().parents[1] / "assets" / "arith_mdlm"}  # shipped models by name
 LLADA_MASK_TOKEN_ID = 126336  # "<|mdm_mask|>" in the LLaDA / MMaDA tokenizer
 LLADA_EOS_TOKEN_ID = 126081  # "<|endoftext|>" (LLaDA's config eos/pad); "<|eot_id|>" is 126348
 
@@ -205,8 +209,12 @@ def load_masked_lm(
     lora: Mapping[str, Any] | None = None,
     mask_token_id: int | None = None,
     require_bidirectional: bool = True,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
 ) -> MaskedDiffusionLM:
-    """Load a masked-diffusion LM; every failure is a one-sentence ``FlowRLError``.
+    """Load a masked-diffusion LM; every failure is a one-sentence ``FlowRLError``. ``model`` (and ``tokenizer``):
+    a transformers model already in memory, used instead of loading ``pretrained`` (its tokenizer is then read from
+    ``pretrained`` unless given).
 
     mask id: ``mask_token_id`` > tokenizer's mask token > config's ``mask_token_id`` > family default
     (126336 for llada / mmada). eos id: tokenizer > config > family default (126081 for llada / mmada).
@@ -217,7 +225,7 @@ def load_masked_lm(
         raise FlowRLError(f"pipeline.family must be one of {', '.join(FAMILIES)}, not '{family}'.")
     torch_dtype = _dtype(dtype)
     device = _device(device)
-    config = _config_dict(pretrained)
+    config = _config_dict(pretrained) if model is None else model.config.to_dict()
     model_type = str(config.get("model_type", "")).lower()
     if family == "auto":
         family = model_type if model_type in ("llada", "mmada", "dream") else "auto"
@@ -227,11 +235,15 @@ def load_masked_lm(
             f"the model '{pretrained}' ships its own modeling code (config auto_map), which flowrl runs only if you set pipeline.trust_remote_code=true."
         )
 
-    model = _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_dtype, device)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(pretrained, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
-        raise FlowRLError(f"could not load the tokenizer of '{pretrained}': {_first_line(e)}") from None
+    if model is None:
+        model = _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_dtype, device)
+    else:
+        model = model.to(device=device, dtype=torch_dtype)
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(pretrained, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
+            raise FlowRLError(f"could not load the tokenizer of '{pretrained}': {_first_line(e)}") from None
 
     mask_id = _first_not_none(
         mask_token_id,
@@ -393,3 +405,42 @@ def _first_not_none(*values):
 def _first_line(e: BaseException | None) -> str:
     text = str(e).strip().splitlines()[0] if e is not None and str(e).strip() else type(e).__name__
     return text if text.endswith(".") else text + "."
+
+
+class DLLMPipelineConfig(PipelineSection):
+    """``pipeline.name: dllm``: a masked-diffusion language model (LLaDA, MMaDA, Dream, or the embedded arith_mdlm)."""
+
+    name: str = "dllm"
+    pretrained: str = "arith_mdlm"  # embedded name, local directory, or hub id
+    family: DLLMFamily = "auto"
+    trust_remote_code: bool = False  # LLaDA/MMaDA/Dream ship their modelling code: opt in explicitly
+    device: DeviceSpec = "auto"
+    dtype: Dtype = "float32"
+    lora: LoraConfig | None = None
+    prompt_length: int | None = Field(None, ge=1)  # pad prompts (left) to this length; None = longest in batch
+    mask_token_id: int | None = Field(None, ge=0)  # None: the tokenizer's, the config's or the family's
+    require_bidirectional: bool = True  # refuse a model whose attention is causal
+    modality: ClassVar[str] = "text"
+
+    def build(self, device: Any, loaded: Any = None) -> MaskedDiffusionLM:
+        """``loaded``: a transformers model in memory, or a (model, tokenizer) pair."""
+        model, tokenizer = loaded if isinstance(loaded, (tuple, list)) else (loaded, None)
+        pretrained = str(EMBEDDED_LMS.get(self.pretrained, self.pretrained))
+        return load_masked_lm(
+            pretrained,
+            family=self.family,
+            trust_remote_code=self.trust_remote_code,
+            dtype=self.dtype,
+            device=device,
+            lora=self.lora.model_dump() if self.lora else None,
+            mask_token_id=self.mask_token_id,
+            require_bidirectional=self.require_bidirectional,
+            model=model,
+            tokenizer=tokenizer,
+        )
+
+    def default_num_threads(self) -> int | None:
+        return 1 if self.pretrained in EMBEDDED_LMS else None  # the embedded arith_mdlm is too small to share among threads
+
+    def probe_samples(self, n: int) -> list[str]:
+        return ["" for _ in range(n)]  # completions are text

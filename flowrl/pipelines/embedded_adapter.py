@@ -36,8 +36,9 @@ class EmbeddedAdapter(DiffusersAdapter):
         """Map a shipped model name or a local directory to an absolute directory; fail with one sentence."""
         path = ASSETS / pretrained if pretrained in self.embedded else Path(pretrained).expanduser()
         if not path.is_dir():
-            raise FlowRLError(f"pipeline.pretrained '{pretrained}' is neither an embedded model ({', '.join(self.embedded)}) "
-                              "nor an existing directory.")
+            raise FlowRLError(
+                f"pipeline.pretrained '{pretrained}' is neither an embedded model ({', '.join(self.embedded)}) nor an existing directory."
+            )
         missing = [c for c in self.required if not (path / c).is_dir()]
         if missing:
             raise FlowRLError(f"model directory '{path}' lacks the component folder(s) {', '.join(missing)}.")
@@ -56,7 +57,9 @@ class EmbeddedAdapter(DiffusersAdapter):
             raise FlowRLError(f"could not read the scheduler config of '{self.source}': {str(e).splitlines()[0][:160]}") from None
 
     def _encode_prompts(self, prompts: list[str]) -> Condition:
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.max_prompt_tokens, truncation=True, return_tensors="pt").input_ids
+        ids = self.tokenizer(
+            prompts, padding="max_length", max_length=self.max_prompt_tokens, truncation=True, return_tensors="pt"
+        ).input_ids
         with self._frozen_on_device(self.text_encoder):
             hidden = self.text_encoder(ids.to(self.text_encoder.device)).last_hidden_state
         return {"prompt_embeds": hidden.float()}  # (B, L, D)

@@ -18,6 +18,7 @@ Rectified flow (``prediction_type="flow"``, velocity ``noise - x0`` as FlowMatch
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import FLOW_GRIDS, sampling_grid
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import DiffusersAdapter, PipelineConfig
 from .sd3 import batch_timestep, decode_latents, flow_schedule
 
 
@@ -54,12 +55,20 @@ class FluxAdapter(DiffusersAdapter):
     lora_pipeline_class = "FluxPipeline"
     # Flow-GRPO's FLUX targets: the attention projections of the double-stream blocks (image + text)
     # and, through the same names, q/k/v of the single-stream blocks
-    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    default_lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    )
     default_max_sequence_length = 512  # T5 tokens (diffusers' default; FLUX.1-schnell was trained with 256)
 
-    def __init__(self, config, device):
-        super().__init__(config, device)
+    def __init__(self, config, device, loaded=None):
+        super().__init__(config, device, loaded=loaded)
         # a guidance-distilled model (FLUX.1-dev) takes the scale as an input; the trainer may override
         self.guidance_mode = "embedded" if self.guidance_embeds else "cfg"
 
@@ -72,11 +81,15 @@ class FluxAdapter(DiffusersAdapter):
     def guidance_mode(self, mode: str) -> None:
         embeds = getattr(self, "guidance_embeds", None)
         if embeds is True and mode != "embedded":
-            raise FlowRLError(f"this FLUX model is guidance-distilled (guidance_embeds=True, e.g. FLUX.1-dev): set rollout.guidance_mode "
-                              f"to 'embedded' (got '{mode}'); the scale is then a model input, one forward per step.")
+            raise FlowRLError(
+                f"this FLUX model is guidance-distilled (guidance_embeds=True, e.g. FLUX.1-dev): set rollout.guidance_mode "
+                f"to 'embedded' (got '{mode}'); the scale is then a model input, one forward per step."
+            )
         if embeds is False and mode == "embedded":
-            raise FlowRLError("rollout.guidance_mode 'embedded' needs a guidance-distilled model, but this FLUX transformer has no "
-                              "guidance embedding (guidance_embeds=False, e.g. FLUX.1-schnell): use 'cfg' (with guidance_scale 1 for none).")
+            raise FlowRLError(
+                "rollout.guidance_mode 'embedded' needs a guidance-distilled model, but this FLUX transformer has no "
+                "guidance embedding (guidance_embeds=False, e.g. FLUX.1-schnell): use 'cfg' (with guidance_scale 1 for none)."
+            )
         self._guidance_mode = mode
 
     def _load_components(self) -> None:
@@ -105,10 +118,12 @@ class FluxAdapter(DiffusersAdapter):
 
     # -- conditioning ---------------------------------------------------------------------------
     def _encode_prompts(self, prompts: list[str]) -> Condition:
-        clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.clip_max_length, truncation=True,
-                                  return_tensors="pt").input_ids
-        t5_ids = self.tokenizer_2(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
-                                  return_tensors="pt").input_ids
+        clip_ids = self.tokenizer(
+            prompts, padding="max_length", max_length=self.clip_max_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        t5_ids = self.tokenizer_2(
+            prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True, return_tensors="pt"
+        ).input_ids
         with self._frozen_on_device(self.text_encoder, self.text_encoder_2):
             pooled = self.text_encoder(clip_ids.to(self.text_encoder.device), output_hidden_states=False).pooler_output.float()
             hidden = self.text_encoder_2(t5_ids.to(self.text_encoder_2.device), output_hidden_states=False)[0].float()
@@ -120,18 +135,33 @@ class FluxAdapter(DiffusersAdapter):
         # the only sigma -> timestep conversion of this family: the transformer takes sigma (it scales by 1000 inside)
         t = batch_timestep(sigma, b, x.device)
         guidance = torch.full((b,), float(guidance_scale), device=x.device) if self.guidance_embeds else None
-        out = model(hidden_states=pack_latents(x).to(self.model_dtype), timestep=t, guidance=guidance,
-                    pooled_projections=cond["pooled_prompt_embeds"].to(self.model_dtype),
-                    encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
-                    txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
+        out = model(
+            hidden_states=pack_latents(x).to(self.model_dtype),
+            timestep=t,
+            guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(self.model_dtype),
+            encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
+            txt_ids=self.txt_ids,
+            img_ids=self.img_ids,
+            return_dict=False,
+        )[0]
         return unpack_latents(out, h, w)
 
     def latent_shape(self) -> tuple[int, ...]:
         h, w = self.sample_size()
         multiple = self.vae_scale_factor * 2
         if h % multiple or w % multiple:
-            raise FlowRLError(f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for FLUX (2x2 latent patches).")
+            raise FlowRLError(
+                f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for FLUX (2x2 latent patches)."
+            )
         return (self.denoiser.config.in_channels // 4, h // self.vae_scale_factor, w // self.vae_scale_factor)
 
     def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         return decode_latents(self, x)
+
+
+class FluxConfig(PipelineConfig):
+    """``pipeline.name: flux`` (FLUX.1 dev / schnell)."""
+
+    name: str = "flux"
+    adapter: ClassVar[Any] = FluxAdapter

@@ -15,14 +15,15 @@ Modes (``rollout.guidance_mode``; docs/guidance.md has the gradients each one gi
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from ..types import Condition, cat_conditions
+from ..types import Condition, GuidanceMode, cat_conditions
 
-GUIDANCE_MODES = ("cfg", "cfg_detached_uncond", "cfg_rollout_only", "embedded")
+GUIDANCE_MODES: tuple[str, ...] = get_args(GuidanceMode)
 
 Forward = Callable[[Tensor, Condition], Tensor]
 

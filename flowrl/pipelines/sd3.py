@@ -14,6 +14,7 @@ pooled = both CLIP projections concatenated; a checkpoint saved without T5 gets 
 from __future__ import annotations
 
 import math
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -21,7 +22,7 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import FLOW_GRIDS, FlowGrid, FlowSchedule, sampling_grid
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import DiffusersAdapter, PipelineConfig
 
 
 def flow_shift(scheduler_config, image_seq_len: int, default_max_shift: float = 1.16) -> float:
@@ -37,7 +38,9 @@ def flow_shift(scheduler_config, image_seq_len: int, default_max_shift: float = 
     get = scheduler_config.get
     for option in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas"):
         if get(option, None):
-            raise FlowRLError(f"the scheduler option {option}={get(option)!r} is not supported (flowrl samples on its own shifted sigma grid).")
+            raise FlowRLError(
+                f"the scheduler option {option}={get(option)!r} is not supported (flowrl samples on its own shifted sigma grid)."
+            )
     if not get("use_dynamic_shifting", False):
         return float(get("shift", 1.0))
     kind = get("time_shift_type", "exponential")
@@ -52,9 +55,12 @@ def flow_shift(scheduler_config, image_seq_len: int, default_max_shift: float = 
 
 def flow_schedule(scheduler_config, image_seq_len: int, grid: FlowGrid, default_max_shift: float = 1.16) -> FlowSchedule:
     """The checkpoint scheduler's shift (static or from the image size) on the sampling grid ``grid``."""
-    return FlowSchedule(shift=flow_shift(scheduler_config, image_seq_len, default_max_shift), grid=grid,
-                        dynamic=bool(scheduler_config.get("use_dynamic_shifting", False)),
-                        num_train_timesteps=int(scheduler_config.get("num_train_timesteps", 1000)))
+    return FlowSchedule(
+        shift=flow_shift(scheduler_config, image_seq_len, default_max_shift),
+        grid=grid,
+        dynamic=bool(scheduler_config.get("use_dynamic_shifting", False)),
+        num_train_timesteps=int(scheduler_config.get("num_train_timesteps", 1000)),
+    )
 
 
 def batch_timestep(sigma: Tensor, batch: int, device: torch.device) -> Tensor:
@@ -66,19 +72,23 @@ def model_index(adapter: DiffusersAdapter) -> dict:
     """The checkpoint's model_index.json (which components it holds)."""
     from diffusers import DiffusionPipeline
 
-    try:
-        return dict(DiffusionPipeline.load_config(adapter.source, revision=adapter.config.revision))
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FlowRLError(f"could not read model_index.json from '{adapter.source}': {first[:200]}") from None
+    return adapter._read_config(DiffusionPipeline, None, "model_index.json")
 
 
 class SD3Adapter(DiffusersAdapter):
     denoiser_subfolder = "transformer"
     lora_pipeline_class = "StableDiffusion3Pipeline"
     # Flow-GRPO's SD3.5 targets: the joint attention of every MMDiT block (image and text streams)
-    lora_target_suffixes = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    lora_target_suffixes = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    )
     default_max_sequence_length = 256  # T5 tokens, diffusers' default for SD3
 
     def _load_components(self) -> None:
@@ -116,10 +126,14 @@ class SD3Adapter(DiffusersAdapter):
         The last MMDiT block is ``context_pre_only``: its text tokens are dropped after attention, so
         its ``attn.add_q_proj`` cannot change the output (a LoRA there would never train).
         """
-        dead = {f"transformer_blocks.{i}.attn.add_q_proj" for i, block in enumerate(self.denoiser.transformer_blocks)
-                if block.context_pre_only}
-        return tuple(name for name, _ in self.denoiser.named_modules()
-                     if name.endswith(tuple("." + t for t in self.lora_target_suffixes)) and name not in dead)
+        dead = {
+            f"transformer_blocks.{i}.attn.add_q_proj" for i, block in enumerate(self.denoiser.transformer_blocks) if block.context_pre_only
+        }
+        return tuple(
+            name
+            for name, _ in self.denoiser.named_modules()
+            if name.endswith(tuple("." + t for t in self.lora_target_suffixes)) and name not in dead
+        )
 
     # -- conditioning ---------------------------------------------------------------------------
     def _clip(self, tokenizer, encoder, prompts: list[str]) -> tuple[Tensor, Tensor]:
@@ -130,8 +144,14 @@ class SD3Adapter(DiffusersAdapter):
     def _t5(self, prompts: list[str]) -> Tensor:
         if self.text_encoder_3 is None:
             return torch.zeros(len(prompts), self.max_sequence_length, self.denoiser.config.joint_attention_dim)
-        ids = self.tokenizer_3(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
-                               add_special_tokens=True, return_tensors="pt").input_ids
+        ids = self.tokenizer_3(
+            prompts,
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        ).input_ids
         return self.text_encoder_3(ids.to(self.text_encoder_3.device))[0].float()
 
     def _encode_prompts(self, prompts: list[str]) -> Condition:
@@ -151,9 +171,13 @@ class SD3Adapter(DiffusersAdapter):
 
     def _forward(self, model, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
         t = self.timestep(batch_timestep(sigma, x.shape[0], x.device))
-        return model(hidden_states=x.to(self.model_dtype), timestep=t,
-                     encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
-                     pooled_projections=cond["pooled_prompt_embeds"].to(self.model_dtype), return_dict=False)[0]
+        return model(
+            hidden_states=x.to(self.model_dtype),
+            timestep=t,
+            encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
+            pooled_projections=cond["pooled_prompt_embeds"].to(self.model_dtype),
+            return_dict=False,
+        )[0]
 
     def latent_shape(self) -> tuple[int, ...]:
         h, w = self.sample_size()
@@ -166,7 +190,6 @@ class SD3Adapter(DiffusersAdapter):
         return decode_latents(self, x)
 
 
-
 def decode_latents(adapter: DiffusersAdapter, latents: Tensor) -> Tensor:
     """(B, C, h, w) latents -> float32 images in [0, 1], undoing the VAE's scaling and shift factors."""
     vae = adapter.vae
@@ -174,3 +197,10 @@ def decode_latents(adapter: DiffusersAdapter, latents: Tensor) -> Tensor:
         z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         images = vae.decode(z).sample.float()
     return ((images + 1) / 2).clamp(0, 1).to(adapter.device)
+
+
+class SD3Config(PipelineConfig):
+    """``pipeline.name: sd3`` (Stable Diffusion 3 / 3.5)."""
+
+    name: str = "sd3"
+    adapter: ClassVar[Any] = SD3Adapter

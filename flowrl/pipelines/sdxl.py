@@ -14,11 +14,14 @@ says ``force_upcast`` (SDXL's VAE overflows in fp16). Load any diffusers-layout 
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
 from ..types import Condition
+from .diffusers_base import PipelineConfig
 from .stable_diffusion import StableDiffusionAdapter, discrete_schedule
 
 
@@ -39,7 +42,7 @@ class SDXLAdapter(StableDiffusionAdapter):
             CLIPTextModelWithProjection,
         )
 
-        index = self._read_config(DiffusionPipeline, None)  # model_index.json
+        index = self._read_config(DiffusionPipeline, None, "model_index.json")
         if "text_encoder_2" not in index or "unet" not in index:
             raise FlowRLError(f"'{self.source}' is not an SDXL base checkpoint (its model_index.json has no unet and text_encoder_2).")
         self.force_zeros_for_empty_prompt = bool(index.get("force_zeros_for_empty_prompt", True))
@@ -48,7 +51,11 @@ class SDXLAdapter(StableDiffusionAdapter):
         self.text_encoder = self._load(CLIPTextModel, "text_encoder")
         self.text_encoder_2 = self._load(CLIPTextModelWithProjection, "text_encoder_2")
         # SDXL's VAE overflows in fp16: its config's force_upcast keeps it (and the decode) in float32
-        self.vae = self._load(AutoencoderKL, "vae", torch_dtype=torch.float32 if self._read_config(AutoencoderKL, "vae").get("force_upcast") else self.dtype)
+        self.vae = self._load(
+            AutoencoderKL,
+            "vae",
+            torch_dtype=torch.float32 if self._read_config(AutoencoderKL, "vae", "the vae config").get("force_upcast") else self.dtype,
+        )
         self.denoiser = self._load(UNet2DConditionModel, "unet")
         scheduler = self._load(DDPMScheduler, "scheduler")
         self.prediction_type = scheduler.config.prediction_type  # "epsilon" or "v_prediction"
@@ -67,22 +74,14 @@ class SDXLAdapter(StableDiffusionAdapter):
         size = unet.sample_size * self.vae_scale_factor
         self.default_size = (size, size)
 
-    def _read_config(self, cls, subfolder: str | None) -> dict:
-        """A component's config (or, for a pipeline class, model_index.json) without loading weights."""
-        options = {"revision": self.config.revision, **({"subfolder": subfolder} if subfolder else {})}
-        try:
-            return dict(cls.load_config(self.source, **options))
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise FlowRLError(f"could not read the {subfolder or 'pipeline'} config from '{self.source}': {first[:200]}") from None
-
     def _encode_prompts(self, prompts: list[str]) -> Condition:
         """``StableDiffusionXLPipeline.encode_prompt`` (prompt_2 = prompt, no clip_skip), in float32."""
         hidden, pooled = [], None
         with self._frozen_on_device(self.text_encoder, self.text_encoder_2):
             for tokenizer, encoder in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
-                ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                                truncation=True, return_tensors="pt").input_ids
+                ids = tokenizer(
+                    prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+                ).input_ids
                 out = encoder(ids.to(encoder.device), output_hidden_states=True)
                 hidden.append(out.hidden_states[-2])
             pooled = out.text_embeds  # text_encoder_2's projection of the EOS token
@@ -102,9 +101,13 @@ class SDXLAdapter(StableDiffusionAdapter):
 
     def _forward(self, model, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
         t = self.timestep(sigma).to(self.device).expand(x.shape[0])
-        added = {"text_embeds": cond["pooled_prompt_embeds"].to(self.model_dtype), "time_ids": self.time_ids(x.shape[0]).to(self.model_dtype)}
-        return model(x.to(self.model_dtype), t, encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
-                     added_cond_kwargs=added).sample
+        added = {
+            "text_embeds": cond["pooled_prompt_embeds"].to(self.model_dtype),
+            "time_ids": self.time_ids(x.shape[0]).to(self.model_dtype),
+        }
+        return model(
+            x.to(self.model_dtype), t, encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype), added_cond_kwargs=added
+        ).sample
 
     def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad
         vae = self.vae
@@ -113,8 +116,17 @@ class SDXLAdapter(StableDiffusionAdapter):
             mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
             if mean is not None and std is not None:
                 shape = (1, -1) + (1,) * (latents.ndim - 2)
-                latents = latents * torch.tensor(std).view(shape).to(latents) / vae.config.scaling_factor + torch.tensor(mean).view(shape).to(latents)
+                latents = latents * torch.tensor(std).view(shape).to(latents) / vae.config.scaling_factor + torch.tensor(mean).view(
+                    shape
+                ).to(latents)
             else:
                 latents = latents / vae.config.scaling_factor
             images = vae.decode(latents.to(vae.dtype)).sample.float()
         return ((images + 1) / 2).clamp(0, 1).to(self.device)
+
+
+class SDXLConfig(PipelineConfig):
+    """``pipeline.name: sdxl`` (Stable Diffusion XL base)."""
+
+    name: str = "sdxl"
+    adapter: ClassVar[Any] = SDXLAdapter

@@ -9,13 +9,14 @@ gives it and DDPO samples on it). Load any diffusers-layout checkpoint:
 
 from __future__ import annotations
 
-import torch
+from typing import Any, ClassVar
+
 from torch import Tensor
 
 from ..errors import FlowRLError
 from ..samplers.schedules import SPACINGS, DiscreteSchedule, config_default, sampling_grid
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import DiffusersAdapter, PipelineConfig
 
 
 def discrete_schedule(adapter: DiffusersAdapter, scheduler) -> DiscreteSchedule:
@@ -26,11 +27,7 @@ def discrete_schedule(adapter: DiffusersAdapter, scheduler) -> DiscreteSchedule:
     linspace) picks another spacing, keeping the checkpoint's offset."""
     from diffusers import DDPMScheduler
 
-    try:  # the file as written: its class name and only the keys it sets
-        written = dict(DDPMScheduler.load_config(adapter.source, subfolder="scheduler", revision=adapter.config.revision))
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FlowRLError(f"could not read the scheduler config of '{adapter.source}': {first[:200]}") from None
+    written = adapter._read_config(DDPMScheduler, "scheduler", "the scheduler config")  # the file as written: only the keys it sets
     spacing = sampling_grid(adapter.config, config_default(written, "timestep_spacing", "leading"), SPACINGS)
     if spacing not in SPACINGS:
         raise FlowRLError(f"the scheduler's timestep_spacing {spacing!r} is not supported (one of {', '.join(SPACINGS)}).")
@@ -61,8 +58,9 @@ class StableDiffusionAdapter(DiffusersAdapter):
         self.default_size = (size, size)
 
     def _encode_prompts(self, prompts: list[str]) -> Condition:
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                             truncation=True, return_tensors="pt").input_ids
+        ids = self.tokenizer(
+            prompts, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids
         with self._frozen_on_device(self.text_encoder):
             hidden = self.text_encoder(ids.to(self.text_encoder.device))[0]
         return {"prompt_embeds": hidden.float()}
@@ -84,3 +82,10 @@ class StableDiffusionAdapter(DiffusersAdapter):
             latents = x.to(self.vae.dtype).to(self.vae.device) / self.vae.config.scaling_factor
             images = self.vae.decode(latents).sample.float()
         return ((images + 1) / 2).clamp(0, 1).to(self.device)
+
+
+class StableDiffusionConfig(PipelineConfig):
+    """``pipeline.name: stable_diffusion`` (Stable Diffusion 1.x / 2.x)."""
+
+    name: str = "stable_diffusion"
+    adapter: ClassVar[Any] = StableDiffusionAdapter

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +53,7 @@ from ..errors import FlowRLError
 from ..reward_models.toy2d import LinearReward2D, QuadraticReward2D
 from ..samplers.schedules import FlowSchedule
 from ..types import Condition
+from .diffusers_base import PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,11 @@ class GaussianMixture:
 
     def _tensors(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         pi = torch.tensor(self.weights, dtype=torch.float64, device=device)
-        return pi / pi.sum(), torch.tensor(self.means, dtype=torch.float64, device=device), torch.tensor(self.stds, dtype=torch.float64, device=device)
+        return (
+            pi / pi.sum(),
+            torch.tensor(self.means, dtype=torch.float64, device=device),
+            torch.tensor(self.stds, dtype=torch.float64, device=device),
+        )
 
     def velocity(self, x: Tensor, sigma: Tensor | float) -> Tensor:
         """E[eps - x0 | x_sigma = x] for (B, d) points; sigma a scalar or (B,). float64 (see the module docstring)."""
@@ -131,8 +137,9 @@ def tilted_target(base: GaussianMixture, reward: Any, lam: float) -> GaussianMix
         return tilt_linear(base, reward.weights, lam)
     if isinstance(reward, QuadraticReward2D):
         return tilt_quadratic(base, reward.center, reward.scale, lam)
-    raise FlowRLError(f"no closed-form tilted target for reward '{getattr(reward, 'name', type(reward).__name__)}'; "
-                      "use linear2d or quadratic2d.")
+    raise FlowRLError(
+        f"no closed-form tilted target for reward '{getattr(reward, 'name', type(reward).__name__)}'; use linear2d or quadratic2d."
+    )
 
 
 @dataclass
@@ -155,8 +162,12 @@ def mode_statistics(samples: Tensor, reference: GaussianMixture) -> ModeStatisti
     label = (torch.log(pi) + log_n).argmax(1)
     J = len(reference.weights)
     weights = torch.stack([(label == j).double().mean() for j in range(J)])
-    means = torch.stack([x[label == j].mean(0) if (label == j).any() else torch.full((reference.dim,), math.nan, dtype=torch.float64) for j in range(J)])
-    stds = torch.stack([x[label == j].std(0) if (label == j).sum() > 1 else torch.full((reference.dim,), math.nan, dtype=torch.float64) for j in range(J)])
+    means = torch.stack(
+        [x[label == j].mean(0) if (label == j).any() else torch.full((reference.dim,), math.nan, dtype=torch.float64) for j in range(J)]
+    )
+    stds = torch.stack(
+        [x[label == j].std(0) if (label == j).sum() > 1 else torch.full((reference.dim,), math.nan, dtype=torch.float64) for j in range(J)]
+    )
     return ModeStatistics(weights=weights, means=means, stds=stds)
 
 
@@ -190,8 +201,9 @@ class Toy2DPipeline:
     has_lora = False
     guidance_mode = "cfg"  # set by the trainer; irrelevant here
 
-    def __init__(self, base: GaussianMixture = TWO_MODES, hidden: int = 64, device: str | torch.device = "cpu",
-                 net: nn.Module | None = None) -> None:
+    def __init__(
+        self, base: GaussianMixture = TWO_MODES, hidden: int = 64, device: str | torch.device = "cpu", net: nn.Module | None = None
+    ) -> None:
         self.base = base
         self.device = torch.device(device)
         self.schedule = FlowSchedule()
@@ -199,7 +211,7 @@ class Toy2DPipeline:
         self._use_reference = False
 
     @classmethod
-    def from_config(cls, config, device: str | torch.device) -> "Toy2DPipeline":
+    def from_config(cls, config, device: str | torch.device) -> Toy2DPipeline:
         """``pipeline.name: toy2d``; the base is closed form, so ``pretrained`` is not read. LoRA does not
         apply (the MLP is small and trained in full)."""
         if getattr(config, "lora", None) is not None:
@@ -229,7 +241,7 @@ class Toy2DPipeline:
         """Nothing to freeze: the reference is the closed-form base."""
 
     @contextlib.contextmanager
-    def reference(self) -> Iterator["Toy2DPipeline"]:
+    def reference(self) -> Iterator[Toy2DPipeline]:
         self._use_reference = True
         try:
             yield self
@@ -247,3 +259,20 @@ class Toy2DPipeline:
 
     def save_lora(self, directory: Any) -> Any:
         raise FlowRLError("pipeline toy2d has no LoRA to save.")
+
+
+class Toy2DConfig(PipelineConfig):
+    """``pipeline.name: toy2d``: the exact 2-D two-mode base (``pretrained`` is not read)."""
+
+    name: str = "toy2d"
+
+    def build(self, device: Any, loaded: Any = None) -> Toy2DPipeline:
+        if loaded is not None:
+            raise FlowRLError("pipeline toy2d is built in closed form; it takes no loaded model.")
+        return Toy2DPipeline.from_config(self, device)
+
+    def default_num_threads(self) -> int | None:
+        return 1  # a 2-D MLP: too small to share among threads
+
+    def probe_samples(self, n: int) -> Any:
+        return torch.randn(n, 2, generator=torch.Generator().manual_seed(0))

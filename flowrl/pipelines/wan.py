@@ -16,7 +16,8 @@ UniPC feeds the transformer ``int(sigma * 1000)`` (its timesteps are int64); flo
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -24,7 +25,7 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import FLOW_GRIDS, FlowSchedule, config_default, sampling_grid
 from ..types import Condition, cat_conditions
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import DiffusersAdapter, PipelineConfig
 from .sd3 import flow_shift
 
 
@@ -42,11 +43,7 @@ class WanAdapter(DiffusersAdapter):
         if not hasattr(self, "_index"):
             from diffusers import DiffusionPipeline
 
-            try:
-                self._index = dict(DiffusionPipeline.load_config(self.source, revision=self.config.revision))
-            except (OSError, ValueError) as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise FlowRLError(f"could not read model_index.json of '{self.source}': {first[:200]}") from None
+            self._index = self._read_config(DiffusionPipeline, None, "model_index.json")
         return self._index
 
     def _component_class(self, name: str, default: str) -> Any:
@@ -63,7 +60,9 @@ class WanAdapter(DiffusersAdapter):
 
         index = self._model_index()
         if index.get("transformer_2", [None, None])[0] is not None or index.get("boundary_ratio") is not None:
-            raise FlowRLError(f"'{self.source}' is a two-expert Wan2.2 checkpoint (transformer_2); flowrl trains single-transformer Wan checkpoints only.")
+            raise FlowRLError(
+                f"'{self.source}' is a two-expert Wan2.2 checkpoint (transformer_2); flowrl trains single-transformer Wan checkpoints only."
+            )
         self.expand_timesteps = bool(index.get("expand_timesteps", False))  # Wan2.2 TI2V-5B: one timestep per token
         self.tokenizer = self._load(AutoTokenizer, "tokenizer")
         self.text_encoder = self._load(self._component_class("text_encoder", "UMT5EncoderModel"), "text_encoder")
@@ -72,10 +71,8 @@ class WanAdapter(DiffusersAdapter):
         self.denoiser = self._load(WanTransformer3DModel, "transformer")
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        try:  # read as a plain config: hub checkpoints ship UniPCMultistepScheduler, only its shift matters here
-            scheduler = dict(FlowMatchEulerDiscreteScheduler.load_config(self.source, subfolder="scheduler", revision=self.config.revision))
-        except (OSError, ValueError) as e:
-            raise FlowRLError(f"could not load the scheduler config of '{self.source}': {str(e).strip().splitlines()[0][:200]}") from None
+        # read as a plain config: hub checkpoints ship UniPCMultistepScheduler, only its shift matters here
+        scheduler = self._read_config(FlowMatchEulerDiscreteScheduler, "scheduler", "the scheduler config")
         if scheduler.get("use_dynamic_shifting"):
             raise FlowRLError(f"the scheduler of '{self.source}' uses dynamic shifting, which the Wan adapter does not implement.")
         self.num_train_timesteps = int(scheduler.get("num_train_timesteps", 1000))
@@ -99,11 +96,15 @@ class WanAdapter(DiffusersAdapter):
         kind = scheduler.get("_class_name")
         if kind == "UniPCMultistepScheduler":
             if not config_default(scheduler, "use_flow_sigmas", False):
-                raise FlowRLError(f"the UniPC scheduler of '{self.source}' does not use flow sigmas (use_flow_sigmas), so it does not "
-                                  "describe a rectified-flow Wan model.")
+                raise FlowRLError(
+                    f"the UniPC scheduler of '{self.source}' does not use flow sigmas (use_flow_sigmas), so it does not "
+                    "describe a rectified-flow Wan model."
+                )
             for option in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "shift_terminal"):
                 if scheduler.get(option):
-                    raise FlowRLError(f"the scheduler option {option}={scheduler[option]!r} is not supported (flowrl samples on its own shifted sigma grid).")
+                    raise FlowRLError(
+                        f"the scheduler option {option}={scheduler[option]!r} is not supported (flowrl samples on its own shifted sigma grid)."
+                    )
             self.shift = float(config_default(scheduler, "flow_shift", 1.0))
             grid = sampling_grid(self.config, "unipc", FLOW_GRIDS)
         else:
@@ -111,14 +112,18 @@ class WanAdapter(DiffusersAdapter):
             default = "flow_match" if kind == "FlowMatchEulerDiscreteScheduler" else None
             grid = sampling_grid(self.config, default, FLOW_GRIDS)
             if grid is None:
-                raise FlowRLError(f"the scheduler of '{self.source}' is a {kind}, whose sampling grid flowrl does not reproduce; "
-                                  "set pipeline.sampling_grid (unipc, flow_match, linspace or flux).")
+                raise FlowRLError(
+                    f"the scheduler of '{self.source}' is a {kind}, whose sampling grid flowrl does not reproduce; "
+                    "set pipeline.sampling_grid (unipc, flow_match, linspace or flux)."
+                )
         return FlowSchedule(shift=self.shift, grid=grid, num_train_timesteps=self.num_train_timesteps)
 
     def _check_channels(self) -> None:
         if self.denoiser.config.in_channels != self.latent_channels:
-            raise FlowRLError(f"'{self.source}' is not a Wan text-to-video checkpoint (transformer in_channels {self.denoiser.config.in_channels}, "
-                              f"latent channels {self.latent_channels}); use pipeline.name=wan_i2v for image-to-video.")
+            raise FlowRLError(
+                f"'{self.source}' is not a Wan text-to-video checkpoint (transformer in_channels {self.denoiser.config.in_channels}, "
+                f"latent channels {self.latent_channels}); use pipeline.name=wan_i2v for image-to-video."
+            )
 
     def num_frames(self) -> int:
         return self.config.num_frames or self.default_num_frames
@@ -130,7 +135,9 @@ class WanAdapter(DiffusersAdapter):
             raise FlowRLError(f"pipeline.height and pipeline.width must be multiples of {multiple} for this Wan checkpoint (got {h}x{w}).")
         f, k = self.num_frames(), self.vae_scale_factor_temporal
         if (f - 1) % k:
-            raise FlowRLError(f"pipeline.num_frames must be {k} * n + 1 for Wan (got {f}; e.g. {(f - 1) // k * k + 1} or {((f - 1) // k + 1) * k + 1}).")
+            raise FlowRLError(
+                f"pipeline.num_frames must be {k} * n + 1 for Wan (got {f}; e.g. {(f - 1) // k * k + 1} or {((f - 1) // k + 1) * k + 1})."
+            )
 
     # -- conditioning ---------------------------------------------------------------------------
     def _encode_prompts(self, prompts: list[str]) -> Condition:
@@ -138,8 +145,15 @@ class WanAdapter(DiffusersAdapter):
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
         n = self.max_sequence_length
-        inputs = self.tokenizer([prompt_clean(p) for p in prompts], padding="max_length", max_length=n, truncation=True,
-                                add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        inputs = self.tokenizer(
+            [prompt_clean(p) for p in prompts],
+            padding="max_length",
+            max_length=n,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         with self._frozen_on_device(self.text_encoder):
             device = self.text_encoder.device
             hidden = self.text_encoder(inputs.input_ids.to(device), inputs.attention_mask.to(device)).last_hidden_state
@@ -166,9 +180,13 @@ class WanAdapter(DiffusersAdapter):
 
     def _forward(self, model, x: Tensor, sigma: Tensor, cond: Condition, guidance_scale: float) -> Tensor:
         image = cond.get("image_embeds")
-        return model(hidden_states=self._model_input(x, cond).to(self.model_dtype), timestep=self._timesteps(sigma, x),
-                     encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
-                     encoder_hidden_states_image=None if image is None else image.to(self.model_dtype), return_dict=False)[0]
+        return model(
+            hidden_states=self._model_input(x, cond).to(self.model_dtype),
+            timestep=self._timesteps(sigma, x),
+            encoder_hidden_states=cond["prompt_embeds"].to(self.model_dtype),
+            encoder_hidden_states_image=None if image is None else image.to(self.model_dtype),
+            return_dict=False,
+        )[0]
 
     def latent_shape(self) -> tuple[int, ...]:
         h, w = self.sample_size()
@@ -202,7 +220,9 @@ class WanImageToVideoAdapter(WanAdapter):
     def _load_components(self) -> None:
         super()._load_components()
         if self.expand_timesteps:
-            raise FlowRLError(f"'{self.source}' is a Wan2.2 TI2V checkpoint (expand_timesteps), whose first-frame conditioning wan_i2v does not implement.")
+            raise FlowRLError(
+                f"'{self.source}' is a Wan2.2 TI2V checkpoint (expand_timesteps), whose first-frame conditioning wan_i2v does not implement."
+            )
         from diffusers.video_processor import VideoProcessor
 
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -211,7 +231,9 @@ class WanImageToVideoAdapter(WanAdapter):
         if isinstance(entry, (list, tuple)) and entry[0] is not None and self.denoiser.config.image_dim is not None:
             from transformers import CLIPImageProcessor
 
-            self.image_encoder = self._load(self._component_class("image_encoder", "CLIPVisionModel"), "image_encoder", torch_dtype=torch.float32)
+            self.image_encoder = self._load(
+                self._component_class("image_encoder", "CLIPVisionModel"), "image_encoder", torch_dtype=torch.float32
+            )
             self.image_processor = self._load(CLIPImageProcessor, "image_processor")
         elif self.denoiser.config.image_dim is not None:
             raise FlowRLError(f"the transformer of '{self.source}' takes CLIP image embeddings but the checkpoint has no image_encoder.")
@@ -219,8 +241,10 @@ class WanImageToVideoAdapter(WanAdapter):
     def _check_channels(self) -> None:
         expected = 2 * self.latent_channels + self.vae_scale_factor_temporal  # latents + mask + first-frame latents
         if self.denoiser.config.in_channels != expected:
-            raise FlowRLError(f"'{self.source}' is not a Wan image-to-video checkpoint (transformer in_channels "
-                              f"{self.denoiser.config.in_channels}, expected {expected}); use pipeline.name=wan.")
+            raise FlowRLError(
+                f"'{self.source}' is not a Wan image-to-video checkpoint (transformer in_channels "
+                f"{self.denoiser.config.in_channels}, expected {expected}); use pipeline.name=wan."
+            )
 
     # -- conditioning ---------------------------------------------------------------------------
     @staticmethod
@@ -238,7 +262,9 @@ class WanImageToVideoAdapter(WanAdapter):
             with PIL.Image.open(image) as img:
                 return img.convert("RGB")
         except (OSError, TypeError, AttributeError) as e:
-            raise FlowRLError(f"could not read the conditioning image {str(image)[:120]!r}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}") from None
+            raise FlowRLError(
+                f"could not read the conditioning image {str(image)[:120]!r}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+            ) from None
 
     @torch.no_grad()
     def _encode_image(self, image: Any) -> Condition:
@@ -250,8 +276,9 @@ class WanImageToVideoAdapter(WanAdapter):
             extra = {"do_rescale": False} if isinstance(img, Tensor) else {}
             pixels = self.image_processor(images=img, return_tensors="pt", **extra).pixel_values
             with self._frozen_on_device(self.image_encoder):
-                hidden = self.image_encoder(pixel_values=pixels.to(self.image_encoder.device, self.image_encoder.dtype),
-                                            output_hidden_states=True).hidden_states[-2]
+                hidden = self.image_encoder(
+                    pixel_values=pixels.to(self.image_encoder.device, self.image_encoder.dtype), output_hidden_states=True
+                ).hidden_states[-2]
             out["image_embeds"] = hidden.float().to(self.device)
         # WanImageToVideoPipeline.prepare_latents: the first frame, then zeros, through the VAE (mode)
         first = self.video_processor.preprocess(img, height=height, width=width).float()  # (1, 3, H, W) in [-1, 1]
@@ -274,8 +301,10 @@ class WanImageToVideoAdapter(WanAdapter):
         """
         text = super().encode(prompts)
         if metadata is None or len(metadata) != len(prompts) or any("image" not in m for m in metadata):
-            raise FlowRLError("wan_i2v needs a conditioning image per prompt: metadata['image'] (a path or a (3, H, W) tensor in [0, 1]), "
-                              "e.g. from a .jsonl prompt file with an \"image\" key.")
+            raise FlowRLError(
+                "wan_i2v needs a conditioning image per prompt: metadata['image'] (a path or a (3, H, W) tensor in [0, 1]), "
+                'e.g. from a .jsonl prompt file with an "image" key.'
+            )
         done: dict[Any, Condition] = {}
         parts = []
         for m in metadata:
@@ -296,3 +325,23 @@ class WanImageToVideoAdapter(WanAdapter):
     # -- denoising ------------------------------------------------------------------------------
     def _model_input(self, x: Tensor, cond: Condition) -> Tensor:
         return torch.cat([x, cond["condition"].to(x.dtype)], dim=1)
+
+
+class WanConfig(PipelineConfig):
+    """``pipeline.name: wan`` (Wan2.1 text-to-video)."""
+
+    name: str = "wan"
+    adapter: ClassVar[Any] = WanAdapter
+
+    def probe_samples(self, n: int) -> Any:
+        return torch.rand(n, 3, 2, 32, 32, generator=torch.Generator().manual_seed(0))  # (B, C, T, H, W): two small frames
+
+
+class WanImageToVideoConfig(PipelineConfig):
+    """``pipeline.name: wan_i2v`` (Wan2.1 image-to-video: the first frame from metadata.image)."""
+
+    name: str = "wan_i2v"
+    adapter: ClassVar[Any] = WanImageToVideoAdapter
+
+    def probe_samples(self, n: int) -> Any:
+        return torch.rand(n, 3, 2, 32, 32, generator=torch.Generator().manual_seed(0))  # (B, C, T, H, W): two small frames

@@ -11,8 +11,9 @@ ViT-L/14 that the reference (``simple_inference.py``) loads through the ``clip``
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn

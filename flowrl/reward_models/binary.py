@@ -8,12 +8,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from flowrl.sections import Section
 from flowrl.types import Reward, RewardOutput
+
+
+class BinaryRewardConfig(Section):
+    """``reward.binary.<new name>``: a sparse binary reward: 1 when every named reward's score is strictly above its
+    threshold, else 0."""
+
+    all_of: dict[str, float] = Field(min_length=1)  # reward name -> threshold
 
 
 class ThresholdReward:
@@ -32,9 +42,7 @@ class ThresholdReward:
         self.below = float(below)
         self.name = f"binary/{inner.name}"
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         out = self.inner(samples, prompts, metadata)
         raw = out.scores.detach().float()
         scores = torch.where(raw > self.threshold, torch.full_like(raw, self.above), torch.full_like(raw, self.below))
@@ -55,14 +63,13 @@ class AllOfReward:
 
     differentiable = False
 
-    def __init__(self, inners: Mapping[str, Reward], thresholds: Mapping[str, float], above: float = 1.0, below: float = 0.0,
-                 name: str = "all_of") -> None:
+    def __init__(
+        self, inners: Mapping[str, Reward], thresholds: Mapping[str, float], above: float = 1.0, below: float = 0.0, name: str = "all_of"
+    ) -> None:
         self.parts = {n: ThresholdReward(inners[n], thresholds[n]) for n in inners}  # each thresholded to 1/0/NaN
         self.above, self.below, self.name = float(above), float(below), name
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         extras: dict[str, Tensor] = {}
         passed = None
         for n, part in self.parts.items():

@@ -17,9 +17,10 @@ The two agree closely but not bit-for-bit; see ``ClipPreprocess`` for why.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -175,7 +176,7 @@ class ClipPreprocess:
     std: tuple[float, ...] = OPENAI_CLIP_STD
 
     @classmethod
-    def from_image_processor(cls, ip: Any) -> "ClipPreprocess":
+    def from_image_processor(cls, ip: Any) -> ClipPreprocess:
         """Read size, crop, mean and std from a transformers image processor (4.x dicts or 5.x SizeDicts)."""
         size_cfg = getattr(ip, "size", None)
         shortest = _field(size_cfg, "shortest_edge")
@@ -274,9 +275,7 @@ def text_embeddings(model: Any, tokenizer: Any, prompts: Sequence[str], device: 
     tokens = tokenizer(list(unique), padding=True, truncation=True, max_length=max_len, return_tensors="pt")
     with torch.no_grad():
         feats = _features(
-            model.get_text_features(
-                input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device)
-            )
+            model.get_text_features(input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device))
         ).float()
     feats = F.normalize(feats, dim=-1)
     index = torch.tensor([unique.index(p) for p in prompts], device=feats.device)
@@ -347,7 +346,6 @@ class ClipBackedReward(LazyLoadedModel):
         self._preprocess = ClipPreprocess.from_image_processor(processor.image_processor)
         self._processor = processor
         self._model = model
-
 
     @property
     def processor(self) -> Any:

@@ -14,7 +14,8 @@ The raw cosine is always logged as ``extras["cosine"]``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 

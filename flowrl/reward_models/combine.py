@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from flowrl.errors import FlowRLError
+from flowrl.sections import Section
 from flowrl.types import Reward, RewardOutput
 
 
@@ -31,16 +34,13 @@ class WeightedSum:
             raise FlowRLError("a weighted reward needs at least one component.")
         if set(components) != set(weights):
             raise FlowRLError(
-                f"reward weights name {sorted(weights)} but the components are {sorted(components)}; "
-                "give one weight per component."
+                f"reward weights name {sorted(weights)} but the components are {sorted(components)}; give one weight per component."
             )
         self.components = dict(components)
         self.weights = {k: float(v) for k, v in weights.items()}
         self.differentiable = all(c.differentiable for c in self.components.values())
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         device = _device_of(samples)
         total = torch.zeros(len(samples), dtype=torch.float32, device=device)
         extras: dict[str, Tensor] = {}
@@ -65,8 +65,7 @@ class RewardEnsemble:
     Extras: ``member<i>`` scores, ``mean``, ``std``. A NaN from any member makes the sample NaN.
     """
 
-    def __init__(self, members: Sequence[Reward], mode: str = "mean", coefficient: float = 1.0,
-                 uncertainty: str = "variance", name: str = "ensemble") -> None:
+    def __init__(self, members: Sequence[Reward], mode: str, coefficient: float, uncertainty: str, name: str = "ensemble") -> None:
         if len(members) < 2:
             raise FlowRLError(f"reward ensemble '{name}' needs at least two members, got {len(members)}.")
         if mode not in ("mean", "wco", "uwo"):
@@ -91,3 +90,17 @@ class RewardEnsemble:
         extras = {f"member{i}": s.detach() for i, s in enumerate(scores)}
         extras.update(mean=mean.detach(), std=var.sqrt().detach())
         return RewardOutput(scores=total, extras=extras)
+
+
+class EnsembleMember(Section):
+    name: str  # a registered reward, an entry point or an import path
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnsembleConfig(Section):
+    """``reward.ensembles.<new name>``: several reward models of the same quantity combined conservatively (WCO / UWO)."""
+
+    members: list[EnsembleMember] = Field(min_length=2)
+    mode: Literal["mean", "wco", "uwo"] = "wco"
+    coefficient: float = Field(1.0, ge=0)  # UWO's lambda
+    uncertainty: Literal["variance", "std"] = "variance"

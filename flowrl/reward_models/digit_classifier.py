@@ -9,8 +9,9 @@ Weights ship in ``flowrl/assets/digit_classifier/`` and are written by
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,12 +31,18 @@ class DigitClassifier(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(
-            nn.Flatten(), nn.Linear(64 * 4 * 4, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, NUM_CLASSES),
+            nn.Flatten(),
+            nn.Linear(64 * 4 * 4, 64),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(64, NUM_CLASSES),
         )
 
     def forward(self, images: Tensor) -> Tensor:
@@ -57,8 +64,7 @@ def load_classifier(path: str | Path | None = None) -> DigitClassifier:
     file = weights_path(path)
     if not file.is_file():
         raise FlowRLError(
-            f"digit classifier weights not found at {file}; "
-            "run `python -m flowrl.reward_models.train_digit_classifier` to create them."
+            f"digit classifier weights not found at {file}; run `python -m flowrl.reward_models.train_digit_classifier` to create them."
         )
     try:
         state = load_file(str(file))
@@ -117,18 +123,14 @@ class DigitClassifierReward:
     def logits(self, samples: Tensor) -> Tensor:
         """Return (B, 10) logits for (B, 1|3, 8, 8) images in [0, 1], keeping the graph to ``samples``."""
         if samples.ndim != 4 or samples.shape[1] not in (1, 3) or samples.shape[-2:] != (IMAGE_SIZE, IMAGE_SIZE):
-            raise FlowRLError(
-                f"the digit classifier reads (B, 1 or 3, 8, 8) images, got shape {tuple(samples.shape)}."
-            )
+            raise FlowRLError(f"the digit classifier reads (B, 1 or 3, 8, 8) images, got shape {tuple(samples.shape)}.")
         x = samples.float()
         if x.shape[1] == 3:
             x = x.mean(dim=1, keepdim=True)
         model = self._outside_inference_mode(lambda: self.model.to(samples.device))
         return model(x)
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         digits = target_digits(metadata)
         has = torch.tensor([d is not None for d in digits], device=samples.device)
         index = torch.tensor([d if d is not None else 0 for d in digits], device=samples.device)

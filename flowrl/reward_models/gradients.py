@@ -7,7 +7,8 @@ returns d(sum of the scores)/d x_final through ``decode`` (for latent models the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,20 +42,27 @@ def require_differentiable(reward: Reward, objective: str = "adjoint_matching") 
     for name, leaf in _leaves(reward, getattr(reward, "name", type(reward).__name__)):
         if not getattr(leaf, "differentiable", False):
             # a model reward that can be differentiable but was configured not to be
-            built_off = " (it was built with differentiable=False)" if getattr(leaf, "name", None) in DIFFERENTIABLE_EXAMPLES.split(", ") else ""
-            raise FlowRLError(f"reward '{name}' is not differentiable{built_off}; {objective} needs a reward gradient, so use "
-                              f"differentiable rewards only (e.g. {DIFFERENTIABLE_EXAMPLES}).")
+            built_off = (
+                " (it was built with differentiable=False)" if getattr(leaf, "name", None) in DIFFERENTIABLE_EXAMPLES.split(", ") else ""
+            )
+            raise FlowRLError(
+                f"reward '{name}' is not differentiable{built_off}; {objective} needs a reward gradient, so use "
+                f"differentiable rewards only (e.g. {DIFFERENTIABLE_EXAMPLES})."
+            )
 
 
-def _one_chunk(reward: Reward, decode: Callable[[Tensor], Tensor], x: Tensor, prompts: Sequence[str],
-               metadata: Sequence[Mapping[str, Any]]) -> tuple[RewardOutput, Tensor]:
+def _one_chunk(
+    reward: Reward, decode: Callable[[Tensor], Tensor], x: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+) -> tuple[RewardOutput, Tensor]:
     x = x.detach().clone().float().requires_grad_(True)
     out = reward(decode(x), prompts, metadata)
     scores = out.scores.float()
     finite = torch.isfinite(scores)
     if not scores.requires_grad:
-        raise FlowRLError(f"the reward's scores carry no gradient back to the final state: the pipeline's decode or the reward "
-                          f"'{getattr(reward, 'name', type(reward).__name__)}' runs without autograd or detaches its output.")
+        raise FlowRLError(
+            f"the reward's scores carry no gradient back to the final state: the pipeline's decode or the reward "
+            f"'{getattr(reward, 'name', type(reward).__name__)}' runs without autograd or detaches its output."
+        )
     # Dropped samples contribute nothing: select before summing so their NaN never enters the sum.
     total = torch.where(finite, scores, torch.zeros_like(scores)).sum()
     (grads,) = torch.autograd.grad(total, x, allow_unused=True)
@@ -63,8 +71,14 @@ def _one_chunk(reward: Reward, decode: Callable[[Tensor], Tensor], x: Tensor, pr
     return RewardOutput(scores=scores.detach(), extras=extras), grads.detach()
 
 
-def reward_and_gradient(reward: Reward, decode: Callable[[Tensor], Tensor], x_final: Tensor, prompts: Sequence[str],
-                        metadata: Sequence[Mapping[str, Any]], chunk_size: int | None = None) -> tuple[RewardOutput, Tensor]:
+def reward_and_gradient(
+    reward: Reward,
+    decode: Callable[[Tensor], Tensor],
+    x_final: Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    chunk_size: int | None = None,
+) -> tuple[RewardOutput, Tensor]:
     """Score ``decode(x_final)`` and return (the RewardOutput with detached tensors, grads (B, *S)), where
     grads[i] = d score_i / d x_final[i] through ``decode``.
 

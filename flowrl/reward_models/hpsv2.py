@@ -22,8 +22,9 @@ open_clip imports torchvision and no matching torchvision is installable in this
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +32,10 @@ from torch import Tensor
 
 from flowrl.errors import FlowRLError
 from flowrl.reward_models.clip_common import (
-    LazyLoadedModel,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     ClipPreprocess,
+    LazyLoadedModel,
     as_rgb,
     check_batch,
     looks_local,
@@ -57,8 +58,7 @@ def hps_scores(image_features: Tensor, text_features: Tensor, scale: float = 1.0
     """
     if image_features.shape != text_features.shape or image_features.ndim != 2:
         raise FlowRLError(
-            f"HPS needs (B, D) image and text features of one shape, got {tuple(image_features.shape)} "
-            f"and {tuple(text_features.shape)}."
+            f"HPS needs (B, D) image and text features of one shape, got {tuple(image_features.shape)} and {tuple(text_features.shape)}."
         )
     img = F.normalize(image_features.float(), dim=-1)
     txt = F.normalize(text_features.float(), dim=-1)
@@ -148,7 +148,6 @@ class HPSv2Reward(LazyLoadedModel):
         self._tokenizer = open_clip.get_tokenizer(ARCH)
         self._preprocess_val = preprocess_val
         self._model = model
-
 
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         check_batch(samples, prompts)

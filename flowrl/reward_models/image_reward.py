@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,17 +45,17 @@ from torch import Tensor, nn
 from flowrl.errors import FlowRLError
 from flowrl.reward_models.aesthetic import AestheticHead
 from flowrl.reward_models.clip_common import (
-    LazyLoadedModel,
-    read_state_dict,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     ClipPreprocess,
+    LazyLoadedModel,
     as_rgb,
     check_batch,
     from_pretrained,
     looks_local,
     parse_dtype,
     processor_pixel_values,
+    read_state_dict,
 )
 from flowrl.types import RewardOutput
 
@@ -321,11 +322,8 @@ class ImageRewardReward(LazyLoadedModel):
         self._tokenizer = tokenizer
         self._model = model
 
-
     def tokenize(self, prompts: Sequence[str], device: torch.device) -> tuple[Tensor, Tensor]:
-        tokens = self._tokenizer(
-            list(prompts), padding="max_length", truncation=True, max_length=MAX_PROMPT_TOKENS, return_tensors="pt"
-        )
+        tokens = self._tokenizer(list(prompts), padding="max_length", truncation=True, max_length=MAX_PROMPT_TOKENS, return_tensors="pt")
         return tokens["input_ids"].to(device), tokens["attention_mask"].to(device)
 
     def pixel_values(self, samples: Tensor, device: torch.device) -> Tensor:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -19,7 +20,5 @@ class InkReward:
     name = "ink"
     differentiable = True
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         return RewardOutput(scores=samples.float().flatten(1).mean(1))  # images (B, C, H, W) and videos (B, C, T, H, W)

@@ -7,7 +7,8 @@ towards busy, detailed ones. Neither needs a model, so both make good smoke test
 from __future__ import annotations
 
 import io
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,9 +55,7 @@ class _JpegSizeReward:
     def __init__(self, upscale: int = 1) -> None:
         self.upscale = upscale
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         return RewardOutput(scores=self.sign * jpeg_size_kb(samples, self.upscale))
 
 

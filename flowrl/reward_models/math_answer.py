@@ -38,7 +38,8 @@ import logging
 import math
 import re
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -81,7 +82,8 @@ _NUMBER = r"[-+]?\$?\s*\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\$?\s*\d+(?:\.\d+)?"
 # A phrase holding the answer: words around exactly one number ("The answer is 18", "Juice Box C is 2 dollars
 # more than Juice Box B"). Words that change the number's value or hedge it disqualify the phrase.
 _PHRASE_BLOCKERS = (_MATH_WORDS - {"more", "less", "than", "fewer", "greater", "and", "to", "by"}) | frozenset(
-    "approximately about around nearly almost roughly least most between up each every".split())
+    "approximately about around nearly almost roughly least most between up each every".split()
+)
 _CLOCK_ON_THE_HOUR = re.compile(r"(\d{1,2})(?::00)?\s*(?:[ap]\.?\s?m\.?)", re.IGNORECASE)
 
 
@@ -117,7 +119,7 @@ def _phrase_number(answer: str) -> str | None:
 
 
 def _clock_hour(answer: str) -> str | None:
-    """"2:00 pm" / "2 p.m." -> "2": a time on the hour read as its hour, the GSM8K convention for "what time"."""
+    """ "2:00 pm" / "2 p.m." -> "2": a time on the hour read as its hour, the GSM8K convention for "what time"."""
     m = _CLOCK_ON_THE_HOUR.fullmatch(answer.strip())
     return m.group(1) if m and 1 <= int(m.group(1)) <= 12 else None
 
@@ -246,8 +248,11 @@ def _clean(answer: str) -> str:
 
 # The closing statement of a generation concludes when it starts with one of these, or says "therefore" /
 # "thus" / "hence" / "we conclude" / "the (final) answer is" anywhere ("We, therefore, conclude that ... is 81.").
-_CONCLUDES = re.compile(r"^\W*(?:so|therefore|thus|hence|in conclusion)\b|\b(?:therefore|thus|hence|conclude|"
-                        r"(?:final )?answer is)\b", re.IGNORECASE)
+_CONCLUDES = re.compile(
+    r"^\W*(?:so|therefore|thus|hence|in conclusion)\b|\b(?:therefore|thus|hence|conclude|"
+    r"(?:final )?answer is)\b",
+    re.IGNORECASE,
+)
 # Where the stated value starts: after the statement's last "=", "is", "are", "was", "equals" or ":".
 _VALUE_AFTER = re.compile(r"=|:|\b(?:is|are|was|were|equals)\b", re.IGNORECASE)
 _TAG = re.compile(r"</?[A-Za-z]+\s*[>}]|</[A-Za-z]*|<>")  # tags, mangled ones ("</ing>", "</answer}", "<>") included
@@ -449,9 +454,7 @@ class FormatReward:
 
     def score(self, text: str) -> float:
         text = strip_special_tokens(text or "")
-        if _REASONING_THEN_ANSWER.search(text) or (
-            self.reasoning_prefilled and _PREFILLED_REASONING_THEN_ANSWER.search(text)
-        ):
+        if _REASONING_THEN_ANSWER.search(text) or (self.reasoning_prefilled and _PREFILLED_REASONING_THEN_ANSWER.search(text)):
             s = 1.0
         elif _ANSWER_ONLY.search(text):
             s = 0.5

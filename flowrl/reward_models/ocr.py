@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,12 +108,8 @@ class OCRReward:
             try:
                 from rapidocr import RapidOCR
             except ImportError as e:
-                raise FlowRLError(
-                    "the ocr reward needs RapidOCR; install it with `pip install rapidocr onnxruntime`."
-                ) from e
-            self._engine = RapidOCR(
-                params={"Global.log_level": "error", "Global.use_cls": False, "Global.text_score": self.text_score}
-            )
+                raise FlowRLError("the ocr reward needs RapidOCR; install it with `pip install rapidocr onnxruntime`.") from e
+            self._engine = RapidOCR(params={"Global.log_level": "error", "Global.use_cls": False, "Global.text_score": self.text_score})
         return self._engine
 
     def recognize(self, image: np.ndarray) -> str:
@@ -124,9 +121,7 @@ class OCRReward:
         texts = getattr(result, "txts", None) or ()
         return "".join(texts)
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         if samples.ndim != 4 or samples.shape[1] not in (1, 3):
             raise FlowRLError(f"the ocr reward reads (B, 1 or 3, H, W) images, got shape {tuple(samples.shape)}.")
         targets = [target_text(p, m) for p, m in zip(prompts, metadata)]

@@ -1,7 +1,8 @@
 """Score videos with an image reward: average it over (a subset of) the frames, or read only the first.
 
 ``PerFrameReward`` wraps another reward, so it is built in code rather than by name, e.g.
-``PerFrameReward(build_reward("ink"), every_n=4)``; it has no entry in the reward registry.
+``PerFrameReward(build_reward("ink"), every_n=4, first_frame_only=False)``; it has no entry in the reward registry
+(a config asks for it with ``reward.video_frames``).
 
 Scoring only the first frame (``first_frame_only=True``) is the cheap proxy the video-RL literature
 uses with image reward models (one image-reward call per video instead of T).
@@ -9,13 +10,24 @@ uses with image reward models (one image-reward call per video instead of T).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from flowrl.errors import FlowRLError
+from flowrl.sections import Section
 from flowrl.types import Reward, RewardOutput
+
+
+class FrameSelection(Section):
+    """``reward.video_frames.<component>``: score videos with an image reward frame by frame (the mean), or only the
+    first frame (the cheap proxy)."""
+
+    first_frame_only: bool = False
+    every_n: int = Field(1, ge=1)
 
 
 def frame_indices(num_frames: int, every_n: int = 1, first_frame_only: bool = False) -> list[int]:
@@ -32,7 +44,7 @@ class PerFrameReward:
     frames are views of ``samples`` and the average keeps the graph.
     """
 
-    def __init__(self, image_reward: Reward, every_n: int = 1, first_frame_only: bool = False) -> None:
+    def __init__(self, image_reward: Reward, every_n: int, first_frame_only: bool) -> None:
         if int(every_n) != every_n or every_n < 1:
             raise FlowRLError(f"per-frame every_n must be a positive integer, got {every_n}.")
         self.inner = image_reward
@@ -41,13 +53,9 @@ class PerFrameReward:
         self.name = f"per_frame/{image_reward.name}"
         self.differentiable = bool(image_reward.differentiable)
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         if samples.ndim != 5:
-            raise FlowRLError(
-                f"a per-frame reward reads videos of shape (B, C, T, H, W), got shape {tuple(samples.shape)}."
-            )
+            raise FlowRLError(f"a per-frame reward reads videos of shape (B, C, T, H, W), got shape {tuple(samples.shape)}.")
         batch, channels, num_frames, height, width = samples.shape
         idx = frame_indices(num_frames, self.every_n, self.first_frame_only)
         n = len(idx)

@@ -11,7 +11,8 @@ released weights ``logit_scale.exp()`` is about 100 and scores sit around 18-24.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -45,6 +46,4 @@ class PickScoreReward(ClipBackedReward):
         model = self.model_on(samples.device)
         raw = model.logit_scale.detach().float().exp() * (img * txt).sum(dim=-1)
         scores = raw / FLOW_GRPO_DIVISOR if self.normalize else raw
-        return RewardOutput(
-            scores=scores.float().to(samples.device), extras={"raw": raw.detach().float().to(samples.device)}
-        )
+        return RewardOutput(scores=scores.float().to(samples.device), extras={"raw": raw.detach().float().to(samples.device)})

@@ -15,8 +15,9 @@ from __future__ import annotations
 import ast
 import math
 import re
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -141,7 +142,9 @@ class CountdownReward:
     name = "countdown"
     differentiable = False
 
-    def __init__(self, format_score: float = 0.1, correct_score: float = 1.0, allow_trailing_equals: bool = True, tolerance: float = 1e-5) -> None:
+    def __init__(
+        self, format_score: float = 0.1, correct_score: float = 1.0, allow_trailing_equals: bool = True, tolerance: float = 1e-5
+    ) -> None:
         self.format_score = float(format_score)
         self.correct_score = float(correct_score)
         self.allow_trailing_equals = allow_trailing_equals

@@ -17,34 +17,37 @@ Only the standard library: a training process needs no HTTP package.
 from __future__ import annotations
 
 import base64
-import http.client
 import io
-import ipaddress
 import json
 import math
 import os
 import random
-import socket
-import ssl
 import threading
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
-from urllib.parse import urlsplit
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from flowrl.errors import FlowRLError
+from flowrl.reward_models.http_post import (
+    MAX_RESPONSE_BYTES,
+    TRANSPORT_ERRORS,
+    Endpoint,
+    backoff_seconds,
+    failure_cause,
+    is_loopback,
+    parse_server_url,
+    post,
+)
 from flowrl.reward_models.wire import NPZ_CONTENT_TYPE, decode_value
 from flowrl.types import RewardOutput
 
 ENCODINGS = ("float32", "uint8", "png")
-MAX_BACKOFF_S = 30.0
-MAX_RESPONSE_BYTES = 64 * 2**20
 URL_ENV = "FLOWRL_REWARD_URL"
 DOWN_S = 10.0  # a replica that failed is tried after the others for this long
 
@@ -57,62 +60,15 @@ class _Retryable(Exception):
     """A failure worth another attempt; the message is the cause as the final error names it."""
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, (Tensor, np.ndarray, np.generic)):
         return value.tolist()
     raise TypeError(value)
 
 
-
-
-def _retry_after(value: str | None) -> float | None:
-    """A Retry-After header in seconds (the HTTP-date form is not used by flowrl's server: ignored)."""
-    try:
-        seconds = float(value) if value is not None else None
-    except ValueError:
-        return None
-    return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
-
-
-@dataclass
-class _Endpoint:
-    """One reward server replica."""
-
-    scheme: str
-    host: str
-    port: int
-    path: str  # ".../score"
-    url: str  # as the errors name it, without "/score"
-    down_until: float = 0.0  # time.monotonic() before which it is tried last
-
-
-def parse_endpoint(url: str) -> _Endpoint:
-    parts = urlsplit(str(url).strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise FlowRLError(f"reward server url '{url}' must look like http://HOST:PORT.")
-    try:
-        port = parts.port
-    except ValueError:
-        raise FlowRLError(f"reward server url '{url}' has an invalid port.") from None
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise FlowRLError(f"reward server url '{url}' must not carry a query, fragment or user name.")
-    base = parts.path.rstrip("/")
-    return _Endpoint(
-        scheme=parts.scheme,
-        host=parts.hostname,
-        port=port or (443 if parts.scheme == "https" else 80),
-        path=(base if base.endswith("/score") else base + "/score") or "/score",
-        url=f"{parts.scheme}://{parts.netloc}{base.removesuffix('/score')}",
-    )
+def parse_endpoint(url: str) -> Endpoint:
+    """A replica's URL: ``/score`` is appended unless it is there."""
+    return parse_server_url(url, "reward server url", "http://HOST:PORT", "/score")
 
 
 class RemoteReward:
@@ -177,7 +133,7 @@ class RemoteReward:
         self._jitter = random.Random()  # seeded by the OS: processes that failed together must not retry in step
         self.batch_size = batch_size
         self.encoding = encoding
-        self.endpoints: list[_Endpoint] = []
+        self.endpoints: list[Endpoint] = []
         self._turn = 0  # round-robin: the replica the next request starts on
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -194,7 +150,7 @@ class RemoteReward:
         if not urls:
             raise FlowRLError("the remote reward's url list is empty.")
         self.endpoints = [parse_endpoint(u) for u in urls]
-        exposed = [e.url for e in self.endpoints if e.scheme == "http" and not _is_loopback(e.host)]
+        exposed = [e.url for e in self.endpoints if e.scheme == "http" and not is_loopback(e.host)]
         if self.token and exposed:
             warnings.warn(
                 f"the reward server token is sent in clear text to {', '.join(exposed)}; use https (a TLS proxy) "
@@ -210,9 +166,7 @@ class RemoteReward:
             from PIL import Image
 
             if x.ndim != 4 or x.shape[1] not in (1, 3):
-                raise FlowRLError(
-                    f"the png encoding sends (B, 1 or 3, H, W) images, got shape {tuple(x.shape)}; use float32."
-                )
+                raise FlowRLError(f"the png encoding sends (B, 1 or 3, H, W) images, got shape {tuple(x.shape)}; use float32.")
             pixels = (x * 255).round().clamp(0, 255).to(torch.uint8).numpy().transpose(0, 2, 3, 1)
             images = []
             for image in pixels:
@@ -238,37 +192,7 @@ class RemoteReward:
             raise FlowRLError(f"the metadata holds {what} that cannot be sent to the reward server as JSON.") from None
 
     # ------------------------------------------------------------------ transport
-    def _attempt(self, endpoint: _Endpoint, body: bytes, content_type: str) -> tuple[int, bytes, float | None]:
-        if endpoint.scheme == "https":
-            conn = http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=self.timeout,
-                                               context=ssl.create_default_context())
-        else:
-            conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.timeout)
-        headers = {"Content-Type": content_type, "Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        try:
-            try:
-                conn.request("POST", endpoint.path, body=body, headers=headers)
-            except (BrokenPipeError, ConnectionResetError):
-                # The server may have refused the body early (401, 413) and closed; its answer is
-                # usually still readable.
-                if conn.sock is None:
-                    raise
-            response = conn.getresponse()
-            data = response.read(MAX_RESPONSE_BYTES + 1)
-            return response.status, data, _retry_after(response.getheader("Retry-After"))
-        finally:
-            conn.close()
-
-    def _wait(self, attempt: int, retry_after: float | None) -> float:
-        """Seconds before attempt ``attempt + 1``: jittered exponential backoff, at least the server's Retry-After."""
-        wait = min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S) * self._jitter.uniform(0.5, 1.5)
-        if retry_after is not None:
-            wait = max(wait, min(retry_after, MAX_BACKOFF_S) * self._jitter.uniform(1.0, 1.2))
-        return wait
-
-    def _order(self) -> list[_Endpoint]:
+    def _order(self) -> list[Endpoint]:
         """This request's replicas in the order to try them: round-robin, the ones that failed lately last."""
         with self._lock:
             start = self._turn
@@ -289,25 +213,15 @@ class RemoteReward:
                 if left <= 0:
                     break
                 if attempt % n == 0:  # every replica failed this round: back off (the last attempt starts at retry_for)
-                    time.sleep(min(self._wait(attempt // n, retry_after), left))
+                    time.sleep(min(backoff_seconds(attempt // n, self.backoff, retry_after, self._jitter), left))
                     retry_after = None
             endpoint = order[attempt % n]
             attempt += 1
             try:
-                status, data, answer_retry_after = self._attempt(endpoint, body, content_type)
+                status, data, answer_retry_after = post(endpoint, body, content_type, self.timeout, self.token)
                 failure = None
-            except ssl.SSLError as e:
-                raise RewardServerError(f"reward server {endpoint.url} failed the TLS handshake ({e.reason or e}).") from None
-            except ConnectionRefusedError:
-                failure = "connection refused"
-            except (socket.timeout, TimeoutError):
-                failure = f"timed out after {self.timeout:g} s"
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
-                failure = "connection closed without an answer"
-            except socket.gaierror as e:
-                failure = f"host not found: {e.strerror or e}"
-            except (OSError, http.client.HTTPException) as e:
-                failure = (getattr(e, "strerror", None) or str(e) or type(e).__name__).rstrip(".")
+            except TRANSPORT_ERRORS as e:
+                failure = failure_cause(e, self.timeout, "reward server", endpoint.url, RewardServerError)
             if failure is None:
                 message = self._error_message(data)
                 if status >= 500:
@@ -321,8 +235,7 @@ class RemoteReward:
             endpoint.down_until = 0.0
             if status != 200:
                 raise RewardServerError(
-                    f"reward server {endpoint.url} refused the request (HTTP {status}"
-                    + (f": {message}" if message else "") + ")."
+                    f"reward server {endpoint.url} refused the request (HTTP {status}" + (f": {message}" if message else "") + ")."
                 )
             if len(data) > MAX_RESPONSE_BYTES:
                 raise RewardServerError(f"reward server {endpoint.url} sent an answer over {MAX_RESPONSE_BYTES} bytes.")
@@ -371,7 +284,7 @@ class RemoteReward:
         finite = torch.isfinite(samples.detach().reshape(n, -1)).all(dim=1).cpu() if n else torch.ones(0, dtype=torch.bool)
         rows = finite.nonzero().flatten().tolist()
         step = self.batch_size or max(len(rows), 1)
-        chunks = [rows[start:start + step] for start in range(0, len(rows), step)]
+        chunks = [rows[start : start + step] for start in range(0, len(rows), step)]
 
         def score(chunk: list[int]):
             return self._score_chunk(samples[chunk], [prompts[i] for i in chunk], [metadata[i] for i in chunk])

@@ -7,7 +7,8 @@ of a Gaussian mixture a Gaussian mixture (``flowrl.pipelines.toy2d.tilted_target
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -99,8 +99,12 @@ def train(out: Path, seed: int, epochs: int, batch_size: int, lr: float) -> dict
     held_acc = accuracy(model, images[held_idx], labels[held_idx])
     info = {
         "command": f"python -m flowrl.reward_models.train_digit_classifier --seed {seed} --epochs {epochs}",
-        "seed": seed, "epochs": epochs, "batch_size": batch_size, "lr": lr,
-        "train_size": len(train_idx), "held_out_size": len(held_idx),
+        "seed": seed,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+        "train_size": len(train_idx),
+        "held_out_size": len(held_idx),
         "held_out_accuracy": round(held_acc, 4),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "train_seconds": round(time.time() - start, 1),

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,9 +41,7 @@ class VerifiableReward:
         self.name = name
         self.last_errors: list[str] = []
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         detached = samples.detach()
         scores, errors, messages = [], [], []
         for i in range(detached.shape[0]):

@@ -45,7 +45,8 @@ with fewer than 2 frames scores NaN ("not applicable"). Not differentiable. Need
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,17 +66,13 @@ def import_cv2():
     try:
         import cv2
     except ImportError as e:
-        raise FlowRLError(
-            "the motion_quality reward needs OpenCV; install it with `pip install opencv-python-headless`."
-        ) from e
+        raise FlowRLError("the motion_quality reward needs OpenCV; install it with `pip install opencv-python-headless`.") from e
     return cv2
 
 
 def check_videos(samples: Tensor, who: str) -> None:
     if samples.ndim != 5 or samples.shape[1] not in (1, 3):
-        raise FlowRLError(
-            f"{who} reads videos of shape (B, 1 or 3, T, H, W) in [0, 1], got shape {tuple(samples.shape)}."
-        )
+        raise FlowRLError(f"{who} reads videos of shape (B, 1 or 3, T, H, W) in [0, 1], got shape {tuple(samples.shape)}.")
 
 
 def grayscale_uint8(video: np.ndarray) -> np.ndarray:
@@ -100,9 +97,7 @@ def flow_terms(video: np.ndarray, min_size: int = 64) -> dict[str, float]:
     num_frames, height, width = frames.shape
     factor = upsample_factor(height, width, min_size)
     if factor > 1:
-        frames = np.stack(
-            [cv2.resize(f, (width * factor, height * factor), interpolation=cv2.INTER_LINEAR) for f in frames]
-        )
+        frames = np.stack([cv2.resize(f, (width * factor, height * factor), interpolation=cv2.INTER_LINEAR) for f in frames])
     h, w = frames.shape[1:]
     ys, xs = np.mgrid[0:h, 0:w].astype(np.float32)
     magnitudes, errors, flows = [], [], []
@@ -169,9 +164,7 @@ class MotionQualityReward:
         self.smoothness_scale = smoothness_scale
         self.min_size = min_size
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         check_videos(samples, "the motion_quality reward")
         videos = samples.detach().float().clamp(0, 1).cpu().numpy()
         batch, _, num_frames, height, width = videos.shape
@@ -190,11 +183,7 @@ class MotionQualityReward:
                 terms["consistency"][i] = consistency
                 terms["smoothness"][i] = smoothness
                 terms["motion"][i] = motion
-                scores[i] = (
-                    consistency
-                    * smoothness**self.smoothness_weight
-                    * (self.static_score + (1.0 - self.static_score) * motion)
-                )
+                scores[i] = consistency * smoothness**self.smoothness_weight * (self.static_score + (1.0 - self.static_score) * motion)
 
         def to_tensor(a: np.ndarray) -> Tensor:
             return torch.tensor(a.astype(np.float32), device=samples.device)

@@ -51,8 +51,9 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,9 +134,7 @@ def write_mp4(video: np.ndarray, path: str | Path, fps: float) -> None:
     try:
         import cv2
     except ImportError as e:
-        raise FlowRLError(
-            "the videoalign reward writes videos with OpenCV; install it with `pip install opencv-python-headless`."
-        ) from e
+        raise FlowRLError("the videoalign reward writes videos with OpenCV; install it with `pip install opencv-python-headless`.") from e
     frames = np.clip(np.round(video * 255.0), 0, 255).astype(np.uint8).transpose(1, 2, 3, 0)  # T, H, W, C
     if frames.shape[-1] == 1:
         frames = np.repeat(frames, 3, axis=-1)
@@ -184,7 +183,9 @@ def load_videoalign_inferencer(
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
     except ImportError as e:
-        raise FlowRLError(f"the VideoAlign code could not be imported: {e}; install its requirements (peft, a video reader, flash-attn).") from e
+        raise FlowRLError(
+            f"the VideoAlign code could not be imported: {e}; install its requirements (peft, a video reader, flash-attn)."
+        ) from e
     cls = getattr(module, "VideoVLMRewardInference", None)
     if cls is None:
         raise FlowRLError("the VideoAlign inference module defines no VideoVLMRewardInference.")
@@ -243,9 +244,7 @@ class VideoAlignReward:
         self.code_dir = code_dir
         self.inference_module = inference_module
         self.use_norm = use_norm
-        self.stats: Stats | None = (
-            {d: (float(stats[d][0]), float(stats[d][1])) for d in DIMENSIONS} if stats is not None else None
-        )
+        self.stats: Stats | None = {d: (float(stats[d][0]), float(stats[d][1])) for d in DIMENSIONS} if stats is not None else None
         self.video_fps = video_fps
         self.sample_fps = sample_fps
         self.num_frames = num_frames
@@ -257,12 +256,8 @@ class VideoAlignReward:
     def backend(self):
         if self._backend is None:
             if self.checkpoint is None:
-                raise FlowRLError(
-                    "the videoalign reward needs checkpoint= (a download of KwaiVGI/VideoReward) and the VideoAlign code."
-                )
-            self._backend = load_videoalign_inferencer(
-                self.checkpoint, self.code_dir, self.inference_module, self.device, self.dtype
-            )
+                raise FlowRLError("the videoalign reward needs checkpoint= (a download of KwaiVGI/VideoReward) and the VideoAlign code.")
+            self._backend = load_videoalign_inferencer(self.checkpoint, self.code_dir, self.inference_module, self.device, self.dtype)
         return self._backend
 
     def normalization(self) -> Stats | None:
@@ -273,18 +268,12 @@ class VideoAlignReward:
                 raise FlowRLError("videoalign use_norm needs the checkpoint's statistics: pass checkpoint= or stats=.")
             self.stats = read_inference_config(self.checkpoint)
             if self.stats is None:
-                raise FlowRLError(
-                    f"the VideoAlign config in {self.checkpoint} has no inference_config; pass stats= or use_norm=False."
-                )
+                raise FlowRLError(f"the VideoAlign config in {self.checkpoint} has no inference_config; pass stats= or use_norm=False.")
         return self.stats
 
-    def __call__(
-        self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardOutput:
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         if samples.ndim != 5 or samples.shape[1] not in (1, 3):
-            raise FlowRLError(
-                f"the videoalign reward reads videos (B, 1 or 3, T, H, W) in [0, 1], got shape {tuple(samples.shape)}."
-            )
+            raise FlowRLError(f"the videoalign reward reads videos (B, 1 or 3, T, H, W) in [0, 1], got shape {tuple(samples.shape)}.")
         stats = self.normalization()
         backend = self.backend
         videos = samples.detach().float().clamp(0, 1).cpu().numpy()

@@ -12,13 +12,15 @@ import json
 import math
 import threading
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 NPZ_CONTENT_TYPE = "application/x-npz"
+
 
 class BadRequest(Exception):
     """A malformed request; the message is one sentence for the client (answered with 400)."""
@@ -56,9 +58,7 @@ def _read_npy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, kinds: dict[str
     plain = dtype.fields is None and dtype.subdtype is None and dtype.kind in kinds
     if not plain or kinds[dtype.kind] not in (0, dtype.itemsize):
         allowed = {"f": "float32", "u": "uint8", "U": "unicode"}
-        raise BadRequest(
-            f"NPZ member '{name}' has dtype {dtype}; expected {' or '.join(allowed[k] for k in kinds)}."
-        )
+        raise BadRequest(f"NPZ member '{name}' has dtype {dtype}; expected {' or '.join(allowed[k] for k in kinds)}.")
     if math.prod(shape) * dtype.itemsize > info.file_size:
         raise BadRequest(f"NPZ member '{name}' is shorter than its header says.")
     with zf.open(info) as f:
@@ -137,8 +137,7 @@ def decode_request(body: bytes, content_type: str, max_bytes: int, max_batch: in
         samples, meta = _decode_npz(body, max_bytes)
     if samples.ndim not in (4, 5) or 0 in samples.shape:
         raise BadRequest(
-            f"samples must be (B, C, H, W) images or (B, C, T, H, W) videos with no empty dimension, "
-            f"got shape {tuple(samples.shape)}."
+            f"samples must be (B, C, H, W) images or (B, C, T, H, W) videos with no empty dimension, got shape {tuple(samples.shape)}."
         )
     batch = samples.shape[0]
     if batch > max_batch:
@@ -152,9 +151,7 @@ def decode_request(body: bytes, content_type: str, max_bytes: int, max_batch: in
     if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
         raise BadRequest("'metadata' must be a list of JSON objects.")
     if len(prompts) != batch or len(metadata) != batch:
-        raise BadRequest(
-            f"the batch has {batch} samples but {len(prompts)} prompts and {len(metadata)} metadata entries."
-        )
+        raise BadRequest(f"the batch has {batch} samples but {len(prompts)} prompts and {len(metadata)} metadata entries.")
     if samples.dtype.kind == "u":  # uint8: every value is a pixel in [0, 255]
         tensor = torch.from_numpy(samples.astype(np.float32)) / 255.0
     else:

@@ -5,6 +5,13 @@ Every check that needs no body comes before a byte of it is read: the token (401
 read with a deadline, decoded on a worker thread (``wire.decode_request``: NPZ or PNG, never pickle), and
 queued on the ``Batcher``; the event loop only waits for it, so any number of clients can wait at once.
 Every refusal is ``{"error": "<one sentence>"}``.
+
+What the client caused is 4xx, never retried: a malformed body (``BadRequest``), a sample whose metadata
+lacks a key the reward declares in ``required_metadata`` (checked before the request is queued), and an
+error the reward raises on the request's own data (``CLIENT_ERRORS``: FlowRLError, ValueError, TypeError,
+KeyError; the batcher scores a failing merged batch again request by request, so the error is the
+request's own). Anything else the reward raises (RuntimeError, a CUDA out-of-memory, MemoryError) is the
+server's: 500, which the client retries.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import hmac
 import queue
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -27,6 +34,10 @@ from flowrl.errors import FlowRLError
 from flowrl.reward_models.wire import BadRequest, _Job, decode_request
 from flowrl.reward_server.batcher import Batcher
 from flowrl.reward_server.config import ServerConfig
+
+# What a reward raises on a request's own data (a metadata value of the wrong type, a sample shape it cannot
+# read): answered 400, since sending the same request again cannot help. Everything else is answered 500.
+CLIENT_ERRORS = (FlowRLError, ValueError, TypeError, KeyError)
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503: a busy server frees a slot within about one scoring call
 BUSY = "the reward server is busy; retry later."
@@ -41,6 +52,9 @@ class ServerState:
     token: str | None
     names: list[str]  # the reward's component names, reported by /health
     batcher: Batcher
+    # (reward name, metadata key) pairs the reward needs in every sample's metadata (its components' and
+    # wrappers' ``required_metadata``, components weighted 0 left out, as the trainer checks them)
+    required: list[tuple[str, str]] = field(default_factory=list)
     in_flight: int = 0  # POST /score requests being read, decoded, queued or scored
 
 
@@ -52,6 +66,7 @@ async def _drain(request: Request) -> None:
     """Read and drop what the client is still sending, for at most DRAIN_S: answering with the body unread
     makes the server close a socket that holds unread data, the kernel then resets the connection, and a
     client still sending would lose the answer."""
+
     async def consume() -> None:
         async for _ in request.stream():
             pass
@@ -86,6 +101,30 @@ async def _read_body(request: Request, length: int) -> bytes | None:
     return body if len(body) == length else None
 
 
+def missing_metadata(required: list[tuple[str, str]], metadata: list[dict]) -> str | None:
+    """The sentence refusing the first sample whose metadata lacks (or nulls) a key the reward needs, or None."""
+    for reward_name, key in required:
+        for i, m in enumerate(metadata):
+            if m.get(key) is None:
+                return (
+                    f"sample {i} has no '{key}' in its metadata, which reward '{reward_name}' needs to score it; "
+                    f"send a '{key}' with every sample."
+                )
+    return None
+
+
+def error_answer(e: BaseException) -> JSONResponse:
+    """What the reward raised while scoring one request, as the client's 400 or the server's 500."""
+    first = " ".join((str(e).splitlines() or [""])[0].split())
+    if isinstance(e, FlowRLError):  # the reward's own sentence
+        return _error(400, first or "the reward refused this request.")
+    if isinstance(e, CLIENT_ERRORS):
+        reason = f"{type(e).__name__}: {first}".rstrip(": .")
+        return _error(400, f"the reward could not score this request's data ({reason}).")
+    traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    return _error(500, f"the reward raised {type(e).__name__}: {first}".rstrip(": .") + ".")
+
+
 async def _score(state: ServerState, request: Request, length: int) -> Response:
     body = await _read_body(request, length)
     if body is None:
@@ -98,6 +137,9 @@ async def _score(state: ServerState, request: Request, length: int) -> Response:
     except BadRequest as e:
         return _error(400, str(e))
     del body
+    missing = missing_metadata(state.required, job.metadata)
+    if missing is not None:
+        return _error(400, missing)
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -111,12 +153,7 @@ async def _score(state: ServerState, request: Request, length: int) -> Response:
         return _error(503, BUSY, {"Retry-After": str(RETRY_AFTER_S)})
     await done
     if job.error is not None:
-        e = job.error
-        if isinstance(e, FlowRLError):
-            return _error(400, str(e))
-        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-        first = (str(e).splitlines() or [""])[0]
-        return _error(500, f"the reward raised {type(e).__name__}: {first}".rstrip(": ") + ".")
+        return error_answer(job.error)
     scores, extras = job.result
     return JSONResponse({"scores": scores, "extras": extras})
 
@@ -126,19 +163,21 @@ def build_app(state: ServerState) -> Starlette:
 
     async def health(request: Request) -> Response:
         batcher = state.batcher
-        return JSONResponse({
-            "status": "ok",
-            "reward": state.names,
-            "max_batch": state.config.max_batch,
-            "max_request_bytes": state.config.max_request_bytes,
-            "coalesce": batcher.coalesce,
-            "max_wait_ms": state.config.max_wait_ms,
-            "requests": batcher.requests,
-            "batches": batcher.batches,
-            "samples": batcher.samples,
-            "queued": batcher.queue.qsize(),
-            "in_flight": state.in_flight,
-        })
+        return JSONResponse(
+            {
+                "status": "ok",
+                "reward": state.names,
+                "max_batch": state.config.max_batch,
+                "max_request_bytes": state.config.max_request_bytes,
+                "coalesce": batcher.coalesce,
+                "max_wait_ms": state.config.max_wait_ms,
+                "requests": batcher.requests,
+                "batches": batcher.batches,
+                "samples": batcher.samples,
+                "queued": batcher.queue.qsize(),
+                "in_flight": state.in_flight,
+            }
+        )
 
     async def score(request: Request) -> Response:
         headers = request.headers

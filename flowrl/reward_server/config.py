@@ -75,7 +75,7 @@ def resolve_token(config: ServerConfig) -> str | None:
 
 
 def resolve_device(device: str) -> str:
-    """"auto": CUDA when present; any other device must exist here (refused in one sentence, not at the first request)."""
+    """ "auto": CUDA when present; any other device must exist here (refused in one sentence, not at the first request)."""
     if device != "auto":
         from flowrl.config import resolve_device as resolve
 

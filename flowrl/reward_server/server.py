@@ -49,9 +49,12 @@ class RewardServer:
         names = list(components) if isinstance(components, dict) else [str(getattr(reward, "name", "reward"))]
         self.config = config
         self.device = resolve_device(config.device)
-        batcher = Batcher(reward, self.device, config.max_batch, config.coalesce, config.max_wait_ms / 1000,
-                          max_queue=config.max_connections)
-        self.state = ServerState(config, token, names, batcher)
+        batcher = Batcher(
+            reward, self.device, config.max_batch, config.coalesce, config.max_wait_ms / 1000, max_queue=config.max_connections
+        )
+        from flowrl.reward_models.mix import required_metadata  # the trainer's check of the same declarations
+
+        self.state = ServerState(config, token, names, batcher, required=sorted(required_metadata(reward)))
         # The socket is bound here, not by uvicorn, so that port 0 is resolved and a port in use is one
         # sentence before anything starts.
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
@@ -62,15 +65,19 @@ class RewardServer:
             self.socket.listen(2048)
         except OSError as e:
             self.socket.close()
-            raise FlowRLError(
-                f"the reward server could not listen on {config.host}:{config.port} ({e.strerror or e})."
-            ) from None
+            raise FlowRLError(f"the reward server could not listen on {config.host}:{config.port} ({e.strerror or e}).") from None
         self._address = self.socket.getsockname()
-        self.uvicorn = uvicorn.Server(uvicorn.Config(
-            build_app(self.state), log_config=None, access_log=False, lifespan="off",
-            limit_concurrency=CONNECTIONS_PER_SLOT * config.max_connections,
-            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_S,
-        ))
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(
+                build_app(self.state),
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                limit_concurrency=CONNECTIONS_PER_SLOT * config.max_connections,
+                timeout_keep_alive=KEEP_ALIVE_S,
+                timeout_graceful_shutdown=GRACEFUL_S,
+            )
+        )
         self._thread: threading.Thread | None = None
 
     @property
@@ -82,10 +89,9 @@ class RewardServer:
         host = self._address[0]
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
-    def start(self) -> "RewardServer":
+    def start(self) -> RewardServer:
         self.state.batcher.start()
-        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]},
-                                        name="flowrl-reward-http", daemon=True)
+        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]}, name="flowrl-reward-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self.uvicorn.started:
@@ -103,7 +109,7 @@ class RewardServer:
         self.socket.close()
         self.state.batcher.stop()
 
-    def __enter__(self) -> "RewardServer":
+    def __enter__(self) -> RewardServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -134,8 +140,11 @@ def serve_main(config_path: str, port: int | None = None) -> int:
         config.port = port
     token = resolve_token(config)
     if config.host not in LOOPBACK:
-        print(f"flowrl-reward: warning: serving on {config.host}, reachable from other hosts; the token "
-              "travels in clear text unless a TLS proxy sits in front.", file=sys.stderr)
+        print(
+            f"flowrl-reward: warning: serving on {config.host}, reachable from other hosts; the token "
+            "travels in clear text unless a TLS proxy sits in front.",
+            file=sys.stderr,
+        )
     server = RewardServer(config, token)
     _log_requests()  # after the server: uvicorn's Config clears the access logger's handlers when built
     stop = threading.Event()
@@ -149,10 +158,12 @@ def serve_main(config_path: str, port: int | None = None) -> int:
         server.start()
         print(f"flowrl reward server listening on {server.url}", flush=True)
         weights = ", ".join(f"{k} x {v:g}" for k, v in config.reward.components.items())
-        batching = (f"batches of up to {config.max_batch} samples, waiting at most {config.max_wait_ms:g} ms"
-                    if config.coalesce else "one request per reward call")
-        print(f"flowrl-reward: scoring {weights} on {server.device} ({batching}); stop with Ctrl+C.",
-              file=sys.stderr, flush=True)
+        batching = (
+            f"batches of up to {config.max_batch} samples, waiting at most {config.max_wait_ms:g} ms"
+            if config.coalesce
+            else "one request per reward call"
+        )
+        print(f"flowrl-reward: scoring {weights} on {server.device} ({batching}); stop with Ctrl+C.", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:

@@ -1,38 +1,61 @@
-"""Samplers: stateless transition kernels with exact log-probs, plus the rollout loop."""
+"""Samplers: stateless transition kernels with exact log-probs, plus the rollout loop.
+
+``SAMPLERS`` is the one table of ``sampler.name`` values: each names its config section, which builds the
+sampler for a model (flowrl/registry.py says how users add their own).
+"""
 
 from __future__ import annotations
 
 from ..errors import FlowRLError
+from ..registry import Registry
+from ..sections import SamplerSection
 from ..types import Pipeline, Sampler
-from .ddim import DDIMSampler
-from .flow_sde import FlowCPSSampler, FlowMemorylessSampler, FlowSDESampler
-from .ode import ODESampler
+from .ddim import DDIMConfig, DDIMSampler
+from .flow_sde import FlowCPSConfig, FlowCPSSampler, FlowMemorylessConfig, FlowMemorylessSampler, FlowSDEConfig, FlowSDESampler
+from .masked import MaskedSamplerConfig
+from .ode import ODEConfig, ODESampler
 from .schedules import DiscreteSchedule, FlowSchedule
 
-__all__ = ["DDIMSampler", "FlowCPSSampler", "FlowMemorylessSampler", "FlowSDESampler", "ODESampler", "DiscreteSchedule", "FlowSchedule", "build_sampler"]
+__all__ = [
+    "SAMPLERS",
+    "DDIMConfig",
+    "DDIMSampler",
+    "FlowCPSConfig",
+    "FlowCPSSampler",
+    "FlowMemorylessConfig",
+    "FlowMemorylessSampler",
+    "FlowSDEConfig",
+    "FlowSDESampler",
+    "MaskedSamplerConfig",
+    "ODEConfig",
+    "ODESampler",
+    "DiscreteSchedule",
+    "FlowSchedule",
+    "build_sampler",
+]
+
+SAMPLERS = Registry(
+    "sampler",
+    "sampler.name",
+    {
+        "flow_sde": "flowrl.samplers.flow_sde:FlowSDEConfig",
+        "flow_cps": "flowrl.samplers.flow_sde:FlowCPSConfig",
+        "flow_memoryless": "flowrl.samplers.flow_sde:FlowMemorylessConfig",
+        "ddim": "flowrl.samplers.ddim:DDIMConfig",
+        "ode": "flowrl.samplers.ode:ODEConfig",
+        "masked": "flowrl.samplers.masked:MaskedSamplerConfig",
+    },
+    base=SamplerSection,
+)
 
 
-def _family_ode(pipeline: Pipeline) -> Sampler:
-    if pipeline.prediction_type == "flow":
-        return FlowSDESampler(noise_level=0.0)
-    return DDIMSampler(schedule=pipeline.schedule, prediction_type=pipeline.prediction_type, eta=0.0)
-
-
-def build_sampler(config, pipeline: Pipeline) -> Sampler:
-    """Build the sampler a config section names, checked against the pipeline's prediction type."""
-    kwargs = config.model_dump(exclude={"name"})
-    if config.name == "ode":
-        return ODESampler(_family_ode(pipeline))
-    if config.name == "ddim":
-        sampler = DDIMSampler(schedule=getattr(pipeline, "schedule", None), prediction_type=pipeline.prediction_type, **kwargs) if pipeline.prediction_type != "flow" else None
-    elif config.name == "flow_sde":
-        sampler = FlowSDESampler(**kwargs)
-    elif config.name == "flow_memoryless":
-        sampler = FlowMemorylessSampler(**kwargs)
-    else:
-        sampler = FlowCPSSampler(**kwargs)
-    if sampler is None or pipeline.prediction_type not in sampler.prediction_types:
-        family = "rectified-flow (velocity)" if pipeline.prediction_type == "flow" else f"diffusion ({pipeline.prediction_type})"
-        raise FlowRLError(f"sampler '{config.name}' does not fit this {family} model; use "
-                          f"{'flow_sde, flow_cps, flow_memoryless' if pipeline.prediction_type == 'flow' else 'ddim'} or ode.")
-    return sampler
+def build_sampler(section: SamplerSection, pipeline: Pipeline) -> Sampler:
+    """The sampler ``section`` describes, for ``pipeline``; refused in one sentence when it cannot step that
+    model's output (a DDIM sampler on a rectified flow, a flow SDE on an epsilon model)."""
+    prediction = pipeline.prediction_type
+    kinds = type(section).prediction_types
+    if kinds and prediction not in kinds:
+        family = "rectified-flow (velocity)" if prediction == "flow" else f"diffusion ({prediction})"
+        fitting = [n for n in SAMPLERS.builtin_names() if n != "ode" and prediction in SAMPLERS.section(n).prediction_types]
+        raise FlowRLError(f"sampler '{section.name}' does not fit this {family} model; use {', '.join(fitting)} or ode.")
+    return section.build(pipeline)

@@ -11,11 +11,14 @@ The objective is unchanged (GRPO normalises within the branches of a prefix, DDP
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from ..sections import Section
 from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler, Trajectory
 from .rollout import rollout, rows_of
@@ -35,7 +38,7 @@ def trained_steps(iteration: int, iterations: int, num_steps: int, start_steps: 
 def trained_window(num_steps: int, trained: int) -> Tensor:
     """(K,) bool: the last ``trained`` steps, the ones sampled stochastically with log-probs."""
     mask = torch.zeros(num_steps, dtype=torch.bool)
-    mask[num_steps - trained:] = True
+    mask[num_steps - trained :] = True
     return mask
 
 
@@ -68,17 +71,40 @@ def branched_rollout(
         chunks = []
         for start in range(0, unique.numel(), batch_size):
             idx = first[start : start + batch_size]
-            chunks.append(rollout(pipeline, sampler, [prompts[i] for i in idx], [metadata[i] for i in idx], unique[start : start + batch_size],
-                                  sigmas[: branch_step + 1], rows_of(generator, idx), guidance_scale, initial_noise=prefix[start : start + batch_size, 0],
-                                  decode=False).latents)
+            chunks.append(
+                rollout(
+                    pipeline,
+                    sampler,
+                    [prompts[i] for i in idx],
+                    [metadata[i] for i in idx],
+                    unique[start : start + batch_size],
+                    sigmas[: branch_step + 1],
+                    rows_of(generator, idx),
+                    guidance_scale,
+                    initial_noise=prefix[start : start + batch_size, 0],
+                    decode=False,
+                ).latents
+            )
         prefix = torch.cat(chunks)  # (G, b + 1, *S)
     prefix = prefix[inverse]  # the shared states, repeated for every branch
     window = torch.ones(num_steps - branch_step, dtype=torch.bool)
     chunks = []
     for start in range(0, len(prompts), batch_size):
         sl = slice(start, start + batch_size)
-        chunks.append(rollout(pipeline, sampler, prompts[sl], metadata[sl], group_ids[sl], sigmas[branch_step:], rows_of(generator, sl), guidance_scale,
-                              window, initial_noise=prefix[sl, -1]))
+        chunks.append(
+            rollout(
+                pipeline,
+                sampler,
+                prompts[sl],
+                metadata[sl],
+                group_ids[sl],
+                sigmas[branch_step:],
+                rows_of(generator, sl),
+                guidance_scale,
+                window,
+                initial_noise=prefix[sl, -1],
+            )
+        )
     branches = Trajectory.cat(chunks)
     nan = torch.full((len(prompts), branch_step), float("nan"), device=branches.log_probs.device)
     branches.latents = torch.cat([prefix[:, :-1].to(branches.latents), branches.latents], dim=1)
@@ -86,3 +112,14 @@ def branched_rollout(
     branches.stochastic = torch.cat([torch.zeros(branch_step, dtype=torch.bool), branches.stochastic.cpu()]).to(branches.stochastic.device)
     branches.sigmas = sigmas
     return branches
+
+
+class BranchingConfig(Section):
+    """``rollout.branching``: B2-DiffuRL (Hu et al., CVPR 2025; docs/objectives/b2_diffurl.md): backward progressive
+    training with branch-based sampling. Each prompt group shares one prefix sampled up to the branch step, and its
+    train.num_generations members are branches from there; only the steps after the branch step (the trained
+    window, always ending at the data end) are stochastic with log-probs. The window starts at the last
+    ``start_steps`` steps and grows towards the noise end in equal stages to ``end_steps`` (default: all)."""
+
+    start_steps: int = Field(2, ge=1)  # trained steps (from the data end) at the first iteration
+    end_steps: int | None = Field(None, ge=1)  # trained steps in the last stage; None: rollout.num_inference_steps

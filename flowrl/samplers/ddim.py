@@ -1,6 +1,6 @@
 """DDIM / DDPM step with log-prob (DDPO, D3PO), for epsilon- and v-prediction models.
 
-MATH.md section 2, with a_t = alpha_bar(sigma), a_prev = alpha_bar(sigma_next):
+docs/math.md section 2, with a_t = alpha_bar(sigma), a_prev = alpha_bar(sigma_next):
 
     x0_hat = (x - sqrt(1 - a_t) eps) / sqrt(a_t)          (optionally clipped)
     var    = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
@@ -34,11 +34,13 @@ same grid.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from ..sections import SamplerSection
 from ..types import StepOutput
 from .log_prob import Reduction, as_sigma, finish_step
 from .schedules import DiscreteSchedule
@@ -47,10 +49,10 @@ from .schedules import DiscreteSchedule
 @dataclass
 class DDIMSampler:
     schedule: DiscreteSchedule
-    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
-    eta: float = 1.0
-    clip_sample: float | None = None
-    reduction: Reduction = "mean"
+    prediction_type: Literal["epsilon", "v_prediction"]
+    eta: float
+    clip_sample: float | None
+    reduction: Reduction
     name = "ddim"
     prediction_types = ("epsilon", "v_prediction")
 
@@ -71,8 +73,13 @@ class DDIMSampler:
         a_prev = self.schedule.alpha_bar64(as_sigma(sigma_next, x, torch.float64, where))
         var = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
         std = eta * var.clamp(min=0).sqrt()
-        coefficients = {"sqrt_a": a_t.sqrt(), "sqrt_one_minus_a": (1 - a_t).sqrt(), "sqrt_a_prev": a_prev.sqrt(),
-                        "direction": (1 - a_prev - std**2).clamp(min=0).sqrt(), "std": std}
+        coefficients = {
+            "sqrt_a": a_t.sqrt(),
+            "sqrt_one_minus_a": (1 - a_t).sqrt(),
+            "sqrt_a_prev": a_prev.sqrt(),
+            "direction": (1 - a_prev - std**2).clamp(min=0).sqrt(),
+            "std": std,
+        }
         return {k: v.to(device=x.device, dtype=dtype) for k, v in coefficients.items()}
 
     def _x0_eps(self, out: Tensor, x: Tensor, c: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -107,3 +114,26 @@ class DDIMSampler:
 
     def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
         return self._mean_std(model_output, x, sigma, sigma_next, 0.0)[0].float()
+
+
+class DDIMConfig(SamplerSection):
+    """DDIM with eta (eta = 1: DDPM-equivalent, DDPO's default; eta = 0: deterministic) for epsilon / v models."""
+
+    name: str = "ddim"
+    eta: float = Field(1.0, ge=0)
+    clip_sample: float | None = None  # clip x0_hat to [-c, c]; None: no clipping
+    reduction: Reduction = "mean"
+    prediction_types: ClassVar[tuple[str, ...]] = ("epsilon", "v_prediction")
+
+    @property
+    def memoryless(self) -> bool:
+        return self.eta == 1.0  # DDPM's ancestral sampling
+
+    def build(self, pipeline: Any) -> DDIMSampler:
+        return DDIMSampler(
+            schedule=pipeline.schedule,
+            prediction_type=pipeline.prediction_type,
+            eta=self.eta,
+            clip_sample=self.clip_sample,
+            reduction=self.reduction,
+        )

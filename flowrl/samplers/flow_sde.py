@@ -1,6 +1,6 @@
 """Rectified-flow reverse SDE samplers (Flow-GRPO, DanceGRPO, CPS, memoryless).
 
-Notation (MATH.md section 1): the model predicts velocity ``v``; ``x0_hat = x - sigma v`` and
+Notation (docs/math.md section 1): the model predicts velocity ``v``; ``x0_hat = x - sigma v`` and
 ``x1_hat = x + (1 - sigma) v``; ``dt = sigma_next - sigma < 0``. The marginal-preserving reverse SDE
 with diffusion coefficient g has the Euler-Maruyama step
 
@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from ..sections import SamplerSection
 from ..types import StepOutput
 from .log_prob import Reduction, as_sigma, finish_step
 
@@ -36,8 +38,6 @@ def flow_euler_step(v: Tensor, x: Tensor, sigma: Tensor, sigma_next: Tensor) -> 
     return x.float() + (sigma_next - sigma) * v.float()
 
 
-
-
 @dataclass
 class FlowSDESampler:
     """Euler-Maruyama on the marginal-preserving reverse SDE.
@@ -46,9 +46,9 @@ class FlowSDESampler:
     diffusion:   "flow_grpo" (g = a sqrt(sigma / (1 - sigma))) or "dance_grpo" (g = eta).
     """
 
-    noise_level: float = 0.7
-    diffusion: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
-    reduction: Reduction = "mean"
+    noise_level: float
+    diffusion: Literal["flow_grpo", "dance_grpo"]
+    reduction: Reduction
     name = "flow_sde"
     prediction_types = ("flow",)
     stochastic = True
@@ -97,8 +97,8 @@ def _memoryless_std(sigma: Tensor, sigma_next: Tensor) -> Tensor:
 class FlowCPSSampler:
     """Coefficient-preserving sampling: the noise added is exactly the noise the mean removes."""
 
-    noise_level: float = 0.7
-    reduction: Reduction = "mean"
+    noise_level: float
+    reduction: Reduction
     name = "flow_cps"
     prediction_types = ("flow",)
     stochastic = True
@@ -131,7 +131,7 @@ class FlowMemorylessSampler:
     deterministic (x0_hat) and has no log-prob.
     """
 
-    reduction: Reduction = "mean"
+    reduction: Reduction
     name = "flow_memoryless"
     prediction_types = ("flow",)
     stochastic = True
@@ -141,3 +141,44 @@ class FlowMemorylessSampler:
 
     def deterministic_step(self, model_output, x, sigma, sigma_next) -> Tensor:
         return flow_euler_step(model_output, x, sigma, sigma_next)
+
+
+# -- config sections (sampler.name) ---------------------------------------------------------------------------
+class FlowSDEConfig(SamplerSection):
+    """Euler-Maruyama on the rectified flow's marginal-preserving reverse SDE (Flow-GRPO, DanceGRPO)."""
+
+    name: str = "flow_sde"
+    noise_level: float = Field(0.7, ge=0)  # Flow-GRPO's a, or DanceGRPO's eta
+    diffusion: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    reduction: Reduction = "mean"  # of the log-prob over the non-batch dimensions (every reference means)
+    prediction_types: ClassVar[tuple[str, ...]] = ("flow",)
+
+    def build(self, pipeline: Any = None) -> FlowSDESampler:
+        return FlowSDESampler(noise_level=self.noise_level, diffusion=self.diffusion, reduction=self.reduction)
+
+
+class FlowCPSConfig(SamplerSection):
+    """Coefficient-preserving sampling (CPS)."""
+
+    name: str = "flow_cps"
+    noise_level: float = Field(0.7, ge=0, le=1)
+    reduction: Reduction = "mean"
+    prediction_types: ClassVar[tuple[str, ...]] = ("flow",)
+
+    def build(self, pipeline: Any = None) -> FlowCPSSampler:
+        return FlowCPSSampler(noise_level=self.noise_level, reduction=self.reduction)
+
+
+class FlowMemorylessConfig(SamplerSection):
+    """The memoryless reverse process of a rectified flow (Adjoint Matching's schedule), exact posterior steps."""
+
+    name: str = "flow_memoryless"
+    reduction: Reduction = "mean"
+    prediction_types: ClassVar[tuple[str, ...]] = ("flow",)
+
+    @property
+    def memoryless(self) -> bool:
+        return True
+
+    def build(self, pipeline: Any = None) -> FlowMemorylessSampler:
+        return FlowMemorylessSampler(reduction=self.reduction)

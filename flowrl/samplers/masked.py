@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..sections import SamplerSection
 from ..seeding import RowGenerators
 from ..types import MaskedLM, TokenTrajectory
 
@@ -137,9 +139,7 @@ def _scores(
     return s if temperature == 0 else s + _gumbel(s.shape, generator, s.device)
 
 
-def _num_to_unmask(
-    scores: Tensor, eligible: Tensor, scheduled: int, threshold: float | None, last_step: bool
-) -> Tensor:
+def _num_to_unmask(scores: Tensor, eligible: Tensor, scheduled: int, threshold: float | None, last_step: bool) -> Tensor:
     """Return (B,) how many eligible positions each row unmasks this step.
 
     Fixed schedule: ``scheduled`` for every row. Dynamic: every eligible position with score above
@@ -270,7 +270,7 @@ def generate(
             if not eligible.any() or (threshold is None and schedule[s] == 0):
                 continue  # nothing to commit: skip the forward pass
             logits = lm.logits(torch.cat([prompt_ids, rec.completion], dim=1), attention_mask=attention_mask)
-            logits = (shift_logits(logits) if logit_shift else logits)[:, prompt_ids.shape[1]:]
+            logits = (shift_logits(logits) if logit_shift else logits)[:, prompt_ids.shape[1] :]
             # The mask token is never a valid output: committing it would leave a hole the record calls filled.
             x0 = gumbel_sample(logits, temperature, generator, exclude=lm.mask_token_id)
             log_p = _token_log_probs(logits, x0)
@@ -296,3 +296,31 @@ def decode_completions(tokenizer, completion_ids: Tensor, eos_token_id: int | No
 
 
 __all__: Sequence[str] = ["decode_completions", "generate", "gumbel_sample", "shift_logits", "transfer_schedule"]
+
+
+class MaskedSamplerConfig(SamplerSection):
+    """LLaDA-style masked-diffusion generation: ``sampler.name: masked`` for diffusion LMs. The section itself is
+    what generation reads (:func:`flowrl.inference.text_candidates.generate_texts`)."""
+
+    name: str = "masked"
+    gen_length: int = Field(16, ge=1)
+    steps: int = Field(8, ge=1)
+    block_length: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)  # rollouts need > 0 for diversity; evaluation uses eval_temperature
+    eval_temperature: float = Field(0.0, ge=0)
+    remasking: Remasking = "low_confidence"
+    threshold: float | None = Field(None, gt=0, lt=1)  # dynamic confidence-threshold decoding
+    logit_shift: bool = False
+    modality: ClassVar[str] = "text"
+    prediction_types: ClassVar[tuple[str, ...]] = ("masked",)
+
+    @model_validator(mode="after")
+    def _blocks(self):
+        if self.gen_length % self.block_length:
+            raise ValueError(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})")
+        if self.steps % (self.gen_length // self.block_length):
+            raise ValueError("steps must be a multiple of the number of blocks (gen_length / block_length)")
+        return self
+
+    def build(self, pipeline: Any = None) -> MaskedSamplerConfig:
+        return self

@@ -4,7 +4,9 @@ for diffusion models. No log-probs; objectives that need them refuse this sample
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from ..sections import SamplerSection
 from ..types import Sampler, StepOutput
 
 
@@ -24,3 +26,19 @@ class ODESampler:
 
     def deterministic_step(self, model_output, x, sigma, sigma_next):
         return self.base.deterministic_step(model_output, x, sigma, sigma_next)
+
+
+class ODEConfig(SamplerSection):
+    """The deterministic sampler of the model: the probability-flow ODE (Euler) for flows, DDIM eta = 0 for diffusion."""
+
+    name: str = "ode"
+    prediction_types: ClassVar[tuple[str, ...]] = ("flow", "epsilon", "v_prediction")
+
+    def build(self, pipeline: Any) -> ODESampler:
+        if pipeline.prediction_type == "flow":
+            from .flow_sde import FlowSDEConfig
+
+            return ODESampler(FlowSDEConfig(noise_level=0.0).build(pipeline))
+        from .ddim import DDIMConfig
+
+        return ODESampler(DDIMConfig(eta=0.0).build(pipeline))

@@ -7,7 +7,8 @@ steps outside it (MixGRPO) use the sampler's deterministic step and are not trai
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -111,4 +112,34 @@ def rollout(
         group_ids=group_ids,
         samples=pipeline.decode(x) if decode else x,
         guidance_scale=guidance_scale,
+    )
+
+
+@torch.no_grad()
+def sample(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    prompts: Sequence[str],
+    num_samples: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    seed: int = 0,
+    metadata: Sequence[dict[str, Any]] | None = None,
+) -> Trajectory:
+    """``num_samples`` samples of each prompt (prompt-major), every one from its own noise drawn from one generator
+    seeded ``seed``: what ``flowrl sample`` and ``Trainer.sample`` draw."""
+    prompts = [p for p in prompts for _ in range(num_samples)]
+    metadata = [dict(m) for m in (metadata or [{}] * (len(prompts) // num_samples)) for _ in range(num_samples)]
+    device = pipeline.device if hasattr(pipeline, "device") else torch.device("cpu")
+    sigmas = pipeline.schedule.sigmas(num_inference_steps).to(device)
+    return rollout(
+        pipeline,
+        sampler,
+        prompts,
+        metadata,
+        torch.arange(len(prompts)),
+        sigmas,
+        torch.Generator().manual_seed(seed),
+        guidance_scale,
+        same_noise_in_group=False,
     )

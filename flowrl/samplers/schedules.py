@@ -16,7 +16,7 @@ default, and why, is in docs/samplers.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -26,8 +26,10 @@ from ..errors import FlowRLError
 
 FlowGrid = Literal["linspace", "flux", "flow_match", "unipc"]
 Spacing = Literal["trailing", "leading", "linspace"]
-FLOW_GRIDS: tuple[str, ...] = ("linspace", "flux", "flow_match", "unipc")
-SPACINGS: tuple[str, ...] = ("trailing", "leading", "linspace")
+FLOW_GRIDS: tuple[str, ...] = get_args(FlowGrid)
+SPACINGS: tuple[str, ...] = get_args(Spacing)
+# pipeline.sampling_grid: "default" (the family's diffusers pipeline grid for the checkpoint), a flow grid or a spacing
+SamplingGrid = Literal["default", FlowGrid, Spacing]
 
 
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
@@ -165,11 +167,11 @@ class DiscreteSchedule:
         return torch.cat([sig, sig.new_zeros(1)]).float()
 
     @classmethod
-    def from_betas(cls, betas: Tensor, **kwargs) -> "DiscreteSchedule":
+    def from_betas(cls, betas: Tensor, **kwargs) -> DiscreteSchedule:
         return cls(alphas_cumprod=torch.cumprod(1.0 - betas.double(), dim=0), **kwargs)
 
     @classmethod
-    def from_diffusers(cls, scheduler, spacing: Spacing | None = "trailing", steps_offset: int | None = None) -> "DiscreteSchedule":
+    def from_diffusers(cls, scheduler, spacing: Spacing | None = "trailing", steps_offset: int | None = None) -> DiscreteSchedule:
         """Take the alpha-bar table from a diffusers DDPM/DDIM scheduler (never its ``step``).
 
         ``spacing=None`` reads ``timestep_spacing`` and ``steps_offset`` from the scheduler's config: the grid
@@ -180,8 +182,12 @@ class DiscreteSchedule:
         if spacing is None:
             spacing = scheduler.config.timestep_spacing
             steps_offset = int(getattr(scheduler.config, "steps_offset", 0)) if steps_offset is None else steps_offset
-        return cls(alphas_cumprod=scheduler.alphas_cumprod.double(), final_alpha_cumprod=final, spacing=spacing,
-                   steps_offset=int(steps_offset or 0))
+        return cls(
+            alphas_cumprod=scheduler.alphas_cumprod.double(),
+            final_alpha_cumprod=final,
+            spacing=spacing,
+            steps_offset=int(steps_offset or 0),
+        )
 
 
 def config_default(config: dict, key: str, fallback):
@@ -209,8 +215,10 @@ def sampling_grid(pipeline_config, default, allowed: tuple[str, ...]):
     if requested == "default":
         return default
     if requested not in allowed:
-        raise FlowRLError(f"pipeline.sampling_grid '{requested}' does not apply to {getattr(pipeline_config, 'name', 'this model')} "
-                          f"(use default or one of {', '.join(allowed)}).")
+        raise FlowRLError(
+            f"pipeline.sampling_grid '{requested}' does not apply to {getattr(pipeline_config, 'name', 'this model')} "
+            f"(use default or one of {', '.join(allowed)})."
+        )
     return requested
 
 

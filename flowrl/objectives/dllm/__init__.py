@@ -1,4 +1,4 @@
-"""Objectives for masked diffusion language models (MATH.md section 6).
+"""Objectives for masked diffusion language models (docs/math.md section 6).
 
 Every dLLM RL method (d1's diffu-GRPO, MMaDA's UniGRPO, DiffuCoder's coupled-GRPO, DCoLT/LLaDOU, BGPO,
 TraceRL) differs mainly in how it estimates the policy's log-likelihood of a sampled completion, which a

@@ -1,4 +1,4 @@
-"""Seeded log-likelihood estimators for masked diffusion language models (MATH.md section 6).
+"""Seeded log-likelihood estimators for masked diffusion language models (docs/math.md section 6).
 
 A masked diffusion LM gives no closed-form ``log pi(completion | prompt)``; each dLLM RL method replaces it
 with an estimate built from a few forwards on partially masked inputs. Every estimator here is a pure
@@ -86,7 +86,7 @@ def completion_logits(lm: MaskedLM, traj: TokenTrajectory, completion: Tensor, p
     prompt = traj.prompt_ids if prompt is None else prompt
     ids = torch.cat([prompt, completion.to(prompt.device)], dim=1)
     attn = torch.cat([traj.prompt_mask.long(), torch.ones_like(completion, dtype=torch.long)], dim=1)
-    return lm.logits(ids, attn)[:, prompt.shape[1]:]
+    return lm.logits(ids, attn)[:, prompt.shape[1] :]
 
 
 def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -130,7 +130,7 @@ class OneStepEstimator:
     itself counts); without an ``lm.eos_token_id`` every token counts. Prompt padding is never masked.
     """
 
-    prompt_mask_prob: float = 0.15
+    prompt_mask_prob: float  # d1: 0.15 (objective.prompt_mask_prob)
     pad_after_eos: bool = True
 
     def __call__(self, lm: MaskedLM, traj: TokenTrajectory, seed_index: int) -> EstimatorOutput:
@@ -157,8 +157,8 @@ class AnswerMaskEstimator:
     expectation is ``log pi(x) / G`` exactly (every position is equally likely to be in the mask).
     """
 
-    low: float = 0.1
-    high: float = 0.9
+    low: float  # UniGRPO: 0.1 and 0.9 (objective.mask_low / mask_high)
+    high: float
 
     def __call__(self, lm: MaskedLM, traj: TokenTrajectory, seed_index: int) -> EstimatorOutput:
         gens = row_generators(traj, seed_index)
@@ -227,8 +227,9 @@ def _mask_counts(gens: list[torch.Generator], G: int, n: int, stratified: bool) 
     return torch.stack([torch.randint(1, G + 1, (n,), generator=g) for g in gens])
 
 
-def elbo_terms(lm: MaskedLM, traj: TokenTrajectory, seed_index: int, num_samples: int = 4,
-               stratified: bool = True) -> Iterator[EstimatorOutput]:
+def elbo_terms(
+    lm: MaskedLM, traj: TokenTrajectory, seed_index: int, num_samples: int = 4, stratified: bool = True
+) -> Iterator[EstimatorOutput]:
     """LLaDA's ELBO one Monte-Carlo sample at a time (Nie et al. 2025, "LLaDA", likelihood evaluation).
 
     ``log pi(x|q) >= E_{l ~ U{1..G}} E_{|M| = l} [ (G / l) sum_{i in M} log p(x_i | q, x with M masked) ]``
@@ -323,7 +324,18 @@ ESTIMATORS = {
 }
 
 __all__ = [
-    "ESTIMATORS", "AnswerMaskEstimator", "CoupledEstimator", "ELBOEstimator", "EstimatorOutput",
-    "LogLikelihoodEstimator", "OneStepEstimator", "TrajectoryReplayEstimator", "completion_logits",
-    "elbo_terms", "replay_logits", "row_generators", "through_first_eos", "token_log_probs",
+    "ESTIMATORS",
+    "AnswerMaskEstimator",
+    "CoupledEstimator",
+    "ELBOEstimator",
+    "EstimatorOutput",
+    "LogLikelihoodEstimator",
+    "OneStepEstimator",
+    "TrajectoryReplayEstimator",
+    "completion_logits",
+    "elbo_terms",
+    "replay_logits",
+    "row_generators",
+    "through_first_eos",
+    "token_log_probs",
 ]

@@ -1,5 +1,5 @@
 """DCoLT's exact per-step action log-probability (LLaDOU, Huang et al. 2025, "Reinforcing the Diffusion
-Chain of Lateral Thought with Diffusion Language Models"; MATH.md section 6).
+Chain of Lateral Thought with Diffusion Language Models"; docs/math.md section 6).
 
 At each denoising step an Unmasking Policy Module (UPM) scores the masked positions; the ordered set of
 positions unmasked at that step is drawn WITHOUT replacement with Plackett-Luce probabilities (equivalently
@@ -102,8 +102,13 @@ class DCoLTStepLogProb:
         return positions + torch.where(chosen >= 0, tokens, 0.0).sum(1)
 
 
-def dcolt_log_probs(lm: MaskedLM, scorer: UnmaskingScorer, traj: TokenTrajectory, block_length: int | None = None,
-                    step_log_prob: DCoLTStepLogProb = DCoLTStepLogProb()) -> Tensor:
+def dcolt_log_probs(
+    lm: MaskedLM,
+    scorer: UnmaskingScorer,
+    traj: TokenTrajectory,
+    block_length: int | None = None,
+    step_log_prob: DCoLTStepLogProb = DCoLTStepLogProb(),
+) -> Tensor:
     """(B, num_steps) float32 exact action log-probs of a recorded trajectory, replayed step by step.
 
     At step s: state = ``traj.state_at(s)``; chosen = positions with ``unmask_step == s`` in
@@ -122,6 +127,10 @@ def dcolt_log_probs(lm: MaskedLM, scorer: UnmaskingScorer, traj: TokenTrajectory
 
 
 __all__ = [
-    "DCoLTStepLogProb", "UnmaskingScorer", "current_block_eligible", "dcolt_log_probs", "ordered_chosen",
+    "DCoLTStepLogProb",
+    "UnmaskingScorer",
+    "current_block_eligible",
+    "dcolt_log_probs",
+    "ordered_chosen",
     "plackett_luce_log_prob",
 ]

@@ -22,12 +22,15 @@ old log-probs (computed in prepare, before any update) and the new ones, so the 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
+from ...sections import BuildContext, ObjectiveSection
 from ...types import LossOutput, ReferenceModel, TokenTrajectory, TrainingData
 from ..functional import StdConvention, clipped_surrogate_terms, group_advantages, k3_kl, masked_mean
 from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
@@ -46,7 +49,7 @@ class _DLLMBase:
     beta: float
     num_mask_seeds: int
     std: StdConvention
-    std_eps: float = 1e-4
+    std_eps: float
     extra_lr_scale: float = 1.0  # only DCoLT has an extra module (its unmasking-policy head)
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
@@ -106,9 +109,12 @@ class TokenPolicyObjective(_DLLMBase):
         valid = self._valid(batch)
         loss = masked_mean(per_seq, valid)
         counted = out.weights > 0
-        metrics = {"loss/policy": loss.detach(), "policy/ratio_mean": ratio[counted].mean().detach(),
-                   "policy/clipfrac": ((ratio[counted] - 1).abs() > self.clip_range).float().mean(),
-                   "policy/approx_kl": (0.5 * log_ratio[counted] ** 2).mean().detach()}
+        metrics = {
+            "loss/policy": loss.detach(),
+            "policy/ratio_mean": ratio[counted].mean().detach(),
+            "policy/clipfrac": ((ratio[counted] - 1).abs() > self.clip_range).float().mean(),
+            "policy/approx_kl": (0.5 * log_ratio[counted] ** 2).mean().detach(),
+        }
         if self.beta > 0:
             kl = masked_mean(_weighted_token_mean(k3_kl(out.token_log_probs, batch.ref_log_probs[:, s]), out.weights), valid)
             loss = loss + self.beta * kl
@@ -120,8 +126,8 @@ class TokenPolicyObjective(_DLLMBase):
 class BGPOObjective(_DLLMBase):
     """ELBO-GRPO with BGPO's linear bound: one backward per Monte Carlo sample (or ``naive``: one graph)."""
 
-    num_mc_samples: int = 4
-    naive: bool = False
+    num_mc_samples: int = field(kw_only=True)
+    naive: bool = field(kw_only=True)
 
     def prepare(self, batch: TokenTrajectory) -> TokenTrajectory:
         batch.advantages = self.advantages(batch)
@@ -165,7 +171,7 @@ class UnmaskingPolicyHead(nn.Module):
     evaluated with, instead of from an arbitrary one (c = 0: a random head).
     """
 
-    def __init__(self, hidden: int = 32, confidence_prior: float = 0.0):
+    def __init__(self, confidence_prior: float, hidden: int = 32):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
         self.confidence_prior = confidence_prior
@@ -189,7 +195,7 @@ class DCoLTObjective(_DLLMBase):
     block_length: int | None = None
     mask_token_id: int | None = None
     extra_lr_scale: float = 1.0  # the head's learning rate relative to the LM's (config: scorer_lr_scale)
-    head: UnmaskingPolicyHead = field(default_factory=UnmaskingPolicyHead)
+    head: UnmaskingPolicyHead = field(kw_only=True)
 
     @property
     def extra_module(self) -> nn.Module:
@@ -222,18 +228,85 @@ class DCoLTObjective(_DLLMBase):
         adv = batch.advantages.to(new.device)[:, None]
         per_seq = (clipped_surrogate_terms(ratio, adv, self.clip_range) * acted).sum(1) / acted.sum(1).clamp(min=1)
         loss = masked_mean(per_seq, self._valid(batch))
-        yield LossOutput(loss, {"loss/policy": loss.detach(), "policy/ratio_mean": ratio[acted].mean().detach(),
-                                "policy/clipfrac": ((ratio[acted] - 1).abs() > self.clip_range).float().mean()})
+        yield LossOutput(
+            loss,
+            {
+                "loss/policy": loss.detach(),
+                "policy/ratio_mean": ratio[acted].mean().detach(),
+                "policy/clipfrac": ((ratio[acted] - 1).abs() > self.clip_range).float().mean(),
+            },
+        )
 
 
-def build_dllm_objective(config, sampler_config, mask_token_id: int | None = None):
-    """Build the dLLM objective a config section names."""
-    common = dict(name=config.name, clip_range=config.clip_range, beta=config.beta, num_mask_seeds=config.num_mask_seeds, std=config.std)
-    if config.name == "diffu_grpo":
-        return TokenPolicyObjective(**common, std_eps=1e-8, estimator=OneStepEstimator(config.prompt_mask_prob))
-    if config.name == "unigrpo":
-        return TokenPolicyObjective(**common, std_eps=1e-8, estimator=AnswerMaskEstimator(config.mask_low, config.mask_high))
-    if config.name == "bgpo":
-        return BGPOObjective(**common, num_mc_samples=config.num_mc_samples, naive=config.naive)
-    return DCoLTObjective(**common, std_eps=config.std_eps, block_length=sampler_config.block_length, mask_token_id=mask_token_id,
-                          extra_lr_scale=config.scorer_lr_scale, head=UnmaskingPolicyHead(confidence_prior=config.confidence_prior))
+# -- config sections (objective.name) -------------------------------------------------------------------------
+class DLLMObjectiveConfig(ObjectiveSection):
+    """What the diffusion-LM objectives share: PPO clipping, the k3 KL and the estimator's stored mask seeds."""
+
+    clip_range: float = Field(0.2, gt=0)
+    beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
+    num_mask_seeds: int = Field(1, ge=1)  # inner iterations each see their own stored mask seed
+    # The completions of one prompt share their estimator masks (common random numbers): see modalities/text.py::draw_mask_seeds.
+    group_shared_masks: bool = True
+    modality: ClassVar[str] = "text"
+
+    def _common(self) -> dict[str, Any]:
+        return dict(name=self.name, clip_range=self.clip_range, beta=self.beta, num_mask_seeds=self.num_mask_seeds, std=self.std)
+
+
+class DiffuGRPOConfig(DLLMObjectiveConfig):
+    """d1: one-pass estimator (completion masked, prompt masked at prompt_mask_prob), r - mean advantages."""
+
+    name: str = "diffu_grpo"
+    clip_range: float = Field(0.5, gt=0)
+    prompt_mask_prob: float = Field(0.15, ge=0, lt=1)
+    std: StdConvention = "none"
+
+    def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
+        return TokenPolicyObjective(**self._common(), std_eps=1e-8, estimator=OneStepEstimator(self.prompt_mask_prob))
+
+
+class UniGRPOConfig(DLLMObjectiveConfig):
+    """MMaDA: answer-only masking at a ratio ~ U[low, high], z-scored advantages."""
+
+    name: str = "unigrpo"
+    mask_low: float = Field(0.1, gt=0, lt=1)
+    mask_high: float = Field(0.9, gt=0, le=1)
+    std: StdConvention = "biased"
+
+    def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
+        return TokenPolicyObjective(**self._common(), std_eps=1e-8, estimator=AnswerMaskEstimator(self.mask_low, self.mask_high))
+
+
+class DCoLTConfig(DLLMObjectiveConfig):
+    """DCoLT: exact per-step action log-probs (Plackett-Luce unmasking policy + token log-probs)."""
+
+    name: str = "dcolt"
+    std: StdConvention = "biased"
+    std_eps: float = Field(1e-4, gt=0)
+    scorer_lr_scale: float = Field(1.0, gt=0)
+    # The head starts as confidence_prior * log(confidence): LLaDA's low-confidence order as it grows, 0 = random head.
+    confidence_prior: float = Field(0.0, ge=0)
+
+    def build(self, context: BuildContext | None = None) -> DCoLTObjective:
+        block_length = context.sampler.block_length if context is not None else None
+        mask_token_id = context.pipeline.mask_token_id if context is not None and context.pipeline is not None else None
+        return DCoLTObjective(
+            **self._common(),
+            std_eps=self.std_eps,
+            block_length=block_length,
+            mask_token_id=mask_token_id,
+            extra_lr_scale=self.scorer_lr_scale,
+            head=UnmaskingPolicyHead(confidence_prior=self.confidence_prior),
+        )
+
+
+class BGPOConfig(DLLMObjectiveConfig):
+    """BGPO: linear lower bound of ELBO-GRPO, one backward per Monte Carlo sample."""
+
+    name: str = "bgpo"
+    num_mc_samples: int = Field(4, ge=1)
+    std: StdConvention = "biased"
+    naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
+
+    def build(self, context: BuildContext | None = None) -> BGPOObjective:
+        return BGPOObjective(**self._common(), std_eps=1e-4, num_mc_samples=self.num_mc_samples, naive=self.naive)

@@ -34,9 +34,18 @@ from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems,
 def build_model():
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=len(vocabulary()), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                        intermediate_size=256, max_position_embeddings=PROMPT_LEN + COMPLETION_LEN, type_vocab_size=1,
-                        pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=len(vocabulary()),
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=PROMPT_LEN + COMPLETION_LEN,
+        type_vocab_size=1,
+        pad_token_id=0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForMaskedLM(config)
 
 
@@ -44,7 +53,9 @@ def encode(tokenizer, pairs):
     """(input_ids (N, P+G), attention_mask (N, P+G)) with left-padded prompts and [EOS]-padded completions."""
     prompts = tokenizer([p for p, _ in pairs], padding="max_length", max_length=PROMPT_LEN, truncation=True, return_tensors="pt")
     tokenizer.padding_side = "right"
-    comps = tokenizer([m["solution"] for _, m in pairs], padding="max_length", max_length=COMPLETION_LEN, truncation=True, return_tensors="pt")
+    comps = tokenizer(
+        [m["solution"] for _, m in pairs], padding="max_length", max_length=COMPLETION_LEN, truncation=True, return_tensors="pt"
+    )
     tokenizer.padding_side = "left"
     comp_ids = torch.where(comps.attention_mask.bool(), comps.input_ids, tokenizer.eos_token_id)
     ids = torch.cat([prompts.input_ids, comp_ids], dim=1)
@@ -60,7 +71,9 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_prob
     model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
+    )
     start, ema = time.time(), None
     for _ in (bar := tqdm(range(steps), desc="train arith_mdlm")):
         idx = torch.randint(0, ids.shape[0], (batch_size,), generator=gen)
@@ -78,9 +91,17 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_prob
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
-    info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "train_problems": num_problems, "flaw_rate": flaw_rate,
-            "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1),
-            "command": f"python -m flowrl.pipelines.embedded.train_arith --steps {steps} --seed {seed} --flaw-rate {flaw_rate}"}
+    info = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "train_problems": num_problems,
+        "flaw_rate": flaw_rate,
+        "final_loss_ema": ema,
+        "train_seconds": round(time.time() - start, 1),
+        "command": f"python -m flowrl.pipelines.embedded.train_arith --steps {steps} --seed {seed} --flaw-rate {flaw_rate}",
+    }
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)  # one directory holding model and tokenizer, like a hub checkpoint
         tokenizer.save_pretrained(tmp)

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ...checkpoint import atomic_directory
-from ...data.digits import MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, EVAL_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
+from ...data.digits import EVAL_TEMPLATES, MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from .digits_models import build_text_encoder, build_unet
 
 CFG_DROPOUT = 0.1
@@ -34,8 +34,9 @@ def make_scheduler(kind: str):
 
     if kind == "flow":
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
-    return DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02,
-                         prediction_type="epsilon", clip_sample=False)
+    return DDPMScheduler(
+        num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02, prediction_type="epsilon", clip_sample=False
+    )
 
 
 def training_batch(images, labels, tokenizer, batch_size, gen):
@@ -77,7 +78,8 @@ def train(kind: str, out: Path, steps: int, batch_size: int, lr: float, seed: in
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
     warmup = max(1, steps // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
+    )
     start, ema = time.time(), None
     bar = tqdm(range(steps), desc=f"train digits_{kind}")
     for _ in bar:
@@ -90,9 +92,16 @@ def train(kind: str, out: Path, steps: int, batch_size: int, lr: float, seed: in
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.4f}")
-    info = {"kind": kind, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
-            "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1),
-            "command": f"python -m flowrl.pipelines.embedded.train_digits --kind {kind} --steps {steps} --seed {seed}"}
+    info = {
+        "kind": kind,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "final_loss_ema": ema,
+        "train_seconds": round(time.time() - start, 1),
+        "command": f"python -m flowrl.pipelines.embedded.train_digits --kind {kind} --steps {steps} --seed {seed}",
+    }
     with atomic_directory(out) as tmp:  # a crash never leaves a half-written model
         unet.save_pretrained(tmp / "unet")
         text_encoder.save_pretrained(tmp / "text_encoder")

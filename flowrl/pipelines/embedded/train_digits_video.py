@@ -28,9 +28,19 @@ from tqdm import tqdm
 
 from ...checkpoint import atomic_directory
 from ...data.digits import load_digit_images
+from ...data.digits_video import (
+    CANVAS,
+    EVAL_TEMPLATES,
+    MAX_PROMPT_TOKENS,
+    NUM_FRAMES,
+    TRAIN_TEMPLATES,
+    build_tokenizer,
+    prompt_for,
+    sample_clips,
+    vocabulary,
+)
 from ...samplers.schedules import shift_sigmas
 from ..digits_video import denoise
-from ...data.digits_video import CANVAS, EVAL_TEMPLATES, MAX_PROMPT_TOKENS, NUM_FRAMES, TRAIN_TEMPLATES, build_tokenizer, prompt_for, sample_clips, vocabulary
 
 CFG_DROPOUT = 0.1
 # SD3/Wan time shift, for training (sigma drawn more often near noise, where the prompt decides the
@@ -70,10 +80,19 @@ def build_text_encoder():
     them (measured: direction never followed; see docs/digits_video.md)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    model = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocabulary()), hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=MAX_PROMPT_TOKENS, pad_token_id=0, bos_token_id=2, eos_token_id=3,
-    ))
+    model = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(vocabulary()),
+            hidden_size=TEXT_DIM,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=MAX_PROMPT_TOKENS,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=3,
+        )
+    )
     torch.nn.init.normal_(model.embeddings.token_embedding.weight, std=1.0)
     return model
 
@@ -115,8 +134,7 @@ def save_model(directory: Path, transformer, text_encoder, tokenizer, scheduler,
         (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: int, layers: int,
-          snapshot_every: int = 0) -> dict:
+def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: int, layers: int, snapshot_every: int = 0) -> dict:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     images, labels = load_digit_images()
@@ -126,13 +144,20 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
     warmup = max(1, steps // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
+    )
     start, ema = time.time(), None
     bar = tqdm(range(steps), desc="train digits_video", mininterval=5)
     for step in bar:
         if snapshot_every and step and step % snapshot_every == 0:  # to watch training; not the shipped model
-            save_model(out.parent / f"{out.name}.snapshots" / f"step_{step:06d}", transformer, text_encoder, tokenizer, scheduler,
-                       {"step": step, "loss_ema": ema})
+            save_model(
+                out.parent / f"{out.name}.snapshots" / f"step_{step:06d}",
+                transformer,
+                text_encoder,
+                tokenizer,
+                scheduler,
+                {"step": step, "loss_ema": ema},
+            )
         x0, ids = training_batch(images, labels, tokenizer, batch_size, gen)
         loss = flow_loss(transformer, text_encoder, x0, ids, gen)
         opt.zero_grad(set_to_none=True)
@@ -142,12 +167,22 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.4f}", refresh=False)
-    info = {"denoiser": "CogVideoXTransformer3DModel", "shift": SHIFT, "width": width, "layers": layers, "steps": steps, "batch_size": batch_size,
-            "lr": lr, "seed": seed, "threads": torch.get_num_threads(), "final_loss_ema": ema,
-            "train_seconds": round(time.time() - start, 1),
-            "parameters": sum(p.numel() for p in transformer.parameters()) + sum(p.numel() for p in text_encoder.parameters()),
-            "command": f"python -m flowrl.pipelines.embedded.train_digits_video --steps {steps} --batch-size {batch_size} "
-                       f"--lr {lr} --seed {seed} --width {width} --layers {layers} --threads {torch.get_num_threads()}"}
+    info = {
+        "denoiser": "CogVideoXTransformer3DModel",
+        "shift": SHIFT,
+        "width": width,
+        "layers": layers,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "threads": torch.get_num_threads(),
+        "final_loss_ema": ema,
+        "train_seconds": round(time.time() - start, 1),
+        "parameters": sum(p.numel() for p in transformer.parameters()) + sum(p.numel() for p in text_encoder.parameters()),
+        "command": f"python -m flowrl.pipelines.embedded.train_digits_video --steps {steps} --batch-size {batch_size} "
+        f"--lr {lr} --seed {seed} --width {width} --layers {layers} --threads {torch.get_num_threads()}",
+    }
     save_model(out, transformer, text_encoder, tokenizer, scheduler, info)
     print(json.dumps(info))
     return info

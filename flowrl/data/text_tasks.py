@@ -1,5 +1,5 @@
-"""Text tasks for diffusion language models: d1's prompts, loaders for the shared data files, and a grader
-for recorded generations.
+"""Text tasks for diffusion language models: d1's prompts and loaders for the shared data files
+(``flowrl/evaluation/recorded.py`` grades recorded generations of them).
 
 Loaders return ``list[(prompt, metadata)]`` where ``prompt`` is the *user message* (d1 puts its
 instructions in the user turn; the model adapter applies the chat template) and ``metadata`` is what
@@ -26,8 +26,9 @@ import csv
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from flowrl.errors import FlowRLError
 
@@ -64,7 +65,9 @@ MATH_EVAL_SYSTEM_PROMPT = (
 )
 
 # Training prefix d1 uses for MATH after SYSTEM_PROMPT.
-MATH_TRAIN_INSTRUCTION = "You are a math expert. You will be given a question to solve. Solve it step by step. Wrap the final answer in a \\boxed{}. "
+MATH_TRAIN_INSTRUCTION = (
+    "You are a math expert. You will be given a question to solve. Solve it step by step. Wrap the final answer in a \\boxed{}. "
+)
 
 SUDOKU_SYSTEM_PROMPT = """
 Please solve the following 4x4 Sudoku puzzle. The puzzle is provided as a 16-character string reading left-to-right, top-to-bottom, where '0' represents empty cells.
@@ -224,71 +227,3 @@ def load_sudoku(path: str | os.PathLike | None = None, limit: int | None = None)
             puzzle, solution = row["Puzzle"].strip(), row["Solution"].strip()
             out.append((sudoku_prompt(puzzle), {"puzzle": puzzle, "solution": solution}))
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Grading recorded generations
-# ---------------------------------------------------------------------------------------------
-
-
-def grade_recorded(
-    path: str | os.PathLike,
-    field: str = RECORDED_FIELD,
-    limit: int | None = None,
-    gold_field: str = "ground_truth",
-) -> dict[str, Any]:
-    """Grade the generations stored in ``field`` of a JSONL file against ``gold_field`` with flowrl's grader.
-
-    Returns ``{"path", "field", "n", "n_skipped", "accuracy", "extracted_fraction", "rows"}``: ``n`` rows
-    with a gold answer were graded (``n_skipped`` had none); ``rows`` holds one
-    ``{"index", "gold", "extracted", "correct"}`` per graded row (``index`` is the 0-based line).
-    """
-    from flowrl.reward_models.math_answer import extract_answer, grade
-
-    p = Path(path)
-    if not p.is_file():
-        raise FlowRLError(f"recorded generations not found: {p}.")
-    rows, skipped = [], 0
-    for index, row in enumerate(read_jsonl(p, limit)):
-        if field not in row:
-            raise FlowRLError(f"{p.name} line {index + 1} has no field '{field}'.")
-        gold = format_gold(row.get(gold_field))
-        if gold is None:
-            skipped += 1
-            continue
-        extracted = extract_answer(row[field] or "")
-        rows.append({"index": index, "gold": gold, "extracted": extracted, "correct": grade(extracted, gold)})
-    n = len(rows)
-    return {
-        "path": str(p),
-        "field": field,
-        "n": n,
-        "n_skipped": skipped,
-        "accuracy": sum(r["correct"] for r in rows) / n if n else math.nan,
-        "extracted_fraction": sum(r["extracted"] is not None for r in rows) / n if n else math.nan,
-        "rows": rows,
-    }
-
-
-def format_report(result: dict[str, Any], examples: int = 0) -> str:
-    """One line per measure; with ``examples > 0`` also that many wrong answers (extracted vs gold)."""
-    correct = sum(r["correct"] for r in result["rows"])
-    lines = [
-        f"{Path(result['path']).name} [{result['field']}]",
-        f"  graded:    {result['n']} rows ({result['n_skipped']} without a gold answer skipped)",
-        f"  accuracy:  {result['accuracy']:.4f} ({correct}/{result['n']})",
-        f"  extracted: {result['extracted_fraction']:.4f}",
-    ]
-    wrong = [r for r in result["rows"] if not r["correct"]][:examples]
-    for r in wrong:
-        lines.append(f"  line {r['index'] + 1}: extracted {r['extracted']!r}, gold {r['gold']!r}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m flowrl.evaluation.text_data FILE [FIELD]
-    import sys
-
-    if len(sys.argv) < 2:
-        print("usage: python -m flowrl.evaluation.text_data FILE.jsonl [FIELD]")
-        raise SystemExit(2)
-    print(format_report(grade_recorded(sys.argv[1], *(sys.argv[2:3] or [RECORDED_FIELD]))))

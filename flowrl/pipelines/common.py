@@ -1,0 +1,52 @@
+"""What every model family's config shares: the device, the weights' dtype and LoRA."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, get_args
+
+import torch
+from pydantic import AfterValidator, Field
+
+from ..errors import FlowRLError
+from ..sections import Section
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(Dtype)}
+
+
+def _device_spec(v: str) -> str:
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v):  # what resolve_device() can check exists
+        raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps, got {v!r}")
+    return v
+
+
+DeviceSpec = Annotated[str, AfterValidator(_device_spec)]
+
+
+def resolve_device(spec: str, key: str = "pipeline.device") -> torch.device | None:
+    """The torch device ``spec`` names, or None for "auto" (accelerate's choice: a GPU when present). A device
+    this machine does not have is refused in one sentence instead of silently running elsewhere."""
+    if spec == "auto":
+        return None
+    device = torch.device(spec)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FlowRLError(
+                f"{key} is '{spec}' but this machine has no CUDA device (torch.cuda.is_available() is False); use {key}=cpu or {key}=auto."
+            )
+        if device.index is not None and device.index >= count:
+            raise FlowRLError(f"{key} is '{spec}' but this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1}).")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise FlowRLError(f"{key} is '{spec}' but MPS is not available on this machine; use {key}=cpu or {key}=auto.")
+    return device
+
+
+class LoraConfig(Section):
+    """``pipeline.lora``: train low-rank adapters (peft) instead of the whole denoiser / language model."""
+
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = None  # None: the family's default

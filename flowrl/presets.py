@@ -1,0 +1,54 @@
+"""The presets shipped with flowrl: ``flowrl/configs/<group>/<name>.yaml``, named ``<group>/<name>``.
+
+``flowrl train digits/grpo`` runs the shipped ``digits/grpo.yaml`` from any directory (a checkout's
+``configs/digits/grpo.yaml`` is the same file, so the README's commands work in a checkout and from an installed
+wheel alike); a path to an existing YAML file always means that file. ``flowrl presets`` lists them.
+``configs/accelerate/`` holds accelerate launch configs (``accelerate launch --config_file``), not flowrl presets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import FlowRLError
+
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+NOT_PRESETS = ("accelerate",)  # launcher configs shipped beside the presets
+
+
+def preset_names() -> list[str]:
+    """Every shipped preset's name, sorted (``digits/grpo``, ``dllm/unigrpo``, ...)."""
+    return sorted(
+        str(p.relative_to(PRESET_DIR).with_suffix(""))
+        for p in PRESET_DIR.rglob("*.yaml")
+        if p.relative_to(PRESET_DIR).parts[0] not in NOT_PRESETS
+    )
+
+
+def preset_path(name: str) -> Path | None:
+    """The shipped file a preset name (or a checkout-relative path ``configs/<name>.yaml``) refers to, if any."""
+    key = name.removeprefix("./").removeprefix("configs/").removesuffix(".yaml").removesuffix(".yml")
+    path = PRESET_DIR / f"{key}.yaml"
+    return path if key and ".." not in Path(key).parts and path.is_file() else None
+
+
+def resolve_config(spec: str | Path) -> Path:
+    """The YAML file ``spec`` names: an existing file, else a shipped preset; one sentence when neither."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    shipped = preset_path(str(spec))
+    if shipped is not None:
+        return shipped
+    if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
+        raise FlowRLError(f"config file '{spec}' does not exist (and is no shipped preset; `flowrl presets` lists them).")
+    raise FlowRLError(f"'{spec}' is neither a config file nor a shipped preset; `flowrl presets` lists the presets.")
+
+
+def summary(name: str) -> str:
+    """The preset's own description: its comment lines after the command line and the hardware line."""
+    lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
+    comments = [line.lstrip("# ").strip() for line in lines[1:] if line.startswith("#")]
+    described = [c for c in comments if c[:1].isupper() and not c.startswith(("Hardware:", "GPU", "CPU"))]  # not a wrapped line
+    text = described[0] if described else ""
+    return text if len(text) <= 100 else text[:97].rstrip() + "..."
