@@ -70,6 +70,7 @@ class BuildContext:
     reward_weights: dict[str, float]  # reward component -> weight (GRPO's per-reward advantages, D3PO's Pareto labels)
     sampler: Any  # the run's sampler section
     pipeline: Any  # the built model (``Pipeline``, or ``MaskedLM`` for text)
+    run_dir: Any = None  # the run's output_dir (SePPO writes its previous checkpoints there); None outside a run
 
 
 class ObjectiveSection(PartSection):

@@ -1,11 +1,12 @@
 """SePPO: the flipper's decisions and the pair loss against hand-derived values, log 2 at reference == policy,
-the checkpoint ring (eviction, seeded choice, bit-exact swaps, exact resume), winners from a folder and a
+the checkpoint replay (snapshots on disk, seeded choice, bit-exact swaps, exact resume), winners from a folder and a
 JSONL file with one-sentence errors, and real iterations on the flow, DDPM and tiny Stable Diffusion models."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tiny_components import replace_overrides, two_iterations_change_every_param
 from flowrl.config import load_config
 from flowrl.data.winners import load_winners, top_fraction
 from flowrl.errors import FlowRLError
-from flowrl.objectives.reference_ring import ReferenceRing
+from flowrl.objectives.checkpoint_replay import CheckpointReplay
 from flowrl.objectives.seppo import anchor_flip, seppo_pair_loss, winner_latents
 
 SEPPO = CONFIGS / "digits" / "seppo.yaml"
@@ -29,25 +30,35 @@ def _rows(*pairs):
     return err, ref
 
 
-def test_flipper_and_loss_hand_values():
-    # beta 10, margin 0.5. Implicit reward s = -5 (err - ref_err). Every winner: s_w = -5 (0.30 - 0.40) = 0.5.
+def test_flipper_is_the_papers_anchor_rule_with_hand_values():
+    # beta 10, no margin. Implicit reward s = -5 (err - ref_err); the decision looks at the winner's s_w alone.
     err, ref = _rows(
-        ((0.30, 0.40), (0.50, 0.45)),  # s_r = -0.25, delta = -0.75 < -0.5: loser
-        ((0.30, 0.40), (0.10, 0.40)),  # s_r =  1.5,  delta =  1.0  >  0.5: learned as a winner
-        ((0.30, 0.40), (0.40, 0.42)),  # s_r =  0.1,  delta = -0.4: skipped
-        ((0.30, 0.40), (0.30, 0.40)),
-    )  # s_r =  0.5,  delta =  0: skipped
-    loss, flip = seppo_pair_loss(err, ref, 10.0, 0.5)
-    assert flip.tolist() == [1.0, -1.0, 0.0, 0.0]
+        ((0.30, 0.40), (0.50, 0.45)),  # s_w =  0.5 > 0: the policy fits the winner better: loser
+        ((0.40, 0.30), (0.10, 0.40)),  # s_w = -0.5: the reference fits it better: its sample is learned as a winner
+        ((0.30, 0.30), (0.20, 0.30)),  # s_w =  0 (policy == reference): the paper's "otherwise", a winner
+        ((0.30, 0.40), (0.10, 0.40)),  # s_w =  0.5, s_r = 1.5 > s_w: a loser here; the old gap rule (s_r - s_w > 0) flipped it
+    )
+    loss, flip = seppo_pair_loss(err, ref, 10.0, 0.0)
+    assert flip.tolist() == [1.0, -1.0, -1.0, 1.0]
     # loser:   z = -5 ((0.30 - 0.40) - (0.50 - 0.45)) = 0.75 (Diffusion-DPO's logit)
-    # flipped: z = -5 ((0.30 - 0.40) + (0.10 - 0.40)) = 2.0
-    # skipped: z = -5 (0.30 - 0.40) = 0.5, the winner's term alone
-    expected = [math.log1p(math.exp(-z)) for z in (0.75, 2.0, 0.5, 0.5)]
+    # flipped: z = -5 ((0.40 - 0.30) + (0.10 - 0.40)) = 1.0;  z = -5 (0 + (0.20 - 0.30)) = 0.5
+    # the disputed regime: z = -5 ((0.30 - 0.40) - (0.10 - 0.40)) = -1.0, the reference sample pushed away
+    expected = [math.log1p(math.exp(-z)) for z in (0.75, 1.0, 0.5, -1.0)]
     assert loss.tolist() == pytest.approx(expected, abs=1e-12)
-    # the margin is a closed band: a gap of exactly the margin is skipped, just above it decides
-    assert anchor_flip(*_rows(((0.0, 0.0), (0.0, 0.1))), beta=10.0, margin=0.5).tolist() == [0.0]
-    assert anchor_flip(*_rows(((0.0, 0.0), (0.0, 0.1))), beta=10.0, margin=0.49).tolist() == [-1.0]
-    assert anchor_flip(*_rows(((0.0, 0.0), (0.1, 0.0))), beta=10.0, margin=0.49).tolist() == [1.0]
+    # v2's SFT form: a flipped pair's loss is its winner's denoising error; losers keep Diffusion-DPO's
+    sft, flip_sft = seppo_pair_loss(err, ref, 10.0, 0.0, "sft")
+    assert flip_sft.tolist() == flip.tolist()
+    assert sft.tolist() == pytest.approx([expected[0], 0.40, 0.30, expected[3]], abs=1e-12)
+
+
+def test_skip_band_is_a_closed_band_on_the_winners_implicit_reward():
+    # beta 8: s_w = -4 (err_w - ref_w), exact in binary. s_w = +-0.5 sits on a margin of 0.5 and is skipped.
+    above, below = ((0.25, 0.375), (9.0, 0.0)), ((0.375, 0.25), (0.0, 9.0))  # the reference sample's errors play no part
+    assert anchor_flip(*_rows(above, below), beta=8.0, margin=0.5).tolist() == [0.0, 0.0]
+    assert anchor_flip(*_rows(above, below), beta=8.0, margin=0.49).tolist() == [1.0, -1.0]
+    err, ref = _rows(((0.25, 0.375), (0.5, 0.25)))
+    loss, _ = seppo_pair_loss(err, ref, 8.0, 0.5)  # skipped: the winner's term alone, z = -4 (0.25 - 0.375) = 0.5
+    assert loss.tolist() == pytest.approx([math.log1p(math.exp(-0.5))], abs=1e-12)
 
 
 def test_flipper_decisions_carry_no_gradient_and_the_loser_case_is_diffusion_dpo():
@@ -56,17 +67,20 @@ def test_flipper_decisions_carry_no_gradient_and_the_loser_case_is_diffusion_dpo
     err = torch.tensor([0.2, 0.6, 0.3, 0.1], requires_grad=True)
     ref = torch.tensor([0.25, 0.5, 0.3, 0.3])
     loss, flip = seppo_pair_loss(err, ref, 20.0, 0.0)
-    assert flip.tolist() == [1.0, -1.0] and not flip.requires_grad
+    assert flip.tolist() == [1.0, -1.0] and not flip.requires_grad  # s_w = 0.5, then 0 (a tie: learned as a winner)
     torch.testing.assert_close(loss[0], diffusion_dpo_loss(err[0:1], err[1:2], ref[0:1], ref[1:2], 20.0)[0])
     (g,) = torch.autograd.grad(loss.sum(), err)
     # flipped pair (z = -10 (0 + (-0.2)) = 2): d loss / d err_w = d loss / d err_r = 10 sigmoid(-2)
     assert g[2:].tolist() == pytest.approx([10 / (1 + math.exp(2))] * 2, rel=1e-6)
     # loser pair: opposite signs on winner and reference sample
     assert g[0] > 0 and g[1] < 0 and g[0].item() == pytest.approx(-g[1].item())
+    # SFT form: the flipped pair's gradient is 1 on its winner's error and 0 on its reference sample's
+    (g,) = torch.autograd.grad(seppo_pair_loss(err, ref, 20.0, 0.0, "sft")[0].sum(), err)
+    assert g[2:].tolist() == [1.0, 0.0]
 
 
 class _Weights:
-    """The two calls of a pipeline the ring uses, over a real module."""
+    """The two calls of a pipeline the replay uses, over a real module."""
 
     def __init__(self):
         self.module = torch.nn.Linear(3, 2)
@@ -78,34 +92,50 @@ class _Weights:
         self.module.load_state_dict(weights)
 
 
-def test_ring_keeps_the_initial_snapshot_and_swaps_bit_exactly():
-    pipe, ring = _Weights(), ReferenceRing(every=2, capacity=3)
+def test_replay_writes_every_snapshot_to_disk_and_swaps_bit_exactly(tmp_path):
+    pipe, replay = _Weights(), CheckpointReplay(every=2, run_dir=tmp_path)
     for it in range(8):
         with torch.no_grad():
             pipe.module.weight.fill_(float(it))
-        ring.maybe_snapshot(pipe, it)
-    assert sorted(ring.snapshots) == [0, 4, 6]  # snapshots at 0, 2, 4, 6; 2 evicted, the initial one kept
-    assert float(ring.snapshots[4]["weight"][0, 0]) == 4.0
+        replay.maybe_snapshot(pipe, it)
+    assert sorted(replay.snapshots) == [0, 2, 4, 6] == replay.drawable()  # all of them, none evicted
+    assert sorted(p.name for p in (tmp_path / "reference_checkpoints").iterdir()) == [
+        f"iteration_00000{i}.safetensors" for i in (0, 2, 4, 6)
+    ]
+    assert float(replay.weights(4)["weight"][0, 0]) == 4.0
     before = {k: v.clone() for k, v in pipe.trainable_state_dict().items()}
-    with ring.swapped_in(pipe, 0):
-        assert torch.equal(pipe.module.weight, ring.snapshots[0]["weight"])
+    with replay.swapped_in(pipe, 0):
+        assert torch.equal(pipe.module.weight, torch.zeros(2, 3))
     assert all(torch.equal(before[k], v) for k, v in pipe.trainable_state_dict().items())
-    # the ring round-trips through the tensors the trainer saves with the weights
-    copy = ReferenceRing(every=2, capacity=3)
-    copy.load_state_dict(ring.state_dict())
-    assert sorted(copy.snapshots) == [0, 4, 6] and all(torch.equal(copy.snapshots[i]["bias"], ring.snapshots[i]["bias"]) for i in (0, 4, 6))
-    assert list(copy.parameters()) == []  # nothing for the optimizer
+    # the files travel in the objective's state; a copied run folder is found in the new place
+    copy = CheckpointReplay(every=2, run_dir=tmp_path)
+    copy.load_state_dict(replay.state_dict())
+    assert copy.snapshots == replay.snapshots
+    import shutil
+
+    shutil.copytree(tmp_path / "reference_checkpoints", tmp_path / "moved" / "reference_checkpoints")
+    shutil.rmtree(tmp_path / "reference_checkpoints")
+    moved = CheckpointReplay(every=2, run_dir=tmp_path / "moved")
+    moved.load_state_dict(replay.state_dict())
+    assert float(moved.weights(6)["weight"][0, 0]) == 6.0
+    assert moved.snapshots[6] == tmp_path / "moved" / "reference_checkpoints" / "iteration_000006.safetensors"
+    with pytest.raises(FlowRLError, match=r"reference checkpoint for iteration 0 .* is missing"):
+        CheckpointReplay(every=2, run_dir=tmp_path / "elsewhere").load_state_dict(replay.state_dict())
+    # flowrl's window: the initial snapshot and the newest keep - 1
+    window = CheckpointReplay(every=2, keep=3, run_dir=tmp_path / "w")
+    window.snapshots = dict.fromkeys([0, 2, 4, 6], Path("unused"))
+    assert window.drawable() == [0, 4, 6]
 
 
-def test_ring_choice_per_strategy_is_seeded():
-    ring = ReferenceRing(every=1, capacity=8)
-    ring.snapshots = {0: {}, 5: {}, 10: {}}
+def test_replay_choice_per_strategy_is_seeded(tmp_path):
+    replay = CheckpointReplay(every=1, run_dir=tmp_path)
+    replay.snapshots = dict.fromkeys([0, 5, 10], Path("unused"))
 
     def draws(strategy, quality=None, n=3000):
         gen = torch.Generator().manual_seed(7)
-        return [ring.choose(strategy, gen, quality, temperature=0.1) for _ in range(n)]
+        return [replay.choose(strategy, gen, quality, temperature=0.1) for _ in range(n)]
 
-    assert set(draws("latest", n=5)) == {10}
+    assert set(draws("latest", n=5)) == {10} and set(draws("initial", n=5)) == {0}
     rpc = draws("rpc")
     assert rpc == draws("rpc")  # same seed, same choices
     assert all(abs(rpc.count(k) / len(rpc) - 1 / 3) < 0.04 for k in (0, 5, 10))  # uniform, the initial model included
@@ -206,9 +236,10 @@ def _overrides(run, **extra):
     )
 
 
-def test_first_iteration_is_log2_all_skipped_and_reference_samples_are_the_initial_models(tmp_path):
-    """Iteration 0: the only snapshot is the current model, so every DPO logit is 0 (loss log 2 for any I) and
-    the flipper cannot decide; the reference samples are the ODE samples of the weights in place."""
+def test_first_iteration_is_log2_all_flipped_and_reference_samples_are_the_initial_models(tmp_path):
+    """Iteration 0: the only snapshot is the current model, so every DPO logit is 0 (loss log 2 for any I) and the
+    winner's errors tie: the paper's "otherwise" learns every reference sample as a winner (v2: SFT on the
+    winners); the reference samples are the ODE samples of the weights in place."""
     from flowrl.samplers.rollout import rollout
     from flowrl.trainer import Trainer
 
@@ -217,7 +248,10 @@ def test_first_iteration_is_log2_all_skipped_and_reference_samples_are_the_initi
     assert len(batch) == 4 and batch.prompts[0::2] == batch.prompts[1::2]
     (out,) = trainer.objective.losses(trainer.pipeline, trainer.sampler, batch, torch.Generator().manual_seed(0))
     assert out.loss.item() == pytest.approx(math.log(2), abs=1e-7)
-    assert out.metrics["seppo/skipped_fraction"].item() == 1.0 and out.metrics["seppo/reference_iteration"].item() == 0.0
+    assert out.metrics["seppo/flipped_fraction"].item() == 1.0 and out.metrics["seppo/reference_iteration"].item() == 0.0
+    trainer.objective.flipped_loss = "sft"  # the winners' mean denoising error at the same (t, noise)
+    (sft,) = trainer.objective.losses(trainer.pipeline, trainer.sampler, batch, torch.Generator().manual_seed(0))
+    assert sft.loss.item() == pytest.approx(out.metrics["dpo/err_winner"].item(), rel=1e-6)
     # the reference rows are what the weights in place sample from the stream collect() used
     from flowrl import seeding
     from flowrl.objectives import seppo
@@ -246,8 +280,8 @@ def test_two_iterations_change_every_parameter(tmp_path, model):
     trainer = two_iterations_change_every_parameter(_overrides(tmp_path / "run", **extra), SEPPO)
     rows = trainer.logger.records()
     assert rows[2]["seppo/reference_iteration"] == 1.0  # iteration 1 drew the newest snapshot, taken after iteration 0
-    assert rows[2]["seppo/skipped_fraction"] == 1.0  # ... equal to the weights in place, one optimizer step per iteration
-    assert sorted(trainer.objective.ring.snapshots) == [0, 1]
+    assert rows[2]["seppo/flipped_fraction"] == 1.0  # ... equal to the weights in place (one optimizer step): a tie, flipped
+    assert sorted(trainer.objective.replay.snapshots) == [0, 1]
 
 
 def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
@@ -274,7 +308,7 @@ def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
     torch.testing.assert_close(winner_latents(trainer.pipeline, winners.images), z)
 
 
-def test_resume_restores_the_ring_and_continues_exactly(tmp_path):
+def test_resume_restores_the_replay_and_continues_exactly(tmp_path):
     from safetensors.torch import load_file
 
     from flowrl.trainer import Trainer
@@ -284,7 +318,7 @@ def test_resume_restores_the_ring_and_continues_exactly(tmp_path):
         "eval.every": 2,
         "log.checkpoint_every": 2,
         "objective.ref_update_every": 1,
-        "objective.max_checkpoints": 3,
+        "objective.max_checkpoints": 3,  # a window: iteration 3 draws from 0, 2, 3
         "objective.reference_strategy": "psm",
     }
     Trainer(load_config(SEPPO, _overrides(tmp_path / "full", **extra))).fit()
@@ -302,8 +336,13 @@ def test_resume_restores_the_ring_and_continues_exactly(tmp_path):
     a = load_file(tmp_path / "full" / "checkpoints" / "step_000004" / "denoiser.safetensors")
     b = load_file(tmp_path / "cut" / "checkpoints" / "step_000004" / "denoiser.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted({k.split(".")[1] for k in a if k.startswith("objective.")}) == ["0", "2", "3"]  # the ring, saved with the weights
-    assert sorted(resumed.objective.ring.snapshots) == [0, 2, 3]
+    assert not any(k.startswith("objective.") for k in a)  # the snapshots are files beside the run, not in the weights
+    assert sorted(resumed.objective.replay.snapshots) == [0, 1, 2, 3] and resumed.objective.replay.drawable() == [0, 2, 3]
+    files = sorted(p.name for p in (tmp_path / "cut" / "reference_checkpoints").iterdir())
+    assert files == [f"iteration_00000{i}.safetensors" for i in range(4)]
+    for i in range(4):  # the resumed run's snapshots are the uninterrupted run's, bit for bit
+        x, y = (load_file(run / "reference_checkpoints" / files[i]) for run in (tmp_path / "full", tmp_path / "cut"))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert set(state["objective"][0]["quality"]) <= {"0", "1", "2", "3"} and state["objective"][0]["quality"]
 
@@ -328,13 +367,14 @@ def test_lora_snapshots_hold_only_the_adapter(tmp_path):
     with the initial snapshot equals the base model's (LoRA B starts at zero)."""
     extra = {"pipeline.lora": "{r: 4, alpha: 8}", "train.learning_rate": 1e-2, "objective.ref_update_every": 1}
     trainer = two_iterations_change_every_parameter(_overrides(tmp_path / "run", **extra), SEPPO)
-    ring, pipe = trainer.objective.ring, trainer.pipeline
+    replay, pipe = trainer.objective.replay, trainer.pipeline
     names = {n for n, p in pipe.denoiser.named_parameters() if p.requires_grad}
-    assert sorted(ring.snapshots) == [0, 1] and all(set(s) == set(pipe.trainable_state_dict()) for s in ring.snapshots.values())
-    assert all("lora" in k for k in ring.snapshots[0]) and len(ring.snapshots[0]) == len(names)
+    snapshots = [replay.weights(i) for i in sorted(replay.snapshots)]
+    assert sorted(replay.snapshots) == [0, 1] and all(set(s) == set(pipe.trainable_state_dict()) for s in snapshots)
+    assert all("lora" in k for k in snapshots[0]) and len(snapshots[0]) == len(names)
     x, sigma, cond = torch.randn(2, 1, 8, 8), torch.tensor(0.5), pipe.encode(["digit 1", "digit 2"])
     with torch.no_grad():
-        with ring.swapped_in(pipe, 0):
+        with replay.swapped_in(pipe, 0):
             initial = pipe.predict(x, sigma, cond)
         with pipe.reference():  # adapters switched off: the base model
             base = pipe.predict(x, sigma, cond)

@@ -48,7 +48,7 @@ class TextModality:
         self.config, self.device = config, device
         self.pipeline = build_pipeline(config.pipeline, device, loaded)
         self.sampler = config.sampler
-        context = BuildContext(reward_weights=dict(config.reward.components), sampler=config.sampler, pipeline=self.pipeline)
+        context = BuildContext(dict(config.reward.components), config.sampler, self.pipeline, run_dir=config.output_dir)
         self.objective = objective if objective is not None else build_objective(config.objective, context)
         self.train_pool = prompts_for(config.prompts, "train")
         self.eval_pool = eval_pool(config)

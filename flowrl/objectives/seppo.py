@@ -4,32 +4,35 @@ Diffusion-DPO needs (winner, loser) pairs. SePPO needs only winners (real images
 of each pair is an on-policy sample of a *reference model*, a previous checkpoint of the policy, and the
 DPO reference of the pair's loss is that same checkpoint. Per iteration:
 
-1. the checkpoint ring (``reference_ring.py``) takes a snapshot when one is due and picks the reference:
-   ``latest`` (SPIN's previous iterate), ``rpc`` (random previous checkpoint, uniform, the initial model
-   included) or ``psm`` (probability-based: softmax of each checkpoint's measured quality, see below);
+1. the checkpoint replay (``checkpoint_replay.py``) writes a snapshot when one is due (every
+   ``ref_update_every`` iterations, on disk beside the run) and picks the reference: ``rpc`` (the paper's random
+   checkpoint replay: uniform over every previous snapshot, the initial model included), ``latest`` (SPIN's
+   previous iterate), ``initial`` (the paper's third baseline) or ``psm`` (flowrl's own, not in the paper:
+   softmax of each snapshot's measured quality, see below);
 2. ``prompts_per_iteration`` winners are drawn from the dataset (``flowrl/data/winners.py``) and the
    reference model samples one image for each winner's prompt with the rollout sampler (chosen in the
    config; the digits presets use the ODE, the model's own distribution);
 3. each pair (winner x_w, reference sample x_r) is noised with one shared time and noise, and the
    Anchor-based Adaptive Flipper decides, per pair, how x_r enters the loss.
 
-The flipper. With Diffusion-DPO's implicit reward scaled like the loss logit,
-``s(x) = -beta/2 * (err_theta(x) - err_ref(x))`` (err: the per-sample mean squared error of the
-prediction against the regression target, ``diffusion_dpo.denoising_errors``), the winner is the anchor:
-``delta = s(x_r) - s(x_w)``, and
+The flipper (the paper's Sec. 4.2) looks at the anchor alone, the winner: with the policy's and the reference
+model's regression errors on the noised winner (``diffusion_dpo.denoising_errors``) and the winner's implicit
+reward on the scale of the loss logit, ``s_w = -beta/2 * (err_theta(x_w) - err_ref(x_w))``,
 
-    I = +1 (loser)   if delta < -flip_margin   the policy already prefers the winner: x_r is a loser
-    I = -1 (winner)  if delta >  flip_margin   the policy rates x_r above the real winner: learn it as one
-    I =  0 (skip)    otherwise                 undecided (always so while policy == reference)
+    I = +1 (loser)   if s_w > 0   the policy fits the winner better than the reference: x_r is a loser
+    I = -1 (winner)  otherwise    the reference fits the winner at least as well: its sample is learned as a winner
 
-    loss = -log sigmoid(-beta/2 * [(err_theta(x_w) - err_ref(x_w)) - I (err_theta(x_r) - err_ref(x_r))])
+and with flowrl's skip band ``flip_margin`` m > 0: +1 if s_w > m, -1 if s_w < -m, 0 (skipped) in between.
 
-which is ``functional.diffusion_dpo_loss`` with the reference sample's errors multiplied by I: the
-loser case is Diffusion-DPO's loss exactly, the flipped case raises both likelihoods, a skipped reference
-sample leaves only the winner's term. I is decided without gradient, at the same (t, noise) as the loss.
+    loser:    -log sigmoid(-beta/2 * [(err_theta(x_w) - err_ref(x_w)) - (err_theta(x_r) - err_ref(x_r))])
+    winner:   flipped_loss "dpo" (v1): the same with + instead of -: both likelihoods raised
+              flipped_loss "sft" (v2, SSPO): err_theta(x_w), the denoising loss on the winner
+    skipped:  -log sigmoid(-beta/2 * (err_theta(x_w) - err_ref(x_w))), the winner's term alone
+
+I is decided without gradient, at the same (t, noise) as the loss.
 
 PSM quality: the running mean of the training reward of a checkpoint's reference samples over the
-iterations it was drawn (scored by the run's reward, so psm, unlike latest and rpc, needs one).
+iterations it was drawn (scored by the run's reward, so psm, unlike the paper's strategies, needs one).
 
 Every choice the paper leaves open is listed in docs/objectives/seppo.md.
 """
@@ -39,7 +42,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -51,28 +54,37 @@ from ..errors import FlowRLError
 from ..samplers.rollout import rollout
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from .checkpoint_replay import CheckpointReplay, Strategy, running_mean
 from .diffusion_dpo import denoising_errors, noised_and_target, training_sigmas
 from .functional import diffusion_dpo_loss
-from .reference_ring import ReferenceRing, Strategy, running_mean
 
 # Stream tags for seeding.derive_seed, far from seeding.PURPOSES' small numbers: SePPO's own draws per iteration.
 _WINNERS, _REFERENCE_NOISE, _REFERENCE_CHOICE = 0x5E990, 0x5E991, 0x5E992
 
 
+FlippedLoss = Literal["dpo", "sft"]
+
+
 def anchor_flip(err: Tensor, ref_err: Tensor, beta: float, margin: float) -> Tensor:
     """The flipper's decision I per pair (P,) from rows (2i, 2i + 1) = (winner, reference sample) of the
-    policy's and the reference's errors (2P,): +1 loser, -1 learned as a winner, 0 skipped."""
-    s = -0.5 * beta * (err - ref_err)  # implicit reward, on the scale of the loss logit
-    delta = s[1::2] - s[0::2]
-    return torch.where(delta > margin, -1.0, torch.where(delta < -margin, 1.0, 0.0))
+    policy's and the reference's errors (2P,), decided on the winner (the anchor) alone: +1 loser when the
+    policy fits the winner better than the reference, -1 learned as a winner otherwise; with ``margin`` m > 0,
+    0 (skipped) when the winner's implicit reward lies in [-m, m]."""
+    s_w = -0.5 * beta * (err[0::2] - ref_err[0::2])  # the winner's implicit reward, on the scale of the loss logit
+    undecided = s_w.abs() <= margin if margin > 0 else torch.zeros_like(s_w, dtype=torch.bool)
+    return torch.where(s_w > margin, 1.0, torch.where(undecided, 0.0, -1.0)).to(err.dtype)
 
 
-def seppo_pair_loss(err: Tensor, ref_err: Tensor, beta: float, margin: float) -> tuple[Tensor, Tensor]:
-    """Per-pair loss (P,) and the flipper's decisions (P,): Diffusion-DPO's loss with the reference sample's
-    errors multiplied by I, decided without gradient."""
+def seppo_pair_loss(err: Tensor, ref_err: Tensor, beta: float, margin: float, flipped_loss: FlippedLoss = "dpo") -> tuple[Tensor, Tensor]:
+    """Per-pair loss (P,) and the flipper's decisions (P,), decided without gradient. ``dpo``: Diffusion-DPO's
+    loss with the reference sample's errors multiplied by I (v1); ``sft``: a flipped pair's loss is the
+    denoising error of its winner instead (v2's switch from DPO to SFT)."""
     with torch.no_grad():
         flip = anchor_flip(err.detach(), ref_err.detach(), beta, margin)
-    return diffusion_dpo_loss(err[0::2], flip * err[1::2], ref_err[0::2], flip * ref_err[1::2], beta), flip
+    dpo = diffusion_dpo_loss(err[0::2], flip * err[1::2], ref_err[0::2], flip * ref_err[1::2], beta)
+    if flipped_loss == "sft":
+        return torch.where(flip < 0, err[0::2], dpo), flip
+    return dpo, flip
 
 
 @dataclass
@@ -80,9 +92,10 @@ class SePPOObjective:
     beta: float
     reference_strategy: Strategy
     ref_update_every: int  # iterations between snapshots
-    max_checkpoints: int
+    max_checkpoints: int | None
     psm_temperature: float
     flip_margin: float
+    flipped_loss: FlippedLoss
     winners: str
     winners_select: (
         str | dict[str, float] | None
@@ -91,25 +104,24 @@ class SePPOObjective:
     name: str = field(default="seppo", init=False)
     trains_on: TrainingData = field(default="reference_rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)
-    reference: ReferenceModel = field(default="none", init=False)  # the reference is a snapshot of the ring, not the trainer's
+    reference: ReferenceModel = field(
+        default="none", init=False
+    )  # the reference is a previous checkpoint (checkpoint_replay.py), not the trainer's
     minibatch_unit: int = field(default=2, init=False)  # rows (2i, 2i + 1) are (winner, reference sample)
-    extra_module: ReferenceRing = field(init=False)  # the checkpoint ring, saved with the weights
+    run_dir: Any = None  # where the previous checkpoints are written (<run_dir>/reference_checkpoints)
+    extra_module: None = field(default=None, init=False)
     extra_lr_scale: float = field(default=1.0, init=False)
 
     def __post_init__(self) -> None:
-        self.extra_module = ReferenceRing(self.ref_update_every, self.max_checkpoints)
+        self.replay = CheckpointReplay(self.ref_update_every, self.max_checkpoints, self.run_dir)
         self.current: int | None = None  # the iteration of this iteration's reference snapshot
         self.quality: dict[int, list[float]] = {}  # PSM: checkpoint iteration -> [mean reward of its samples, count]
 
-    @property
-    def ring(self) -> ReferenceRing:
-        return self.extra_module
-
     def begin_iteration(self, pipeline: Pipeline, seed: int, iteration: int) -> int:
         """Snapshot the current weights if due, then choose this iteration's reference (same on every process)."""
-        self.ring.maybe_snapshot(pipeline, iteration)
+        self.replay.maybe_snapshot(pipeline, iteration)
         gen = torch.Generator().manual_seed(seeding.derive_seed(seed, iteration, 0, _REFERENCE_CHOICE))
-        self.current = self.ring.choose(self.reference_strategy, gen, {k: v[0] for k, v in self.quality.items()}, self.psm_temperature)
+        self.current = self.replay.choose(self.reference_strategy, gen, {k: v[0] for k, v in self.quality.items()}, self.psm_temperature)
         return self.current
 
     def prepare(self, batch: Trajectory) -> Trajectory:
@@ -133,11 +145,11 @@ class SePPOObjective:
         noise = torch.randn(x0[0::2].shape, generator=generator).to(x0.device).repeat_interleave(2, dim=0)
         x_t, target = noised_and_target(pipeline, x0, noise, sigma)
         # The reference first: swapping its weights in copies into the live parameters, which would
-        # invalidate a graph built before (see reference_ring.py).
-        with torch.no_grad(), self.ring.swapped_in(pipeline, self.current):
+        # invalidate a graph built before (see checkpoint_replay.py).
+        with torch.no_grad(), self.replay.swapped_in(pipeline, self.current):
             ref_err = denoising_errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
         err = denoising_errors(pipeline, x_t, sigma, batch.cond, target, batch.guidance_scale)
-        per_pair, flip = seppo_pair_loss(err, ref_err, self.beta, self.flip_margin)
+        per_pair, flip = seppo_pair_loss(err, ref_err, self.beta, self.flip_margin, self.flipped_loss)
         loss = per_pair.mean()  # a skipped reference sample still leaves its winner's term
         with torch.no_grad():
             metrics = {
@@ -146,18 +158,19 @@ class SePPOObjective:
                 "seppo/flipped_fraction": (flip < 0).float().mean(),
                 "seppo/skipped_fraction": (flip == 0).float().mean(),
                 "seppo/reference_iteration": torch.tensor(float(self.current)),
-                "seppo/checkpoints": torch.tensor(float(len(self.ring.snapshots))),
+                "seppo/checkpoints": torch.tensor(float(len(self.replay.drawable()))),
                 "dpo/err_winner": err[0::2].mean(),
                 "dpo/err_reference_sample": err[1::2].mean(),
             }
         yield LossOutput(loss=loss, metrics=metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        # JSON: keys become strings. The snapshots themselves travel as the extra_module's tensors.
-        return {"quality": {str(k): v for k, v in self.quality.items()}}
+        # JSON: keys become strings. The snapshots are files beside the run; their paths travel here.
+        return {"quality": {str(k): v for k, v in self.quality.items()}, "replay": self.replay.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.quality = {int(k): [float(v[0]), int(v[1])] for k, v in state.get("quality", {}).items()}
+        self.replay.load_state_dict(state.get("replay", {}))
 
 
 class SePPOConfig(ObjectiveSection):
@@ -165,11 +178,14 @@ class SePPOConfig(ObjectiveSection):
 
     name: str = "seppo"
     beta: float = Field(5000.0, gt=0)  # Diffusion-DPO's scale for SD latents
-    reference_strategy: Strategy = "rpc"  # newest checkpoint / uniform over all (initial included) / softmax of quality
-    ref_update_every: int = Field(1, ge=1)  # iterations between checkpoint snapshots
-    max_checkpoints: int = Field(8, ge=1)  # snapshots held in memory (and in each checkpoint), the initial one always among them
+    # rpc: uniform over every previous checkpoint, the initial one included (the paper's); latest: the newest (SPIN);
+    # initial: always the initial model (the paper's baseline); psm: softmax of measured quality (flowrl's own)
+    reference_strategy: Strategy = "rpc"
+    ref_update_every: int = Field(30, ge=1)  # iterations between checkpoint snapshots (the paper: one every 30 updates)
+    max_checkpoints: int | None = Field(None, ge=1)  # None: draw from all (the paper); N: the initial one and the newest N - 1
     psm_temperature: float = Field(0.1, gt=0)  # psm: p ~ exp(quality / T), quality = mean reward of a checkpoint's samples
-    flip_margin: float = Field(0.0, ge=0)  # |implicit-reward gap| (loss-logit units) at or below which a reference sample is skipped
+    flip_margin: float = Field(0.0, ge=0)  # flowrl's skip band: |winner's implicit reward| (loss-logit units) <= margin is skipped
+    flipped_loss: FlippedLoss = "dpo"  # a reference sample learned as a winner: v1's DPO with sign -1, or v2's SFT on the winner
     winners: str = "embedded"  # the embedded digits data, a .jsonl of {"prompt", "image"} lines, or a folder of images + .txt prompts
     winners_select: str | dict[str, float] | None = (
         None  # a reward name (ink) or weighted names ({ink: 1, digit_classifier: 1}): keep the best winners_top_fraction of each metadata group by it
@@ -177,7 +193,7 @@ class SePPOConfig(ObjectiveSection):
     winners_top_fraction: float = Field(1.0, gt=0, le=1)
 
     def build(self, context: BuildContext | None = None) -> SePPOObjective:
-        return SePPOObjective(**self.target_kwargs())
+        return SePPOObjective(**self.target_kwargs(), run_dir=getattr(context, "run_dir", None))
 
 
 # -- what the modality needs: the winners and the iteration's batch -----------------------------------
@@ -256,7 +272,7 @@ def reference_pair_batch(
     group_ids = torch.arange(pairs) + rank * pairs
     pipeline.denoiser.eval()
     samples = []
-    with objective.ring.swapped_in(pipeline, objective.current):
+    with objective.replay.swapped_in(pipeline, objective.current):
         for start in range(0, pairs, chunk):
             sl = slice(start, start + chunk)
             samples.append(

@@ -19,7 +19,7 @@ batch it is scored in (micro-batching and rollout/train batch sizes may differ) 
 | estimator                 | paper                        | forwards    | estimates (see each docstring)            |
 |---------------------------|------------------------------|-------------|-------------------------------------------|
 | OneStepEstimator          | d1 diffu-GRPO                | 1           | fully-masked one-pass per-token log-probs |
-| AnswerMaskEstimator       | MMaDA UniGRPO / dLLM-RL      | 1           | mean log-prob over a random answer mask   |
+| AnswerMaskEstimator       | UniGRPO (paper) / dLLM-RL    | 1           | mean log-prob over a random answer mask   |
 | CoupledEstimator          | DiffuCoder coupled-GRPO      | 2           | ELBO, antithetic pair of masks            |
 | ELBOEstimator, elbo_terms | LLaDA ELBO (BGPO, SPG, VRPO) | num_samples | ELBO, stratified mask counts              |
 | TrajectoryReplayEstimator | TraceRL                      | num_steps   | log-prob of the sampled tokens            |
@@ -148,7 +148,8 @@ class OneStepEstimator:
 
 @dataclass(frozen=True)
 class AnswerMaskEstimator:
-    """UniGRPO's answer-only random masking (MMaDA, Yang et al. 2025; released in dLLM-RL as "random masking").
+    """UniGRPO's answer-only random masking as MMaDA's paper describes it (Yang et al. 2025; no UniGRPO code was
+    released, so this is paper-derived); dLLM-RL's ``random_masking`` is the same estimator, not UniGRPO itself.
 
     Prompt never masked; per row a ratio ``r ~ U[low, high]``; each completion token masked with
     probability r (at least one: if none was, one uniformly random position is). One forward.
@@ -157,7 +158,7 @@ class AnswerMaskEstimator:
     expectation is ``log pi(x) / G`` exactly (every position is equally likely to be in the mask).
     """
 
-    low: float  # UniGRPO: 0.1 and 0.9 (objective.mask_low / mask_high)
+    low: float  # 0.1 and 0.9 as dLLM-RL's lower_p / upper_p (objective.mask_low / mask_high); the paper: 0 and 1
     high: float
 
     def __call__(self, lm: MaskedLM, traj: TokenTrajectory, seed_index: int) -> EstimatorOutput:

@@ -11,6 +11,13 @@ action log-prob is therefore exact:
 
 with E_s the eligible positions (masked and in the current block) and c_1..c_K the chosen positions in the
 order they were drawn (``traj.unmask_rank``).
+
+At a step that completes its block (it takes every position of E_s: K = |E_s|, the sampler's last step of the
+block) the SET is forced and only the order inside the step would be scored, an order the step does not act on
+(all K tokens are written at once). LLaDOU (``networks/lladou_v0.py::logprob_loss``) puts no position term at
+those steps, only the tokens'; ``DCoLTStepLogProb(block_end_order_term=False)`` does the same (the DCoLT
+objective's default, ``objective.block_end_order_term``), ``True`` keeps the Plackett-Luce log-prob of the whole
+recorded ordered draw (``ORDERED_DRAW``, what ``dcolt_log_probs`` computes unless told otherwise).
 """
 
 from __future__ import annotations
@@ -89,17 +96,30 @@ class UnmaskingScorer(Protocol):
 
 @dataclass(frozen=True)
 class DCoLTStepLogProb:
-    """Exact per-step action log-prob: Plackett-Luce log-prob of the ordered chosen positions plus the
-    chosen tokens' log-probs under the LM's softmax (temperature 1).
+    """Per-step action log-prob: Plackett-Luce log-prob of the ordered chosen positions plus the chosen tokens'
+    log-probs under the LM's softmax (temperature 1).
+
+    ``block_end_order_term``: whether a row whose step takes every eligible position (it completes the block)
+    keeps its position term. False (LLaDOU): that term is exactly 0 there, the step's log-prob is its tokens'.
+    True: the Plackett-Luce log-prob of the recorded order of those positions, which is log(1 / K!) for equal
+    scores (K = 8: -10.6 nats) though the order changes nothing the step does.
 
     logits (B, G, V), scores (B, G), targets (B, G) completion tokens, chosen (B, K) ordered positions
     (``-1`` padded), eligible (B, G) bool -> (B,).
     """
 
+    block_end_order_term: bool
+
     def __call__(self, logits: Tensor, scores: Tensor, targets: Tensor, chosen: Tensor, eligible: Tensor) -> Tensor:
         positions = plackett_luce_log_prob(scores, chosen, eligible)
+        if not self.block_end_order_term:
+            completes_block = (chosen >= 0).sum(1) == eligible.sum(1)
+            positions = torch.where(completes_block, torch.zeros_like(positions), positions)
         tokens = token_log_probs(logits, targets).gather(1, chosen.clamp(min=0))
         return positions + torch.where(chosen >= 0, tokens, 0.0).sum(1)
+
+
+ORDERED_DRAW = DCoLTStepLogProb(block_end_order_term=True)  # the exact log-prob of the recorded ordered draw
 
 
 def dcolt_log_probs(
@@ -107,9 +127,10 @@ def dcolt_log_probs(
     scorer: UnmaskingScorer,
     traj: TokenTrajectory,
     block_length: int | None = None,
-    step_log_prob: DCoLTStepLogProb = DCoLTStepLogProb(),
+    step_log_prob: DCoLTStepLogProb = ORDERED_DRAW,
 ) -> Tensor:
-    """(B, num_steps) float32 exact action log-probs of a recorded trajectory, replayed step by step.
+    """(B, num_steps) float32 action log-probs of a recorded trajectory, replayed step by step (by default
+    the exact log-probs of the recorded ordered draws; the DCoLT objective passes its ``block_end_order_term``).
 
     At step s: state = ``traj.state_at(s)``; chosen = positions with ``unmask_step == s`` in
     ``unmask_rank`` order; eligible = positions still masked (``unmask_step >= s``) in the current block
@@ -127,6 +148,7 @@ def dcolt_log_probs(
 
 
 __all__ = [
+    "ORDERED_DRAW",
     "DCoLTStepLogProb",
     "UnmaskingScorer",
     "current_block_eligible",

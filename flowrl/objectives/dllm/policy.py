@@ -4,17 +4,25 @@ They share GRPO's group advantages and PPO clipping and differ in how they estim
 log-likelihood (``estimators.py``), which is the extension point:
 
 - diffu-GRPO (d1, arXiv:2504.12216): one forward, completion fully masked, prompt masked at 15%;
-  per-token ratios; advantages r - mean (no std); clip 0.5; k3 KL (beta 0.04 in d1).
-- UniGRPO (MMaDA, arXiv:2505.15809): prompt never masked, answer tokens masked at a ratio ~ U[0.1, 0.9];
-  mean log-prob over the masked tokens; clip 0.2; z-scored advantages.
-- DCoLT (LLaDOU, arXiv:2505.10446): the exact per-step action log-prob of the recorded trajectory
-  (Plackett-Luce probability of the ordered unmasked positions under a trainable unmasking-policy head,
-  plus the chosen tokens' log-probs); PPO per denoising step; advantages (r - mean) / (std + 1e-4).
+  per-token ratios; advantages r - mean (no std); clip 0.5; k3 KL (beta 0.04 in d1); the loss is ONE mean over
+  every completion token of the minibatch (``loss_aggregation: token_mean``, d1's
+  ``diffu_grpo_trainer.py::compute_loss``), so a longer completion weighs more.
+- UniGRPO (MMaDA, arXiv:2505.15809; PAPER-DERIVED: no training code was released, see docs/objectives/dllm.md
+  for what flowrl assumed): prompt never masked, answer tokens masked at a ratio ~ U[0.1, 0.9] (the paper:
+  U[0, 1]); mean log-prob over the masked tokens; clip 0.2; z-scored advantages; each completion's mean over
+  its masked tokens, then the mean over completions (``loss_aggregation: sequence_mean``, GRPO's form).
+- DCoLT (LLaDOU, arXiv:2505.10446): the per-step action log-prob of the recorded trajectory (Plackett-Luce
+  probability of the ordered unmasked positions under a trainable unmasking-policy head, plus the chosen
+  tokens' log-probs; no position term at a step that completes its block, as LLaDOU); PPO per denoising step;
+  advantages (r - mean) / (unbiased std + 1e-4); the per-sequence means summed and divided by the number of
+  rows with a non-zero advantage (``loss_aggregation: nonzero_advantage_mean``), as LLaDOU's
+  ``networks/lladou_v0.py::logprob_loss`` and ``training/training_loop_fsdp.py``.
 - BGPO (arXiv:2510.11683): ELBO-based GRPO whose surrogate is replaced by a bound linear in the Monte
   Carlo samples: for A >= 0, exp(d) >= 1 + d (tangent) with d = mean_j d_j; for A < 0, Jensen:
   exp(mean_j d_j) <= mean_j exp(d_j). Both are sums over j, so each MC sample is backpropagated on its
   own (memory flat in the number of samples), and on-policy (d = 0) value and gradient equal the
-  ELBO objective's. ``naive=True`` is plain ELBO-GRPO (all samples in one graph) for comparison.
+  ELBO objective's. ``naive=True`` is plain ELBO-GRPO (all samples in one graph) for comparison. One ratio
+  per completion, so no token aggregation: the mean over completions.
 
 Mask seeds are stored with the rollout; inner epoch e uses seed ``e % num_mask_seeds`` for both the
 old log-probs (computed in prepare, before any update) and the new ones, so the first ratio is exactly 1.
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -34,12 +42,26 @@ from ...sections import BuildContext, ObjectiveSection
 from ...types import LossOutput, ReferenceModel, TokenTrajectory, TrainingData
 from ..functional import StdConvention, clipped_surrogate_terms, group_advantages, k3_kl, masked_mean
 from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
-from .plackett_luce import dcolt_log_probs
+from .plackett_luce import DCoLTStepLogProb, dcolt_log_probs
+
+# How the per-token terms of a minibatch become one loss (TRL's GRPOConfig.loss_type names in brackets):
+#   token_mean:    sum over every counted token of every valid row / their number (d1; TRL "bnpo")
+#   sequence_mean: each row's mean over its counted tokens, then the mean over the valid rows (GRPO; TRL "grpo")
+LossAggregation = Literal["token_mean", "sequence_mean"]
+# DCoLT's per-step terms: each row's mean over its acting steps, then
+#   nonzero_advantage_mean: summed over the rows and divided by the number with a non-zero advantage (LLaDOU)
+#   sequence_mean:          averaged over the valid rows
+DCoLTLossAggregation = Literal["nonzero_advantage_mean", "sequence_mean"]
 
 
 def _weighted_token_mean(values: Tensor, weights: Tensor) -> Tensor:
     """(B,) sum_i w_i v_i / sum_i w_i: d1's mean over completion tokens, UniGRPO's mean over masked ones."""
     return (weights * values).sum(-1) / weights.sum(-1).clamp(min=1e-8)
+
+
+def _rows_mean(per_row: Tensor, row_weights: Tensor) -> Tensor:
+    """sum_b c_b v_b / sum_b c_b; 0 when no row counts."""
+    return (per_row * row_weights).sum() / row_weights.sum().clamp(min=1)
 
 
 @dataclass
@@ -86,10 +108,19 @@ class TokenPolicyObjective(_DLLMBase):
     """Per-token clipped ratios under a single-pass estimator (diffu-GRPO, UniGRPO)."""
 
     estimator: Any = None
+    loss_aggregation: LossAggregation = field(kw_only=True)
 
     def prepare(self, batch: TokenTrajectory) -> TokenTrajectory:
         batch.advantages = self.advantages(batch)
         return batch
+
+    def row_weights(self, weights: Tensor, valid: Tensor) -> Tensor:
+        """(B,) each row's weight in the loss: its number of counted tokens (token_mean) or 1 (sequence_mean).
+        With per-sequence means m_b, token_mean's sum_b n_b m_b / sum_b n_b is the plain mean over all counted
+        tokens when a row's token weights are equal (d1: 1 per token through EOS; UniGRPO: 1/|M| on the mask)."""
+        if self.loss_aggregation == "token_mean":
+            return valid * (weights > 0).sum(-1)
+        return valid
 
     def old_and_ref(self, lm, batch: TokenTrajectory) -> None:
         """Old (and reference) token log-probs for every stored seed, before any update: (B, N, G)."""
@@ -106,8 +137,8 @@ class TokenPolicyObjective(_DLLMBase):
         log_ratio = out.token_log_probs - batch.old_log_probs[:, s]
         ratio = torch.exp(log_ratio)
         per_seq = _weighted_token_mean(clipped_surrogate_terms(ratio, adv, self.clip_range), out.weights)
-        valid = self._valid(batch)
-        loss = masked_mean(per_seq, valid)
+        rows = self.row_weights(out.weights, self._valid(batch))
+        loss = _rows_mean(per_seq, rows)
         counted = out.weights > 0
         metrics = {
             "loss/policy": loss.detach(),
@@ -116,7 +147,7 @@ class TokenPolicyObjective(_DLLMBase):
             "policy/approx_kl": (0.5 * log_ratio[counted] ** 2).mean().detach(),
         }
         if self.beta > 0:
-            kl = masked_mean(_weighted_token_mean(k3_kl(out.token_log_probs, batch.ref_log_probs[:, s]), out.weights), valid)
+            kl = _rows_mean(_weighted_token_mean(k3_kl(out.token_log_probs, batch.ref_log_probs[:, s]), out.weights), rows)
             loss = loss + self.beta * kl
             metrics["loss/kl"] = kl.detach()
         yield LossOutput(loss, metrics)
@@ -196,6 +227,8 @@ class DCoLTObjective(_DLLMBase):
     mask_token_id: int | None = None
     extra_lr_scale: float = 1.0  # the head's learning rate relative to the LM's (config: scorer_lr_scale)
     head: UnmaskingPolicyHead = field(kw_only=True)
+    block_end_order_term: bool = field(kw_only=True)
+    loss_aggregation: DCoLTLossAggregation = field(kw_only=True)
 
     @property
     def extra_module(self) -> nn.Module:
@@ -216,18 +249,28 @@ class DCoLTObjective(_DLLMBase):
         batch.advantages = self.advantages(batch)
         return batch
 
+    def _log_probs(self, lm, batch: TokenTrajectory) -> Tensor:
+        """(B, S) per-step action log-probs of the recorded trajectory."""
+        return dcolt_log_probs(lm, self._scorer, batch, self.block_length, DCoLTStepLogProb(self.block_end_order_term))
+
     def old_and_ref(self, lm, batch: TokenTrajectory) -> None:
         with torch.no_grad():
-            batch.old_log_probs = dcolt_log_probs(lm, self._scorer, batch, self.block_length)  # (B, S)
+            batch.old_log_probs = self._log_probs(lm, batch)  # (B, S)
+
+    def row_weights(self, advantages: Tensor, valid: Tensor) -> Tensor:
+        """(B,) the rows the loss averages over: those with a non-zero advantage (LLaDOU) or every valid row."""
+        if self.loss_aggregation == "nonzero_advantage_mean":
+            return valid * (advantages != 0)
+        return valid
 
     def losses(self, lm, sampler, batch: TokenTrajectory, generator: torch.Generator) -> Iterator[LossOutput]:
-        new = dcolt_log_probs(lm, self._scorer, batch, self.block_length)  # (B, S), with grad
+        new = self._log_probs(lm, batch)  # (B, S), with grad
         acted = batch.unmask_step.new_zeros(batch.old_log_probs.shape, dtype=torch.bool)
         acted.scatter_(1, batch.unmask_step.clamp(max=acted.shape[1] - 1), True)  # steps that unmasked something
         ratio = torch.exp(new - batch.old_log_probs)
-        adv = batch.advantages.to(new.device)[:, None]
-        per_seq = (clipped_surrogate_terms(ratio, adv, self.clip_range) * acted).sum(1) / acted.sum(1).clamp(min=1)
-        loss = masked_mean(per_seq, self._valid(batch))
+        adv = batch.advantages.to(new.device)
+        per_seq = (clipped_surrogate_terms(ratio, adv[:, None], self.clip_range) * acted).sum(1) / acted.sum(1).clamp(min=1)
+        loss = _rows_mean(per_seq, self.row_weights(adv, self._valid(batch)))
         yield LossOutput(
             loss,
             {
@@ -254,38 +297,59 @@ class DLLMObjectiveConfig(ObjectiveSection):
 
 
 class DiffuGRPOConfig(DLLMObjectiveConfig):
-    """d1: one-pass estimator (completion masked, prompt masked at prompt_mask_prob), r - mean advantages."""
+    """d1: one-pass estimator (completion masked, prompt masked at prompt_mask_prob), r - mean advantages,
+    one mean over all completion tokens of the minibatch."""
 
     name: str = "diffu_grpo"
     clip_range: float = Field(0.5, gt=0)
     prompt_mask_prob: float = Field(0.15, ge=0, lt=1)
     std: StdConvention = "none"
+    # d1's compute_loss: (per_token_loss * completion_mask).sum() / completion_mask.sum() (TRL's "bnpo").
+    loss_aggregation: LossAggregation = "token_mean"
 
     def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
-        return TokenPolicyObjective(**self._common(), std_eps=1e-8, estimator=OneStepEstimator(self.prompt_mask_prob))
+        return TokenPolicyObjective(
+            **self._common(),
+            std_eps=1e-8,
+            estimator=OneStepEstimator(self.prompt_mask_prob),
+            loss_aggregation=self.loss_aggregation,
+        )
 
 
 class UniGRPOConfig(DLLMObjectiveConfig):
-    """MMaDA: answer-only masking at a ratio ~ U[low, high], z-scored advantages."""
+    """MMaDA's UniGRPO, paper-derived (no released training code): answer-only masking at a ratio ~ U[low, high],
+    z-scored advantages, each completion's mean over its masked tokens then the mean over completions."""
 
     name: str = "unigrpo"
-    mask_low: float = Field(0.1, gt=0, lt=1)
-    mask_high: float = Field(0.9, gt=0, le=1)
+    mask_low: float = Field(0.1, gt=0, lt=1)  # the paper draws the ratio from U[0, 1]; 0.1 / 0.9 are dLLM-RL's
+    mask_high: float = Field(0.9, gt=0, le=1)  # random_masking lower_p / upper_p
     std: StdConvention = "biased"
+    # GRPO's form, as flowrl reads the paper's objective: each completion's mean, then over the G (TRL's "grpo").
+    loss_aggregation: LossAggregation = "sequence_mean"
 
     def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
-        return TokenPolicyObjective(**self._common(), std_eps=1e-8, estimator=AnswerMaskEstimator(self.mask_low, self.mask_high))
+        return TokenPolicyObjective(
+            **self._common(),
+            std_eps=1e-8,
+            estimator=AnswerMaskEstimator(self.mask_low, self.mask_high),
+            loss_aggregation=self.loss_aggregation,
+        )
 
 
 class DCoLTConfig(DLLMObjectiveConfig):
-    """DCoLT: exact per-step action log-probs (Plackett-Luce unmasking policy + token log-probs)."""
+    """DCoLT: per-step action log-probs (Plackett-Luce unmasking policy + token log-probs), as LLaDOU computes
+    them: no position term at a step that completes its block, advantages over the unbiased std, the loss
+    divided by the number of rows with a non-zero advantage."""
 
     name: str = "dcolt"
-    std: StdConvention = "biased"
+    std: StdConvention = "unbiased"  # LLaDOU: torch's rewards.std(), the N - 1 denominator
     std_eps: float = Field(1e-4, gt=0)
     scorer_lr_scale: float = Field(1.0, gt=0)
     # The head starts as confidence_prior * log(confidence): LLaDA's low-confidence order as it grows, 0 = random head.
     confidence_prior: float = Field(0.0, ge=0)
+    # True: also score the order of the positions taken at a block's last step (forced: it takes all that remain).
+    block_end_order_term: bool = False
+    loss_aggregation: DCoLTLossAggregation = "nonzero_advantage_mean"
 
     def build(self, context: BuildContext | None = None) -> DCoLTObjective:
         block_length = context.sampler.block_length if context is not None else None
@@ -297,6 +361,8 @@ class DCoLTConfig(DLLMObjectiveConfig):
             mask_token_id=mask_token_id,
             extra_lr_scale=self.scorer_lr_scale,
             head=UnmaskingPolicyHead(confidence_prior=self.confidence_prior),
+            block_end_order_term=self.block_end_order_term,
+            loss_aggregation=self.loss_aggregation,
         )
 
 
