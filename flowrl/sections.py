@@ -89,7 +89,7 @@ class PipelineSection(PartSection):
     already has in memory (a diffusers pipeline, a transformers model), used instead of loading ``pretrained``."""
 
     def build(self, device: Any, loaded: Any = None) -> Any:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not say how to build its model")
 
     def default_num_threads(self) -> int | None:
         """torch's intra-op threads this model runs best on, or None for torch's default (train.num_threads overrides).

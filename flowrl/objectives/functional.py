@@ -54,7 +54,8 @@ def best_worst_subset(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:
 
 
 def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
-    """Mean over the samples where ``mask`` is True (all when None); 0 when none are."""
+    """Mean over the samples where ``mask`` is True (all when None); 0 when none are. A numeric mask weighs each
+    sample: ``sum_b m_b v_b / sum_b m_b`` (the dLLM objectives' token_mean counts each row's tokens this way)."""
     if mask is None:
         return values.mean()
     return (values * mask).sum() / mask.sum().clamp(min=1)

@@ -59,11 +59,6 @@ def _weighted_token_mean(values: Tensor, weights: Tensor) -> Tensor:
     return (weights * values).sum(-1) / weights.sum(-1).clamp(min=1e-8)
 
 
-def _rows_mean(per_row: Tensor, row_weights: Tensor) -> Tensor:
-    """sum_b c_b v_b / sum_b c_b; 0 when no row counts."""
-    return (per_row * row_weights).sum() / row_weights.sum().clamp(min=1)
-
-
 @dataclass
 class _DLLMBase:
     name: str
@@ -138,7 +133,7 @@ class TokenPolicyObjective(_DLLMBase):
         ratio = torch.exp(log_ratio)
         per_seq = _weighted_token_mean(clipped_surrogate_terms(ratio, adv, self.clip_range), out.weights)
         rows = self.row_weights(out.weights, self._valid(batch))
-        loss = _rows_mean(per_seq, rows)
+        loss = masked_mean(per_seq, rows)
         counted = out.weights > 0
         metrics = {
             "loss/policy": loss.detach(),
@@ -147,7 +142,7 @@ class TokenPolicyObjective(_DLLMBase):
             "policy/approx_kl": (0.5 * log_ratio[counted] ** 2).mean().detach(),
         }
         if self.beta > 0:
-            kl = _rows_mean(_weighted_token_mean(k3_kl(out.token_log_probs, batch.ref_log_probs[:, s]), out.weights), rows)
+            kl = masked_mean(_weighted_token_mean(k3_kl(out.token_log_probs, batch.ref_log_probs[:, s]), out.weights), rows)
             loss = loss + self.beta * kl
             metrics["loss/kl"] = kl.detach()
         yield LossOutput(loss, metrics)
@@ -270,7 +265,7 @@ class DCoLTObjective(_DLLMBase):
         ratio = torch.exp(new - batch.old_log_probs)
         adv = batch.advantages.to(new.device)
         per_seq = (clipped_surrogate_terms(ratio, adv[:, None], self.clip_range) * acted).sum(1) / acted.sum(1).clamp(min=1)
-        loss = _rows_mean(per_seq, self.row_weights(adv, self._valid(batch)))
+        loss = masked_mean(per_seq, self.row_weights(adv, self._valid(batch)))
         yield LossOutput(
             loss,
             {
