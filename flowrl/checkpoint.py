@@ -18,6 +18,10 @@ Files and directories written atomically get the mode an ordinary ``open(path, "
 the temporary names are created with those requested modes, not by ``tempfile`` (whose 0o600 / 0o700 would
 survive the rename), and a writer that replaces a file with a private one of its own (safetensors writes
 0o600) has its mode set back before the rename.
+
+Every temporary name starts with ``TEMP_PREFIX`` (``.flowrl-tmp-``): a process killed mid-write (kill -9, OOM
+killer) leaves that name behind, and the next run in the directory, once it holds the run lock, removes exactly
+those names and nothing else (``remove_leftover_temporaries``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import stat
 import tempfile
 import warnings
@@ -46,6 +51,9 @@ from .errors import FlowRLError
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+TEMP_PREFIX = ".flowrl-tmp-"  # every temporary name flowrl writes starts with it (remove_leftover_temporaries)
+# the names earlier versions of flowrl gave temporary checkpoints, pointers and DeepSpeed staging (checkpoints/ only)
+_LEGACY_CHECKPOINT_TEMP = re.compile(r"^\.(step_\d+|latest)-(old-)?[a-z0-9_]{8}$|^\.step_\d+\.deepspeed$")
 
 # Plain-language reasons for the failures a user can fix; anything else falls back to strerror.
 _REASONS = {
@@ -138,13 +146,46 @@ def _new_file(path: Path) -> None:
 
 
 def temporary_file(parent: Path, prefix: str) -> Path:
-    """A new empty file ``parent/prefix<random>`` with the mode ``open(path, "w")`` would give it."""
-    return _create_unique(parent, prefix, _new_file)
+    """A new empty file ``parent/<TEMP_PREFIX><prefix><random>`` with the mode ``open(path, "w")`` would give it."""
+    return _create_unique(parent, TEMP_PREFIX + prefix, _new_file)
 
 
 def temporary_directory(parent: Path, prefix: str) -> Path:
-    """A new directory ``parent/prefix<random>`` with the mode ``mkdir`` would give it (not mkdtemp's 0o700)."""
-    return _create_unique(parent, prefix, lambda p: os.mkdir(p, 0o777))
+    """A new directory ``parent/<TEMP_PREFIX><prefix><random>`` with the mode ``mkdir`` would give it (not mkdtemp's 0o700)."""
+    return _create_unique(parent, TEMP_PREFIX + prefix, lambda p: os.mkdir(p, 0o777))
+
+
+def remove_leftover_temporaries(run_dir: Path) -> list[Path]:
+    """Remove what writes cut short by a killed process left under ``run_dir``: flowrl's temporary files and
+    directories (a half-written checkpoint, pointer, metrics rewrite, sample), recognised by ``TEMP_PREFIX`` (and,
+    in ``checkpoints/``, by the names earlier versions of flowrl gave them). Nothing else is touched, nothing inside
+    them is looked at, symbolic links are not followed. Call it only while holding the run lock
+    (flowrl/run_lock.py): a live run's temporaries are its writes in progress. Returns what went, relative to
+    ``run_dir``."""
+    run_dir = Path(run_dir)
+    removed: list[Path] = []
+    for parent, dirs, files in os.walk(run_dir):
+        here = Path(parent)
+        legacy = here == run_dir / "checkpoints"
+        leftovers = {n for n in [*dirs, *files] if n.startswith(TEMP_PREFIX) or (legacy and _LEGACY_CHECKPOINT_TEMP.match(n))}
+        for name in sorted(leftovers):
+            path = here / name
+            with writing(path):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+            removed.append(path.relative_to(run_dir))
+        dirs[:] = [d for d in dirs if d not in leftovers]  # removed: nothing to walk into
+    return sorted(removed)
+
+
+def _test_hook_kill_during_checkpoint(directory: Path) -> None:
+    """Test hook, inert unless the environment variable FLOWRL_TEST_KILL_DURING_CHECKPOINT names this checkpoint
+    (``step_000002``): the process then SIGKILLs itself half-way through writing it, as a kill -9 from outside
+    would (tests/test_runs.py)."""
+    if os.environ.get("FLOWRL_TEST_KILL_DURING_CHECKPOINT") == Path(directory).name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _mode(path: Path) -> int:
@@ -175,7 +216,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temporary_file(path.parent, f".{path.name}-")
+        tmp = temporary_file(path.parent, f"{path.name}-")
         mode = _mode(tmp)  # what open(path, "w") gives a new file here
     try:
         with writing(path):
@@ -202,11 +243,11 @@ def atomic_directory(path: Path, world_readable: bool = True) -> Iterator[Path]:
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temporary_directory(path.parent, f".{path.name}-")
+        tmp = temporary_directory(path.parent, f"{path.name}-")
     old = None
     try:
         with writing(path):
-            probe = temporary_file(tmp, ".mode-")
+            probe = temporary_file(tmp, "mode-")
             file_mode, dir_mode = _mode(probe), _mode(tmp)  # what open(path, "w") and mkdir give here
             probe.unlink()
             yield tmp
@@ -214,7 +255,7 @@ def atomic_directory(path: Path, world_readable: bool = True) -> Iterator[Path]:
             _set_modes(tmp, *((0o644, 0o755) if world_readable else (file_mode, dir_mode)))
             _fsync_tree(tmp)
             if path.exists():
-                old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-old-"))
+                old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}-old-"))
                 os.replace(path, old / path.name)
             os.replace(tmp, path)
             _fsync(path.parent)
@@ -272,6 +313,7 @@ def save_checkpoint(
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, str(tmp / "denoiser.safetensors"))
         opt_tensors, groups = optimizer_tensors(optimizer)
         save_file({k: v.cpu() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
+        _test_hook_kill_during_checkpoint(directory)
         (tmp / "config.yaml").write_text(config_yaml)
         files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         state = {**trainer_state, "optimizer": groups, "files": files}

@@ -167,13 +167,16 @@ def main(argv: list[str] | None = None) -> int:
             "presets": _presets,
         }[args.command](args)
     except FlowRLError as e:
-        print(f"flowrl: error: {e}", file=sys.stderr)
+        from .distributed import report_error
+
+        report_error(f"flowrl: error: {e}")  # once per launch of several processes, and to the launcher's report
         return 2
     except OSError as e:  # a file operation not wrapped where it happens: still one sentence naming the path
         from .checkpoint import os_error_reason
+        from .distributed import report_error
 
         where = f"'{e.filename}'" if e.filename else "a file"
-        print(f"flowrl: error: could not access {where}: {os_error_reason(e)}.", file=sys.stderr)
+        report_error(f"flowrl: error: could not access {where}: {os_error_reason(e)}.")
         return 2
     except KeyboardInterrupt:
         print("flowrl: interrupted.", file=sys.stderr)
@@ -733,17 +736,18 @@ def _export(args) -> int:
                 raise FlowRLError("--lora-only needs a LoRA run (this checkpoint fine-tuned the whole denoiser).")
             pipeline.save_lora(tmp)
         else:
-            merged = pipeline.merged_denoiser()
+            # by subfolder; several for a denoiser that spans components (Wan2.2's transformer + transformer_2)
+            merged = pipeline.merged_components() if hasattr(pipeline, "merged_components") else {subfolder: pipeline.merged_denoiser()}
             base = Path(pipeline.source)  # a local directory (embedded models: their shipped one) or a hub id
             if base.is_dir():
-                shutil.copytree(base, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(subfolder, "training_info.json"))
-                merged.save_pretrained(tmp / subfolder)
+                shutil.copytree(base, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*merged, "training_info.json"))
+                for name, module in merged.items():
+                    module.save_pretrained(tmp / name)
             else:  # a hub id: diffusers assembles the pipeline around the merged denoiser
                 from diffusers import DiffusionPipeline
 
-                DiffusionPipeline.from_pretrained(
-                    config.pipeline.pretrained, revision=config.pipeline.revision, **{subfolder: merged}
-                ).save_pretrained(tmp)
+                assembled = DiffusionPipeline.from_pretrained(config.pipeline.pretrained, revision=config.pipeline.revision, **merged)
+                assembled.save_pretrained(tmp)
         write_model_card(
             tmp, source, config, "lora" if args.lora_only else "full", where=args.push_to_hub or str(args.out), license=args.license
         )

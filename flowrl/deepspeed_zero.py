@@ -96,11 +96,13 @@ def backward_minibatch(engine, losses: Iterable, on_loss: Callable) -> None:
     then take the one optimizer step; ``on_loss(loss_output)`` sees each (its metrics)."""
     pending = None
     for loss_out in losses:
+        on_loss(loss_out)
+        if not loss_out.loss.requires_grad:  # no trained weight shaped it (a frozen Wan2.2 expert's step): nothing to do
+            continue
         if pending is not None:
             engine.set_gradient_accumulation_boundary(False)
             engine.backward(pending.loss, scale_wrt_gas=False)
         pending = loss_out
-        on_loss(loss_out)
     if pending is not None:
         engine.set_gradient_accumulation_boundary(True)
         engine.backward(pending.loss, scale_wrt_gas=False)

@@ -36,6 +36,40 @@ except ImportError:  # pragma: no cover - older torch has no FSDP2 and nothing h
     DTensor, distribute_tensor = (), None
 
 
+# How long a process other than rank 0 of a launched run waits before it says its error itself (below).
+ERROR_GRACE_SECONDS = 10.0
+
+
+def report_error(line: str) -> None:
+    """Print a run's one-sentence error (``line``) once per launch, not once per process, and hand it to the launcher.
+
+    One process: printed. Several (torchrun / ``accelerate launch`` set ``WORLD_SIZE`` and ``RANK``): rank 0 prints at
+    once; any other process first waits ``ERROR_GRACE_SECONDS``, since a start-up error (a bad config, an output_dir
+    that holds a run) strikes every process alike and the launcher ends the others as soon as rank 0 exits; only a
+    process still alive then (its error was its own) prints. Under torch elastic (what ``accelerate launch`` runs),
+    the printing process also writes the sentence to its ``TORCHELASTIC_ERROR_FILE``, so the launcher's failure report
+    shows it as the root cause, instead of "To enable traceback see: ...".
+    """
+    import json
+    import sys
+    import time
+
+    try:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    except ValueError:
+        world, rank = 1, 0
+    if world > 1 and rank != 0:
+        time.sleep(ERROR_GRACE_SECONDS)
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if world > 1 and error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the sentence is printed above; the launcher's report just lacks it
+
+
 def end_process_group() -> None:
     """Leave the process group at the end of a launched run, every process together. A process that exits with
     its group alive can abort at interpreter shutdown ("terminate called without an active exception", a

@@ -26,6 +26,8 @@ from .errors import FlowRLError
 GRID_FILE = "samples.png"
 EMBEDDED = ("digits", "digits_video", "toy2d")  # the models shipped with flowrl (no diffusers pipeline class)
 VIDEO = {"digits_video": "text-to-video", "wan": "text-to-video", "cogvideox": "text-to-video", "wan_i2v": "image-to-video"}
+EDIT = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus")  # instruction + source image(s) -> image
+SECOND_EXPERT_LORA = "pytorch_lora_weights_transformer_2.safetensors"  # Wan2.2's low-noise expert (flowrl/pipelines/wan.py)
 
 
 def _run_dir(checkpoint: Path) -> Path | None:
@@ -78,7 +80,8 @@ def _settings(section: Any, skip: tuple[str, ...] = ()) -> str:
     return ", ".join(f"`{k}={v}`" for k, v in values.items() if k not in skip and not isinstance(v, dict))
 
 
-def _load_snippet(config, kind: str, where: str) -> str:
+def _load_snippet(config, kind: str, where: str, files: frozenset[str] = frozenset()) -> str:
+    """How to load the export; ``files``: the names in the exported folder (a second expert's LoRA file adds a line)."""
     p = config.pipeline
     if p.name == "dllm":
         return (
@@ -114,21 +117,35 @@ def _load_snippet(config, kind: str, where: str) -> str:
             )
         )
     output = ".frames[0]" if p.name in VIDEO else ".images[0]"
+    edit = p.name in EDIT
+    imports = "import torch\nfrom diffusers import DiffusionPipeline\n" + ("from diffusers.utils import load_image\n" if edit else "")
+    call = 'pipe(image=load_image("source.png"), prompt="your instruction")' if edit else 'pipe("your prompt")'
     if kind == "lora":
+        second = (
+            f'pipe.load_lora_weights("{where}", weight_name="{SECOND_EXPERT_LORA}", load_into_transformer_2=True)\n'
+            if SECOND_EXPERT_LORA in files
+            else ""
+        )
         return (
-            f"```python\nimport torch\nfrom diffusers import DiffusionPipeline\n\n"
+            f"```python\n{imports}\n"
             f'pipe = DiffusionPipeline.from_pretrained("{p.pretrained}", torch_dtype=torch.bfloat16)\n'
-            f'pipe.load_lora_weights("{where}")\nresult = pipe("your prompt"){output}\n```'
+            f'pipe.load_lora_weights("{where}")\n{second}result = {call}{output}\n```'
         )
     return (
-        f"```python\nimport torch\nfrom diffusers import DiffusionPipeline\n\n"
+        f"```python\n{imports}\n"
         f'pipe = DiffusionPipeline.from_pretrained("{where}", torch_dtype=torch.bfloat16)\n'
-        f'result = pipe("your prompt"){output}\n```'
+        f"result = {call}{output}\n```"
     )
 
 
 def build_model_card(
-    checkpoint: Path, config, kind: Literal["full", "lora"], where: str, license: str | None = None, grid_caption: str | None = None
+    checkpoint: Path,
+    config,
+    kind: Literal["full", "lora"],
+    where: str,
+    license: str | None = None,
+    grid_caption: str | None = None,
+    files: frozenset[str] = frozenset(),
 ):
     """The ``huggingface_hub.ModelCard`` of ``checkpoint`` exported as ``kind``; ``where``: the path or repo id
     the load snippet names; ``grid_caption``: set when the sample grid was copied beside the card."""
@@ -149,7 +166,11 @@ def build_model_card(
         library_name="transformers" if text else "diffusers",
         base_model=p.pretrained if hub_base else None,
         license=license,
-        pipeline_tag="text-generation" if text else VIDEO.get(p.name, None if p.name == "toy2d" else "text-to-image"),
+        pipeline_tag="text-generation"
+        if text
+        else "image-to-image"
+        if p.name in EDIT
+        else VIDEO.get(p.name, None if p.name == "toy2d" else "text-to-image"),
         tags=["flowrl", "reinforcement-learning", o.name, *(["lora"] if kind == "lora" else []), p.name],
     )
     lora = getattr(p, "lora", None)
@@ -232,7 +253,7 @@ def build_model_card(
     lines.append(
         f"![{grid_caption}]({GRID_FILE})\n\n*{grid_caption}*" if grid_caption else "No sample grid was found next to this checkpoint."
     )
-    lines += ["", "## How to load it", "", _load_snippet(config, kind, where), "", "## License", ""]
+    lines += ["", "## How to load it", "", _load_snippet(config, kind, where, files), "", "## License", ""]
     lines.append(
         f"`{license}`."
         if license
@@ -255,7 +276,8 @@ def write_model_card(
     if grid is not None:
         shutil.copyfile(grid[0], directory / GRID_FILE)
         caption = grid[1]
-    card = build_model_card(checkpoint, config, kind, where or directory.name, license, caption)
+    files = frozenset(f.name for f in directory.iterdir())
+    card = build_model_card(checkpoint, config, kind, where or directory.name, license, caption, files)
     (directory / "README.md").write_text(str(card))
     return directory / "README.md"
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .data.files import read_utf8
 from .errors import FlowRLError
 
 BUNDLED = Path(__file__).resolve().parent / "data" / "prompts"
@@ -32,7 +33,7 @@ def read_prompt_file(spec: str) -> list[tuple[str, dict[str, Any]]]:
     """Return the (prompt, metadata) pairs of a .txt or .jsonl prompt file, in file order."""
     path = resolve_prompt_file(spec)
     pairs: list[tuple[str, dict[str, Any]]] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_utf8(path, f"prompt file '{path}'").splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         if path.suffix != ".jsonl":

@@ -4,7 +4,8 @@ A run holds an exclusive ``flock`` on ``<output_dir>/flowrl.lock`` from before i
 until it has written its last file. A second run into the same directory, or a resume while the first one still
 runs, is refused in one sentence naming the holder (pid and host, written into the file). The kernel releases the
 lock when the process dies, however it dies (kill -9 included), so a crashed run never leaves a stale lock: the
-file stays, the lock does not.
+file stays, the lock does not. Holding it is what lets a new run remove the temporary files a killed one left
+(checkpoint.remove_leftover_temporaries): no live run is writing them.
 
 Where the file system cannot lock (some network file systems answer ENOLCK or EOPNOTSUPP), the run goes on without
 the guard and says so once. A run that stops before writing anything removes the lock file and the directories it
@@ -67,6 +68,11 @@ class RunLock:
             os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
         except OSError:
             pass
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock (False before acquire, after release, and where nothing can lock)."""
+        return self._fd is not None
 
     def release(self) -> None:
         """Let go of the lock; in a directory this run created and left empty, remove the file and the directories."""

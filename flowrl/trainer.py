@@ -31,11 +31,21 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list, gather_object
 from tqdm import tqdm
 
 from . import deepspeed_zero, seeding
-from .checkpoint import atomic_path, checkpoint_step, find_latest, load_optimizer, read_checkpoint, save_checkpoint, writing
+from .checkpoint import (
+    TEMP_PREFIX,
+    atomic_path,
+    checkpoint_step,
+    find_latest,
+    load_optimizer,
+    read_checkpoint,
+    remove_leftover_temporaries,
+    save_checkpoint,
+    writing,
+)
 from .config import Config, load_config, resolve_device, set_num_threads, to_yaml
 from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
 from .errors import FlowRLError, Preempted
@@ -141,6 +151,10 @@ class Trainer:
         )
         if is_fsdp(self.accelerator):  # the family's blocks become FSDP units (flowrl/distributed.py)
             choose_blocks_to_wrap(self.accelerator, self.module)
+        if getattr(self.module, "may_leave_parameters_unused", False) and self.accelerator.ddp_handler is None:
+            # a module that routes each call to part of its weights (Wan2.2's two experts): DDP must find the
+            # parameters that got no gradient rather than wait for them (their gradient then stays None)
+            self.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         if self.deepspeed:  # micro batch, accumulation boundary and clipping are flowrl's (flowrl/deepspeed_zero.py)
             deepspeed_zero.configure(self.accelerator, config.train.batch_size, config.train.max_grad_norm)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
@@ -151,7 +165,8 @@ class Trainer:
         self._run_lock = RunLock(self.run_dir)
         self._updating = False  # True while the optimizer may have changed the weights of an unfinished iteration
         self._saving = False  # True while a checkpoint is being written
-        self._nonfinite: deque[tuple[int, int]] = deque(maxlen=config.train.nonfinite_window)  # (non-finite, all) per iteration
+        # (iteration, non-finite, all) of the last train.nonfinite_window iterations' rewards; saved in each checkpoint
+        self._nonfinite: deque[tuple[int, int, int]] = deque(maxlen=config.train.nonfinite_window)
 
     def _probe_user_rewards(self) -> None:
         """A user's reward (an import path, an entry point, an object passed in) scores two samples shaped like the
@@ -230,7 +245,7 @@ class Trainer:
         batch = self.collect(iteration)
         t1 = time.perf_counter()
         batch = self.score(batch)
-        reward_metrics = self._reward_metrics(batch)  # of everything collected, before prepare() reorders or subsets
+        reward_metrics = self._reward_metrics(batch, iteration)  # of everything collected, before prepare() reorders or subsets
         self._check_learnable(iteration)  # before the update: a batch with nothing to learn from never reaches the optimizer
         t2 = time.perf_counter()
         batch = self.advantages(batch)
@@ -310,7 +325,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         per_step: dict[str, list[torch.Tensor]] = {}
         for loss_out in self.objective.losses(self.pipeline, self.sampler, batch, gen):
-            self.accelerator.backward(loss_out.loss)
+            if loss_out.loss.requires_grad:  # else no trained weight shaped it (a frozen Wan2.2 expert's step): nothing to do
+                self.accelerator.backward(loss_out.loss)
             for k, v in loss_out.metrics.items():
                 per_step.setdefault(k, []).append(v)
         metrics = {k: torch.stack(v).mean() for k, v in per_step.items()}
@@ -381,7 +397,7 @@ class Trainer:
             else None
         )
         if self.deepspeed:  # every process writes its partition of the engine's state; the main one the full weights
-            staging = target.parent / f".{target.name}.deepspeed"
+            staging = target.parent / f"{TEMP_PREFIX}{target.name}.deepspeed"
             if self.is_main and staging.exists():
                 shutil.rmtree(staging)  # left by a run killed while saving
             self.accelerator.wait_for_everyone()
@@ -394,6 +410,9 @@ class Trainer:
             state = {
                 "iteration": self.iteration,
                 "objective": states,
+                # the non-finite-reward window of the iterations this checkpoint holds (not of one that failed after them),
+                # so a resumed run stops where the uninterrupted one would
+                "nonfinite_window": [list(entry) for entry in self._nonfinite if entry[0] < self.iteration],
                 **({"deepspeed_zero_stage": deepspeed_zero.zero_stage(self.module)} if self.deepspeed else {}),
             }
 
@@ -462,6 +481,8 @@ class Trainer:
             raise FlowRLError(f"checkpoint '{directory}' was written by {len(objective_states)} process(es) but this run has {self.world}.")
         self.objective.load_state_dict(objective_states[self.rank])
         self.iteration = int(state["iteration"])
+        self._nonfinite.clear()  # a checkpoint written before the window was saved: it starts afresh
+        self._nonfinite.extend(tuple(int(x) for x in entry) for entry in state.get("nonfinite_window", []))
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -480,12 +501,30 @@ class Trainer:
         if self.is_main:
             try:
                 self._run_lock.acquire()
+                self._remove_leftover_temporaries()
             except FlowRLError as e:
+                self._run_lock.release()
                 problem = str(e)
         if self.world > 1:
             problem = broadcast_object_list([problem])[0]
         if problem:
             raise FlowRLError(problem)
+
+    def _remove_leftover_temporaries(self) -> None:
+        """A run killed mid-write (kill -9, the OOM killer) leaves its temporary names behind (a hidden half-written
+        checkpoint can be gigabytes): the next run removes them, and says so, once it holds the lock, which no live
+        run then holds. Where the file system cannot lock, another run may be writing them: they are left."""
+        if not self._run_lock.held:
+            return
+        removed = remove_leftover_temporaries(self.run_dir)
+        if removed:
+            shown = ", ".join(p.as_posix() for p in removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+            print(
+                f"flowrl: removed {len(removed)} temporary file(s) left in '{self.run_dir}' by a write that a killed run "
+                f"did not finish: {shown}.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
@@ -594,10 +633,10 @@ class Trainer:
                         shutil.rmtree(self.run_dir / name)
         self.accelerator.wait_for_everyone()
 
-    def _reward_metrics(self, batch) -> dict[str, float]:
+    def _reward_metrics(self, batch, iteration: int) -> dict[str, float]:
         rewards = torch.cat(gather_object([batch.rewards.cpu()]))
         finite = torch.isfinite(rewards)
-        self._nonfinite.append((int((~finite).sum()), len(rewards)))  # every process sees the same gathered counts
+        self._nonfinite.append((iteration, int((~finite).sum()), len(rewards)))  # every process sees the same gathered counts
         metrics = {
             "reward/mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
             "reward/std": float(rewards[finite].std(unbiased=False)) if finite.any() else float("nan"),
@@ -616,14 +655,14 @@ class Trainer:
         ):  # pairs are labelled already, or (SePPO) the reward is only logged
             return
         tc = self.config.train
-        bad, total = self._nonfinite[-1]
+        _, bad, total = self._nonfinite[-1]
         if total and bad == total:
             raise FlowRLError(
                 f"all {total} rewards of iteration {iteration + 1} were NaN or infinite (reward components: "
                 f"{', '.join(self.config.reward.components)}), so the run cannot learn"
             )
         if len(self._nonfinite) == tc.nonfinite_window:
-            bad, total = (sum(x) for x in zip(*self._nonfinite))
+            _, bad, total = (sum(x) for x in zip(*self._nonfinite))
             if total and bad / total > tc.max_nonfinite_fraction:
                 raise FlowRLError(
                     f"{bad} of {total} rewards of the last {tc.nonfinite_window} iterations were NaN or infinite, more than "

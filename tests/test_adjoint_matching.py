@@ -13,11 +13,14 @@ from torch import nn
 from flowrl.errors import FlowRLError
 from flowrl.objectives.adjoint_matching import (
     AdjointMatchingConfig,
+    adjoint_matching_residual,
     ddpm_memoryless_variance,
     ema_update,
     memoryless_flow_diffusion_sq,
     memoryless_step_weight,
+    output_weight,
     score_depends_on_model,
+    score_difference,
     stratified_steps,
 )
 from flowrl.pipelines.toy2d import TWO_MODES, GaussianMixture, Toy2DPipeline, mode_statistics, tilt_linear, tilted_target
@@ -189,14 +192,16 @@ def test_lean_adjoint_on_a_linear_drift_is_the_closed_form_tweedie_slope():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_loss_is_zero_at_the_closed_form_optimal_velocity_of_a_gaussian():
+@pytest.mark.parametrize("loss_weighting", ["memoryless", "output"])
+def test_loss_is_zero_at_the_closed_form_optimal_velocity_of_a_gaussian(loss_weighting):
     """Gaussian base, linear reward: the optimal fine-tuned model is the flow velocity of the tilted Gaussian
-    N(m + lambda s^2 w, s^2 I). Its per-step loss is zero (to float precision) on every step; the base is not."""
+    N(m + lambda s^2 w, s^2 I). Its per-step loss is zero (to float precision) on every step; the base is not.
+    The same under either step weighting: a weight per noise level does not move the fixed point."""
     lam, reward = 1.5, LinearReward2D((0.5, -1.0))
     target = tilt_linear(GAUSSIAN, reward.weights, lam)
     sampler, objective = (
         FlowMemorylessConfig().build(),
-        AdjointMatchingConfig(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None).build(),
+        AdjointMatchingConfig(reward_multiplier=lam, num_trained_steps=None, clip_quantile=None, loss_weighting=loss_weighting).build(),
     )
     tuned = Toy2DPipeline(base=GAUSSIAN, net=TiltedVelocity(GAUSSIAN, target))
     losses, targets = _step_losses(objective, tuned, sampler, _score(_rollout(tuned, sampler, 64, 10), reward))
@@ -246,6 +251,22 @@ def test_step_weights_are_the_integral_of_the_memoryless_diffusion():
     # DDIM eta = 1 injects, over a small step, the variance the memoryless (DDPM) SDE would (the step's weight),
     # to first order: 1 - a / a' = log(a' / a) - log(a' / a)^2 / 2 + ..., a relative gap of beta_t / 2 = 0.5% here
     assert float(ddpm_memoryless_variance(a, an)) == pytest.approx(float(memoryless_step_weight(s, sn, "epsilon", schedule)), rel=1e-2)
+
+
+def test_output_weighting_is_uniform_in_the_model_output():
+    """loss_weighting "output": w ||dscore + a||^2 = h ||dout + a / c||^2 with dscore = c dout. Hand values: a flow
+    step 0.8 -> 0.75 has h = 0.05, c = (1 - 0.8) / 0.8 = 0.25, w = 0.05 / 0.0625 = 0.8 (the paper's weight there is
+    2 log(0.25 / 0.2) - 0.1 = 0.3463); an epsilon DDPM step has c = 1 / sqrt(1 - abar), w = h (1 - abar)."""
+    s, sn = torch.tensor(0.8), torch.tensor(0.75)
+    assert float(output_weight(s, sn, "flow")) == pytest.approx(0.8, rel=1e-6)
+    assert float(memoryless_step_weight(s, sn, "flow")) == pytest.approx(2 * math.log(1.25) - 0.1, rel=1e-6)
+    dout, a = torch.tensor([[0.3, -0.2]]), torch.tensor([[0.1, 0.4]])
+    dscore = score_difference(dout, torch.zeros_like(dout), s, "flow")
+    expected = 0.05 * ((dout + a / ((1 - 0.8) / 0.8 * -1)) ** 2).sum()  # c = -(1 - sigma) / sigma for a flow
+    assert float(adjoint_matching_residual(dscore, a, output_weight(s, sn, "flow"))) == pytest.approx(float(expected), rel=1e-5)
+    schedule = DiscreteSchedule.from_betas(torch.linspace(1e-4, 0.02, 1000))
+    abar = float(schedule.alpha_bar(s))
+    assert float(output_weight(s, sn, "epsilon", schedule)) == pytest.approx(0.05 * (1 - abar), rel=1e-5)
 
 
 def test_steps_without_signal_are_not_trained():

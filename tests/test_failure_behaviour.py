@@ -530,3 +530,164 @@ def test_help_examples_name_checkpoints_the_preset_writes(capsys):
     written = {f"step_{i:06d}" for i in range(config.log.checkpoint_every, config.train.iterations + 1, config.log.checkpoint_every)}
     named = {word.split("/")[-1] for word in text.split() if "runs/digits_grpo/checkpoints/" in word}
     assert named and named <= written, (named, written)
+
+
+# ------------------------------------------------------------------ 8. the last tracebacks (issue #31 item 6)
+
+SEPPO = CONFIGS / "digits" / "seppo.yaml"
+
+
+def png_claiming(path: Path, width: int, height: int) -> None:
+    """A 60-byte PNG whose header claims ``width`` x ``height`` pixels: what a decompression bomb looks like to a
+    reader that checks the size before decoding (PIL does, against twice ``Image.MAX_IMAGE_PIXELS``)."""
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
+def seppo_argv(winners: Path, run: Path) -> list[str]:
+    return ["train", str(SEPPO), *fast_overrides(run), f"objective.winners={winners}"]
+
+
+def test_a_decompression_bomb_among_the_winners_is_one_sentence(tmp_path, capsys):
+    from PIL import Image
+
+    folder, run = tmp_path / "winners", tmp_path / "run"
+    folder.mkdir()
+    png_claiming(folder / "bomb.png", 30_000, 30_000)  # 9e8 pixels > 2 * 89,478,485
+    (folder / "bomb.txt").write_text("a handwritten seven")
+    assert main(seppo_argv(folder, run)) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"flowrl: error: image '{folder / 'bomb.png'}' (winners folder '{folder}') claims 900,000,000 pixels, more than twice "
+        f"PIL's limit of {Image.MAX_IMAGE_PIXELS:,} (a decompression bomb, or an image far too large for a training example), "
+        "so it was not decoded; remove it or resize it."
+    )
+    assert not run.exists()
+
+
+def test_a_winners_text_file_that_is_not_utf8_is_one_sentence(tmp_path, capsys):
+    from PIL import Image
+
+    folder, run = tmp_path / "winners", tmp_path / "run"
+    folder.mkdir()
+    Image.new("L", (8, 8)).save(folder / "seven.png")
+    (folder / "seven.txt").write_bytes("a handwritten seven\nin Latin-1: \xe9".encode("latin-1"))
+    assert main(seppo_argv(folder, run)) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"flowrl: error: prompt file '{folder / 'seven.txt'}' of winners folder '{folder}' is not UTF-8 text (byte 0xe9 on "
+        "line 2 is not valid UTF-8); save it as UTF-8."
+    )
+    listing = tmp_path / "winners.jsonl"  # the .jsonl form of the winners, the same
+    listing.write_bytes(b'{"prompt": "a handwritten seven", "image": "winners/seven.png"}\n{"prompt": "\xff"}\n')
+    assert main(seppo_argv(listing, run)) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"flowrl: error: winners file '{listing}' is not UTF-8 text (byte 0xff on line 2 is not valid UTF-8); save it as UTF-8."
+    )
+    assert not run.exists()
+
+
+def test_eval_of_a_jsonl_file_with_a_garbage_line_names_the_file_and_line(tmp_path, capsys):
+    recorded = tmp_path / "recorded.jsonl"
+    recorded.write_text('{"llada_generation_256": "The answer is 18.", "ground_truth": 18}\n\n{"llada_generation_256": "19", tru\n')
+    assert main(["eval", str(recorded)]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"flowrl: error: line 3 of recorded generations file '{recorded}' is not valid JSON (Expecting property name enclosed in double quotes)."
+    )
+    recorded.write_text('{"llada_generation_256": "18", "ground_truth": 18}\n[1, 2]\n')
+    assert main(["eval", str(recorded)]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"flowrl: error: line 2 of recorded generations file '{recorded}' is not a JSON object."
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recorded.jsonl"]
+
+
+@pytest.fixture
+def unreachable_hub(tmp_path, monkeypatch):
+    """huggingface_hub pointed at a local endpoint that accepts connections and never answers (a firewall that drops
+    packets, a proxy that hangs), a 1 s HF_HUB_ETAG_TIMEOUT and an empty cache; returns the endpoint."""
+    import socket
+
+    from huggingface_hub import constants
+
+    import flowrl.hub as hub
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the kernel's backlog; nothing ever reads or answers
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name, value in {
+        "ENDPOINT": endpoint,
+        "HF_HUB_ETAG_TIMEOUT": 1,
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+    }.items():
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setattr(hub, "_HUB_PROBES", {})
+    yield endpoint
+    silent.close()
+
+
+def test_an_unreachable_hub_is_said_after_a_bounded_wait(unreachable_hub, tmp_path, capsys):
+    import time
+
+    from flowrl.reward_models.clip_common import load_clip_model
+
+    run = tmp_path / "run"
+    started = time.monotonic()
+    code = main(
+        ["train", str(CONFIGS / "sd3" / "flow_grpo_pickscore.yaml"), "pipeline.pretrained=some-org/some-model", f"output_dir={run}"]
+    )
+    waited = time.monotonic() - started
+    assert code == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"flowrl: error: pipeline.pretrained 'some-org/some-model' is a hub id, but the Hugging Face Hub ({unreachable_hub}) "
+        "could not be reached (no answer; flowrl waits at most 1 s, HF_HUB_ETAG_TIMEOUT) and the model is not in the local "
+        "cache; download it where the hub can be reached (hf download some-org/some-model --local-dir DIR) and use "
+        "pipeline.pretrained=LOCAL_DIR."
+    )
+    assert waited < 15, waited  # the probe's 1 s (+1 s for a hanging name lookup), not huggingface_hub's minutes of retries
+    assert not run.exists()
+    # A reward model from the hub: the same sentence (the probe's answer is kept for the process: no second wait).
+    started = time.monotonic()
+    with pytest.raises(FlowRLError) as info:
+        load_clip_model("some-org/some-clip")
+    assert time.monotonic() - started < 5
+    assert str(info.value) == (
+        f"CLIP model 'some-org/some-clip' is a hub id, but the Hugging Face Hub ({unreachable_hub}) could not be reached "
+        "(no answer; flowrl waits at most 1 s, HF_HUB_ETAG_TIMEOUT) and the model is not in the local cache; download it "
+        "where the hub can be reached (hf download some-org/some-clip --local-dir DIR) and pass that directory instead of "
+        "the hub id."
+    )
+
+
+def test_a_multi_process_launch_that_fails_at_start_says_the_sentence_once(tmp_path):
+    """2 CPU processes under accelerate launch, into an output_dir that holds a run: rank 0 prints flowrl's sentence
+    once (rank 1 would say it only if it were still alive 10 s later), and the launcher's failure report names it
+    as the root cause instead of "To enable traceback see: ..."; the earlier run is untouched."""
+    import socket
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "accelerate" / "ddp.yaml")]
+    launch += ["--num_processes", "2", "--main_process_port", str(port), "-m", "flowrl.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, *launch, "train", str(GRPO), *fast_overrides(run)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+    )
+    assert proc.returncode != 0
+    sentence = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("flowrl: error: ")]
+    assert len(sentence) == 1, proc.stderr[-3000:]
+    assert sentence[0].startswith(f"flowrl: error: output_dir '{run}' ") and "resume_from=latest" in sentence[0]
+    assert f"traceback : {sentence[0]}" in proc.stderr  # the launcher's root cause
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.name != "flowrl.lock") == before
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'

@@ -4,6 +4,7 @@ diffusers pipelines' own ``__call__``."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from tests.tiny_components import (
     as_adjoint_matching,
     as_diffusion_nft,
+    euler_final_latents,
     family_config,
     ode_sample,
     rescoring_ratio_is_one,
@@ -138,24 +140,7 @@ def load(name: str, directory, **kwargs):
     )
 
 
-def flowrl_euler(adapter, noise: torch.Tensor, steps: int, guidance_scale: float) -> torch.Tensor:
-    """flowrl's rollout with the Euler (noise_level=0) step from given noise: the final latents."""
-    from flowrl.samplers import FlowSDEConfig
-    from flowrl.samplers.rollout import rollout
-
-    traj = rollout(
-        adapter,
-        FlowSDEConfig(noise_level=0.0).build(),
-        PROMPTS,
-        [{} for _ in PROMPTS],
-        torch.arange(len(PROMPTS)),
-        adapter.schedule.sigmas(steps),
-        torch.Generator().manual_seed(0),
-        guidance_scale,
-        stochastic_steps=torch.zeros(steps, dtype=torch.bool),
-        initial_noise=noise,
-    )
-    return traj.latents[:, -1]
+flowrl_euler = functools.partial(euler_final_latents, prompts=PROMPTS)
 
 
 # -- SD3 ---------------------------------------------------------------------------------------------

@@ -56,6 +56,13 @@ def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(bro
             )
         )
 
+    def image_widths() -> list[int]:
+        # the <img> elements load after data-pair changes; wait until both have finished (complete), so a slow
+        # image is not read as width 0
+        script = "return ['left', 'right'].map(id => document.getElementById(id))"
+        WebDriverWait(browser, 15).until(lambda d: d.execute_script(script + ".every(img => img.complete)"))
+        return browser.execute_script(script + ".map(img => img.naturalWidth)")
+
     def click(button: str):
         browser.find_element(By.ID, f"btn-{button}").click()
 
@@ -66,8 +73,7 @@ def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(bro
         browser.get(server.url)
         shows(0, 0)
         assert browser.find_element(By.ID, "prompt").text.startswith(f"“{prompts[0]}”")
-        sizes = browser.execute_script("return ['left', 'right'].map(id => document.getElementById(id).naturalWidth)")
-        assert sizes == [8, 8]  # both 8x8 digit images arrived
+        assert image_widths() == [8, 8]  # both 8x8 digit images arrived
         assert browser.find_element(By.ID, "left").get_attribute("src").endswith(f"/image/0/{left_slot(0)}.png")
         click("left")  # pair 0 by click
         shows(1, 1)
@@ -126,7 +132,7 @@ def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(bro
         assert call(server.base + "api/state")[0] == 401
         browser.get(server.url)
         shows(4, 4)
-        assert browser.execute_script("return ['left', 'right'].map(id => document.getElementById(id).naturalWidth)") == [8, 8]
+        assert image_widths() == [8, 8]
 
     # training reads the three decisive labels (pairs 0, 1, 3), the preferred sample first
     from conftest import fast_overrides

@@ -25,6 +25,7 @@ ORDER: list[str] = [
     "flowrl.checkpoint",
     "flowrl.run_lock",
     "flowrl.deepspeed_zero",
+    "flowrl.hub",
     "flowrl.data",
     # the parts a run is made of, each with its config section
     "flowrl.samplers",

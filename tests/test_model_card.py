@@ -153,3 +153,20 @@ def test_push_to_a_refusing_hub_and_a_bad_repo_id(runs, tmp_path, monkeypatch, c
     # an invalid repo id is refused before anything is written
     assert main(["export", checkpoint, str(tmp_path / "b"), "--lora-only", "--push-to-hub", "not a repo"]) == 2
     assert "is not a hub repository id" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_edit_models_and_a_second_expert_get_their_own_load_lines():
+    """An edit model's snippet passes the source image; a Wan2.2 LoRA export with the low-noise expert's file loads
+    it into transformer_2 (and only then)."""
+    from flowrl.config import load_config
+    from flowrl.model_card import SECOND_EXPERT_LORA, _load_snippet
+
+    kontext = load_config(None, ["pipeline.name=flux_kontext", "pipeline.pretrained=black-forest-labs/FLUX.1-Kontext-dev"])
+    snippet = _load_snippet(kontext, "lora", "me/kontext-lora")
+    assert 'result = pipe(image=load_image("source.png"), prompt="your instruction").images[0]' in snippet
+    assert "from diffusers.utils import load_image" in snippet
+    wan = load_config(None, ["pipeline.name=wan", "pipeline.pretrained=Wan-AI/Wan2.2-T2V-A14B-Diffusers"])
+    both = _load_snippet(wan, "lora", "me/wan-lora", frozenset({"pytorch_lora_weights.safetensors", SECOND_EXPERT_LORA}))
+    assert f'pipe.load_lora_weights("me/wan-lora", weight_name="{SECOND_EXPERT_LORA}", load_into_transformer_2=True)' in both
+    assert 'result = pipe("your prompt").frames[0]' in both
+    assert "transformer_2" not in _load_snippet(wan, "lora", "me/wan-lora", frozenset({"pytorch_lora_weights.safetensors"}))

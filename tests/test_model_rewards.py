@@ -616,3 +616,67 @@ def test_image_reward_loading_errors(image_reward_dir, tmp_path, photos):
     (partial / "med_config.json").write_text((d / "med_config.json").read_text())
     with pytest.raises(FlowRLError, match="lacks 10 weights"):
         ImageRewardReward(str(partial), tokenizer=str(d / "tokenizer"), vision_num_heads=2)(images[:1], prompts[:1], [{}])
+
+
+# ------------------------------------------------------------------------------------- edit rewards
+
+
+def test_source_preservation_is_one_minus_the_mean_absolute_change_outside_the_mask(tmp_path):
+    """Hand-derived: an 8x8 grey source, the edit whitens a 4x4 patch (16 of 64 pixels by 0.5): 1 - 16 * 0.5 / 64 =
+    0.875 everywhere, 1.0 with the patch masked as the edit region; the source is read from a PNG path, resized to
+    the sample's size; the gradient is -sign(change) / area."""
+    from PIL import Image
+
+    from flowrl.reward_models.edit import SourcePreservationReward
+
+    Image.fromarray(np.full((16, 16, 3), 128, np.uint8)).save(tmp_path / "source.png")  # 128 / 255, resized to 8x8
+    mask = np.zeros((8, 8), np.uint8)
+    mask[:4, :4] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    grey = 128 / 255
+    edited = torch.full((2, 3, 8, 8), grey)
+    edited[:, :, :4, :4] = grey + 0.5
+    edited.requires_grad_(True)
+    reward = build_reward("source_preservation")
+    assert isinstance(reward, SourcePreservationReward) and reward.differentiable
+    meta = [{"image": str(tmp_path / "source.png")}, {"image": str(tmp_path / "source.png"), "mask": str(tmp_path / "mask.png")}]
+    out = reward(edited, ["make the corner white"] * 2, meta)
+    assert out.scores.tolist() == pytest.approx([0.875, 1.0], abs=1e-6)
+    assert out.extras["preserved_fraction"].tolist() == pytest.approx([1.0, 0.75])
+    out.scores[0].backward()
+    assert edited.grad[0, :, :4, :4].unique().tolist() == pytest.approx([-1 / 192])  # d(1 - sum|d| / (3*64)) / dx
+    with pytest.raises(FlowRLError, match="source image of every prompt"):
+        reward(edited.detach(), ["x", "y"], [{}, {}])
+    with pytest.raises(FlowRLError, match="could not read the source image"):
+        reward(edited.detach()[:1], ["x"], [{"image": str(tmp_path / "missing.png")}])
+
+
+def test_clip_directional_is_the_cosine_of_the_image_and_text_changes(clip_dir, reference, photos):
+    """Against the same CLIP loaded independently: cos(E_img(edited) - E_img(source), E_txt(target) - E_txt(source
+    caption)), with the prompt as the default target caption and the empty string as the default source caption."""
+    images, prompts = photos
+    sources = images.flip(0)  # each photo's 'source' is another photo
+    meta = [{"image": s, "source_caption": "a photo"} for s in sources]
+    meta[0] = {"image": sources[0], "target_caption": "a red flower", "source_caption": "a cup of coffee"}
+    out = build_reward("clip_directional", pretrained=str(clip_dir), differentiable=False)(images, prompts, meta)
+    model, processor = reference
+
+    def img_feats(x):
+        pixels = processor(images=to_uint8_images(x), return_tensors="pt")["pixel_values"]
+        return F.normalize(_feats(model.get_image_features(pixel_values=pixels)), dim=-1)
+
+    def txt_feats(texts):
+        tok = processor(text=texts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        return F.normalize(_feats(model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])), dim=-1)
+
+    with torch.no_grad():
+        d_img = img_feats(images) - img_feats(sources)
+        targets = ["a red flower"] + prompts[1:]
+        originals = ["a cup of coffee"] + ["a photo"] * (len(prompts) - 1)
+        d_txt = torch.cat([txt_feats([t]) for t in targets]) - torch.cat([txt_feats([o]) for o in originals])
+    expected = F.cosine_similarity(d_img, d_txt, dim=-1)
+    assert torch.allclose(out.scores, expected, atol=1e-5, rtol=0)
+    x = images.clone().requires_grad_(True)  # the torch preprocessing path carries a gradient to the edited image
+    scores = build_reward("clip_directional", pretrained=str(clip_dir))(x, prompts, meta).scores
+    scores.sum().backward()
+    assert (x.grad.abs().flatten(1).sum(1) > 0).all() and (scores - expected).abs().max() < 0.05

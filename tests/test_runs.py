@@ -27,8 +27,8 @@ GRPO = CONFIGS / "digits" / "grpo.yaml"
 DDPO = CONFIGS / "digits" / "ddpo.yaml"
 
 
-def flowrl_process(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def flowrl_process(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "flowrl.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
 
@@ -188,11 +188,123 @@ def test_a_run_killed_while_writing_its_first_checkpoint_starts_again_without_ov
     run.mkdir()
     (run / "config.yaml").write_text("seed: 0\n")
     (run / "metrics.jsonl").write_text('{"step": 0, "eval/reward/mean": 1.0}\n')
-    (run / "checkpoints" / ".step_000001-k1ll3d").mkdir(parents=True)  # what a kill -9 during the write leaves
+    (run / "checkpoints" / ".flowrl-tmp-step_000001-0badf00d").mkdir(parents=True)  # what a kill -9 during the write leaves
     assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1, "log.trackers": "[]"}), *extra]) == 0
     err = capsys.readouterr().err
     assert ("saved no checkpoint; it is replaced" in err) or ("holds no complete checkpoint, so the run starts afresh" in err)
+    assert "removed 1 temporary file(s) left in" in err and "checkpoints/.flowrl-tmp-step_000001-0badf00d." in err
     assert steps(run) == [0, 1] and (run / "checkpoints" / "step_000001").is_dir()
+    assert not [p for p in run.rglob("*") if p.name.startswith(".flowrl-tmp-")]
+
+
+# -- a run killed while writing a later checkpoint -----------------------------------------------------------------
+def leftovers(run: Path) -> list[str]:
+    return sorted(p.relative_to(run).as_posix() for p in run.rglob(".flowrl-tmp-*"))
+
+
+def test_a_kill_9_during_a_checkpoint_write_leaves_nothing_after_the_resume_and_the_resume_is_exact(tmp_path, capsys):
+    overrides = {"train.iterations": 2, "log.checkpoint_every": 1, "log.trackers": "[]"}
+    run = tmp_path / "killed"
+    proc = flowrl_process("train", str(GRPO), *fast_overrides(run, **overrides), env={"FLOWRL_TEST_KILL_DURING_CHECKPOINT": "step_000002"})
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    half = [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".flowrl-tmp-step_000002-")]
+    assert len(half) == 1 and (half[0] / "denoiser.safetensors").is_file() and not (half[0] / "trainer_state.json").exists()
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000001"]
+    # what other writes cut short leave (a sample, the summary), beside files that are not flowrl's to remove
+    (run / "samples").mkdir(exist_ok=True)
+    (run / "samples" / ".flowrl-tmp-step_000002.png-1a2b3c4d").write_bytes(b"half a png")
+    (run / ".flowrl-tmp-summary.json-5e6f7a8b").write_text("{")
+    kept = [run / ".notes", run / "checkpoints" / ".step_000002-mine", run / "samples" / "flowrl-tmp-visible.png"]
+    for path in kept:
+        path.write_text("the user's")
+    assert main(["train", str(GRPO), *fast_overrides(run, **overrides), "resume_from=latest"]) == 0
+    notice = [line for line in capsys.readouterr().err.splitlines() if "temporary file(s)" in line]
+    assert notice == [
+        f"flowrl: removed 3 temporary file(s) left in '{run}' by a write that a killed run did not finish: "
+        f".flowrl-tmp-summary.json-5e6f7a8b, {half[0].relative_to(run).as_posix()}, samples/.flowrl-tmp-step_000002.png-1a2b3c4d."
+    ]
+    assert leftovers(run) == [] and all(path.read_text() == "the user's" for path in kept)
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed" and steps(run) == [0, 1, 2]
+    whole = tmp_path / "whole"
+    assert main(["train", str(GRPO), *fast_overrides(whole, **overrides)]) == 0
+    from safetensors.torch import load_file
+
+    a = load_file(whole / "checkpoints" / "step_000002" / "denoiser.safetensors")
+    b = load_file(run / "checkpoints" / "step_000002" / "denoiser.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the killed-and-resumed run is the uninterrupted one
+
+
+def test_leftover_temporaries_stay_while_another_process_holds_the_run_lock(tmp_path, capsys):
+    from flowrl.run_lock import RunLock
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    writing = run / "checkpoints" / ".flowrl-tmp-step_000004-0a1b2c3d"  # a live run's checkpoint in progress
+    writing.mkdir()
+    holder = RunLock(run)
+    holder.acquire()  # flock: a second open file description is refused even within this process
+    try:
+        assert main(["train", str(GRPO), *fast_overrides(run), "resume_from=latest"]) == 2
+        assert " is in use by another flowrl run (pid " in capsys.readouterr().err
+        assert writing.is_dir()
+    finally:
+        holder.release()
+
+
+# -- the non-finite-reward window ----------------------------------------------------------------------------------
+class NaNFromIteration:
+    """The digits reward, with 6 of every 8 scores NaN from 0-based training iteration ``start`` on: not all (that stops
+    at once), so only the window of train.nonfinite_window iterations stops the run."""
+
+    name, differentiable = "nan_from_iteration", False
+
+    def __init__(self, inner, start: int):
+        self.inner, self.start, self.trainer = inner, start, None
+
+    def __call__(self, samples, prompts, metadata):
+        out = self.inner(samples, prompts, metadata)
+        if self.trainer is not None and self.trainer.iteration >= self.start:  # during train_iteration(i), iteration == i
+            out.scores[[i for i in range(len(out.scores)) if i % 4]] = float("nan")
+        return out
+
+
+def nan_trainer(run: Path, **extra: object) -> Trainer:
+    from flowrl.reward_models.mix import build_reward_from_config
+
+    overrides = {"train.iterations": 8, "train.nonfinite_window": 3, "train.max_nonfinite_fraction": 0.5, "log.checkpoint_every": 1}
+    config = load_config(GRPO, fast_overrides(run, **{**overrides, "log.trackers": "[]", **extra}))
+    reward = NaNFromIteration(build_reward_from_config(config.reward), start=2)
+    reward.trainer = trainer = Trainer(config, reward=reward)
+    return trainer
+
+
+def stops(trainer: Trainer) -> str:
+    with pytest.raises(FlowRLError) as info, pytest.warns(UserWarning, match="NaN or infinite"):
+        trainer.fit()
+    return str(info.value)
+
+
+def test_the_nonfinite_reward_window_is_resumed_so_the_run_stops_where_the_uninterrupted_one_does(tmp_path):
+    # Uninterrupted: iterations 2, 3, 4 score 6 of 8 NaN; the window of 3 passes 6 of 24 and 12 of 24, stops at 18 of 24.
+    whole = nan_trainer(tmp_path / "whole")
+    message = stops(whole)
+    assert message.startswith("18 of 24 rewards of the last 3 iterations were NaN or infinite") and whole.iteration == 4, message
+    saved = tmp_path / "whole" / "checkpoints" / "step_000004" / "trainer_state.json"
+    assert json.loads(saved.read_text())["nonfinite_window"] == [[1, 0, 8], [2, 6, 8], [3, 6, 8]]  # (iteration, NaN, all)
+    assert list(whole._nonfinite) == [(2, 6, 8), (3, 6, 8), (4, 6, 8)]
+    whole.save()  # what _save_after_failure writes where no checkpoint of iteration 4 exists (log.checkpoint_every=0)
+    assert json.loads(saved.read_text())["nonfinite_window"] == [[2, 6, 8], [3, 6, 8]]  # not iteration 4's: it failed
+    # Stopped inside the streak (after iteration 2: one bad iteration in the window), then resumed. A window started
+    # afresh would fill only at iteration 5 and stop the run one iteration later.
+    run = tmp_path / "resumed"
+    with pytest.warns(UserWarning, match="NaN or infinite"):
+        assert nan_trainer(run, **{"train.stop_after": 3}).fit()["iterations_completed"] == 3
+    resumed = nan_trainer(run, resume_from="latest")
+    assert stops(resumed) == message.replace(str(tmp_path / "whole"), str(run)) and resumed.iteration == 4
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (tmp_path / "whole", run)]
+    assert summaries[0]["iterations_completed"] == summaries[1]["iterations_completed"] == 4
+    assert [json.loads(line)["reward/nonfinite_count"] for line in (run / "metrics.jsonl").read_text().splitlines()[1:]] == [0, 0, 6, 6]
 
 
 # -- threads ------------------------------------------------------------------------------------------------------

@@ -185,6 +185,28 @@ def two_iterations_change_every_parameter(overrides: list[str], config: Path | N
     return trainer
 
 
+def euler_final_latents(adapter, noise: torch.Tensor, steps: int, guidance_scale: float, prompts, metadata=None) -> torch.Tensor:
+    """flowrl's rollout with the Euler (noise_level=0) step from given noise: the final latents (the families'
+    oracle against a diffusers pipeline's own FlowMatchEuler loop)."""
+    from flowrl.samplers import FlowSDEConfig
+    from flowrl.samplers.rollout import rollout
+
+    traj = rollout(
+        adapter,
+        FlowSDEConfig(noise_level=0.0).build(),
+        prompts,
+        metadata or [{} for _ in prompts],
+        torch.arange(len(prompts)),
+        adapter.schedule.sigmas(steps),
+        torch.Generator().manual_seed(0),
+        guidance_scale,
+        stochastic_steps=torch.zeros(steps, dtype=torch.bool),
+        initial_noise=noise,
+        decode=False,
+    )
+    return traj.latents[:, -1]
+
+
 def rescoring_ratio_is_one(trainer, atol: float = 1e-5) -> float:
     """Roll out, then re-score every stochastic step at unchanged weights: log-ratio must be 0."""
     traj = trainer.collect(0)

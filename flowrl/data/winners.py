@@ -9,12 +9,15 @@ Three sources, all read once at start-up into images at the model's pixel size, 
 - a folder: every image (png, jpg, jpeg, webp, bmp) with its prompt in a text file of the same stem
   (``cat.png`` + ``cat.txt``), as fine-tuning datasets are often laid out.
 
-Problems are one sentence naming the file (and the line of a JSONL file).
+Problems are one sentence naming the file (and the line of a JSONL file): an unreadable image, a decompression bomb
+(an image header claiming more than twice PIL's ``MAX_IMAGE_PIXELS``, refused before it is decoded), a text file
+that is not UTF-8.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
+from .files import read_utf8
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -96,14 +100,22 @@ def _read_image(path: Path, channels: int, size: tuple[int, int], where: str) ->
             if img.size != (size[1], size[0]):
                 img = img.resize((size[1], size[0]), Image.Resampling.BICUBIC)
             data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
-    except (OSError, UnidentifiedImageError) as e:
+    except Image.DecompressionBombError as e:  # a header claiming more than twice PIL's pixel limit: never decoded
+        claimed = re.search(r"\((\d+) pixels\)", str(e))
+        pixels = f"{int(claimed.group(1)):,}" if claimed else "more"
+        raise FlowRLError(
+            f"image '{path}' ({where}) claims {pixels} pixels, more than twice PIL's limit of {Image.MAX_IMAGE_PIXELS:,} "
+            "(a decompression bomb, or an image far too large for a training example), so it was not decoded; "
+            "remove it or resize it."
+        ) from None
+    except (OSError, UnidentifiedImageError, ValueError) as e:
         raise FlowRLError(f"image '{path}' ({where}) could not be read ({e.__class__.__name__}).") from None
     return data.view(size[0], size[1], channels).permute(2, 0, 1).float() / 255.0
 
 
 def _jsonl(path: Path, channels: int, size: tuple[int, int]) -> Winners:
     images, prompts, metadata = [], [], []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_utf8(path, f"winners file '{path}'").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -131,5 +143,5 @@ def _folder(path: Path, channels: int, size: tuple[int, int]) -> Winners:
         if not caption.is_file():
             raise FlowRLError(f"image '{f}' of winners folder '{path}' has no prompt file '{caption.name}'.")
         images.append(_read_image(f, channels, size, f"winners folder '{path}'"))
-        prompts.append(caption.read_text().strip())
+        prompts.append(read_utf8(caption, f"prompt file '{caption}' of winners folder '{path}'").strip())
     return Winners(torch.stack(images), prompts, [{} for _ in prompts])

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..data.text_tasks import RECORDED_FIELD, format_gold, read_jsonl
+from ..data.text_tasks import RECORDED_FIELD, format_gold
 from ..errors import FlowRLError
 
 
@@ -30,9 +30,9 @@ def grade_recorded(
     if not p.is_file():
         raise FlowRLError(f"recorded generations not found: {p}.")
     rows, skipped = [], 0
-    for index, row in enumerate(read_jsonl(p, limit)):
+    for index, (number, row) in enumerate(_read_rows(p, limit)):
         if field not in row:
-            raise FlowRLError(f"{p.name} line {index + 1} has no field '{field}'.")
+            raise FlowRLError(f"{p.name} line {number} has no field '{field}'.")
         gold = format_gold(row.get(gold_field))
         if gold is None:
             skipped += 1
@@ -49,6 +49,29 @@ def grade_recorded(
         "extracted_fraction": sum(r["extracted"] is not None for r in rows) / n if n else math.nan,
         "rows": rows,
     }
+
+
+def _read_rows(path: Path, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
+    """The (line number, object) of every non-blank line, up to ``limit`` rows; a line that is not a JSON object,
+    or a file that is not UTF-8, is one sentence naming the file and the line."""
+    import json
+
+    from ..data.files import read_utf8
+
+    rows = []
+    for number, line in enumerate(read_utf8(path, f"recorded generations file '{path}'").splitlines(), 1):
+        if limit is not None and len(rows) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FlowRLError(f"line {number} of recorded generations file '{path}' is not valid JSON ({e.msg}).") from None
+        if not isinstance(row, dict):
+            raise FlowRLError(f"line {number} of recorded generations file '{path}' is not a JSON object.")
+        rows.append((number, row))
+    return rows
 
 
 def format_report(result: dict[str, Any], examples: int = 0) -> str:

@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -165,6 +165,23 @@ def memoryless_step_weight(sigma: Tensor, sigma_next: Tensor, prediction_type: s
     return torch.log(_alpha_bar(schedule, sigma_next, device).double() / _alpha_bar(schedule, sigma, device).double()).float()
 
 
+def output_weight(sigma: Tensor, sigma_next: Tensor, prediction_type: str, schedule: Any = None) -> Tensor:
+    """A step weight that makes the loss uniform in the model's output units per unit sigma: (sigma - sigma_next) / c^2,
+    where dscore = c * (out_ft - out_base) (:func:`score_difference`), so that w ||dscore + a||^2 =
+    (sigma - sigma_next) ||dout + a / c||^2. ``loss_weighting: output``: flowrl's option (docs/objectives/adjoint_matching.md).
+    Any positive weight per noise level leaves the fixed point where it is (the loss is a regression at each x_k);
+    this one moves effort toward high noise, where the paper's weight, in velocity units 2 h (1 - sigma) / sigma for a
+    flow, all but vanishes and an ODE sampler still runs through the model."""
+    h = torch.as_tensor(sigma, dtype=torch.float64) - torch.as_tensor(sigma_next, dtype=torch.float64)
+    if prediction_type == "flow":
+        s = torch.as_tensor(sigma, dtype=torch.float64)
+        c = (1 - s) / s
+    else:
+        abar = _alpha_bar(schedule, sigma, torch.device("cpu")).double()
+        c = 1 / (1 - abar).sqrt() if prediction_type == "epsilon" else abar.sqrt() / (1 - abar).sqrt()
+    return (h / c**2).float()
+
+
 def score_depends_on_model(sigma: Tensor, prediction_type: str, schedule: Any = None) -> bool:
     """False where the signal is gone (alpha = 0): a flow at sigma = 1, or a zero-terminal-SNR DDPM
     (CogVideoX, rescaled betas) at its first step, where abar = 0. There every model has the same score
@@ -238,6 +255,7 @@ class AdjointMatchingObjective:
     early_fraction: where the stratified step draw splits the trainable steps (authors: 0.6).
     clip_quantile: per-sample clipping at the EMA'd quantile of sqrt(loss) (None: no clipping).
     clip_ema_decay: decay of that EMA.
+    loss_weighting: "memoryless" (the paper's integral of g^2) or "output" (:func:`output_weight`).
     """
 
     reward_multiplier: float
@@ -245,6 +263,7 @@ class AdjointMatchingObjective:
     early_fraction: float
     clip_quantile: float | None
     clip_ema_decay: float
+    loss_weighting: str
     name: str = field(default="adjoint_matching", init=False)
     trains_on: TrainingData = field(default="reward_gradient_rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)
@@ -324,7 +343,8 @@ class AdjointMatchingObjective:
         seen: list[Tensor] = []
         for k in steps:
             x, sigma, sigma_next = batch.latents[:, k], batch.sigmas[k], batch.sigmas[k + 1]
-            weight = memoryless_step_weight(sigma, sigma_next, pipeline.prediction_type, schedule).to(device)
+            weigh = output_weight if self.loss_weighting == "output" else memoryless_step_weight
+            weight = weigh(sigma, sigma_next, pipeline.prediction_type, schedule).to(device)
             out = pipeline.predict(x, sigma, batch.cond, batch.guidance_scale)
             dscore = score_difference(out, base_out[k], sigma, pipeline.prediction_type, schedule)
             per_sample = adjoint_matching_residual(dscore, adjoint[k], weight)
@@ -369,6 +389,9 @@ class AdjointMatchingConfig(ObjectiveSection):
     early_fraction: float = Field(0.6, gt=0, lt=1)  # stratified draw: half the trained steps from this first fraction
     clip_quantile: float | None = Field(0.9, gt=0, le=1)  # per-sample loss clipping at the EMA'd quantile; None: off
     clip_ema_decay: float = Field(0.9, ge=0, lt=1)
+    # "memoryless": the paper's weight, the integral of g^2 over the step; "output": uniform in the model's output
+    # units per unit sigma (flowrl's; same fixed point, more weight at high noise, where an ODE sampler needs the model)
+    loss_weighting: Literal["memoryless", "output"] = "memoryless"
     # The tilt p_base exp(lambda r) is the fixed point only on a memoryless schedule; true lets another
     # sampler run anyway, to measure the bias it leaves (docs/objectives/adjoint_matching.md)
     allow_non_memoryless: bool = False
@@ -390,6 +413,7 @@ class AdjointMatchingConfig(ObjectiveSection):
             early_fraction=self.early_fraction,
             clip_quantile=self.clip_quantile,
             clip_ema_decay=self.clip_ema_decay,
+            loss_weighting=self.loss_weighting,
         )
 
 
@@ -400,6 +424,7 @@ __all__ = [
     "adjoint_matching_residual",
     "score_difference",
     "memoryless_step_weight",
+    "output_weight",
     "score_depends_on_model",
     "memoryless_flow_diffusion_sq",
     "memoryless_flow_drift",

@@ -27,6 +27,7 @@ from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..hub import check_hub, hub_unreachable, is_connection_failure
 from ..samplers.schedules import SamplingGrid
 from ..sections import PipelineSection
 from ..types import Condition, cat_conditions
@@ -109,9 +110,15 @@ class DiffusersAdapter:
         # loading ``pretrained``; its own name_or_path is the source a checkpoint and an export refer to
         self.loaded = loaded
         self.source = self._resolve_source(config.pretrained) if loaded is None else _loaded_source(loaded, config.pretrained)
+        # a hub id: the hub is probed first (bounded); unreachable with the model cached, every load reads the cache only
+        self._local_only = (
+            loaded is None
+            and not Path(self.source).is_dir()
+            and check_hub(self.source, config.revision, "pipeline.pretrained", "use pipeline.pretrained=LOCAL_DIR")
+        )
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
-        self.guidance_mode = "cfg"  # set by the trainer from rollout.guidance_mode
+        self._guidance_mode = "cfg"  # set by the trainer from rollout.guidance_mode (checked against the model then)
         self._prompt_cache: dict[str, Condition] = {}
         self._reference: torch.nn.Module | None = None
         self._use_reference = False
@@ -131,6 +138,20 @@ class DiffusersAdapter:
             module.to("cpu" if config.offload_frozen else self.device)
         self._configure_denoiser()
 
+    # the trainer sets rollout.guidance_mode after construction; a family refuses a mode its model cannot run
+    @property
+    def guidance_mode(self) -> str:
+        return self._guidance_mode
+
+    @guidance_mode.setter
+    def guidance_mode(self, mode: str) -> None:
+        self.check_guidance_mode(mode)
+        self._guidance_mode = mode
+
+    def check_guidance_mode(self, mode: str) -> None:
+        """Raise FlowRLError (one sentence) when this model cannot run ``mode`` (e.g. 'embedded' without a guidance
+        embedding, or anything else on a guidance-distilled model). Every mode is accepted here."""
+
     @classmethod
     def from_config(cls, config, device: str | torch.device, loaded: Any = None) -> DiffusersAdapter:
         return cls(config, device, loaded=loaded)
@@ -148,6 +169,8 @@ class DiffusersAdapter:
         options: dict[str, Any] = {"revision": self.config.revision}
         if subfolder:
             options["subfolder"] = subfolder
+        if getattr(self, "_local_only", False):
+            options["local_files_only"] = True
         is_model = hasattr(cls, "save_pretrained") and not cls.__name__.endswith(("Tokenizer", "TokenizerFast", "Processor"))
         if is_model and "Scheduler" not in cls.__name__:
             options["torch_dtype"] = kwargs.pop("torch_dtype", self.dtype)
@@ -156,6 +179,8 @@ class DiffusersAdapter:
         try:
             return cls.from_pretrained(self.source, **options, **kwargs)
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            if not Path(self.source).is_dir() and is_connection_failure(e):  # the network went away after the probe
+                raise hub_unreachable(self.source, "pipeline.pretrained", "use pipeline.pretrained=LOCAL_DIR") from None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise FlowRLError(
                 f"could not load {cls.__name__} from '{self.source}'{f' ({subfolder}/)' if subfolder else ''}: {first[:200]}"
@@ -190,9 +215,13 @@ class DiffusersAdapter:
                 raise FlowRLError(f"the pipeline given to flowrl ({type(self.loaded).__name__}) has no '{subfolder}' component.")
             return dict(part.config)
         options = {"revision": self.config.revision, **({"subfolder": subfolder} if subfolder else {})}
+        if getattr(self, "_local_only", False):
+            options["local_files_only"] = True
         try:
             return dict(cls.load_config(self.source, **options))
         except (OSError, ValueError) as e:
+            if not Path(self.source).is_dir() and is_connection_failure(e):
+                raise hub_unreachable(self.source, "pipeline.pretrained", "use pipeline.pretrained=LOCAL_DIR") from None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise FlowRLError(f"could not read {what} of '{self.source}': {first[:200]}") from None
 
@@ -389,3 +418,8 @@ class DiffusersAdapter:
             model.fuse_lora(lora_scale=1.0)
             model.unload_lora()
         return model.to(self.dtype)
+
+    def merged_components(self) -> dict[str, torch.nn.Module]:
+        """What an export writes in place of the base model's components, by subfolder: the merged denoiser (a
+        family whose denoiser spans several components, Wan2.2's two experts, returns each)."""
+        return {self.denoiser_subfolder: self.merged_denoiser()}

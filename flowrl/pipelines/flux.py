@@ -72,13 +72,8 @@ class FluxAdapter(DiffusersAdapter):
         # a guidance-distilled model (FLUX.1-dev) takes the scale as an input; the trainer may override
         self.guidance_mode = "embedded" if self.guidance_embeds else "cfg"
 
-    # the trainer sets rollout.guidance_mode after construction: check it against the model then
-    @property
-    def guidance_mode(self) -> str:
-        return self._guidance_mode
-
-    @guidance_mode.setter
-    def guidance_mode(self, mode: str) -> None:
+    # (called by DiffusersAdapter.guidance_mode's setter, which the trainer uses after construction)
+    def check_guidance_mode(self, mode: str) -> None:
         embeds = getattr(self, "guidance_embeds", None)
         if embeds is True and mode != "embedded":
             raise FlowRLError(
@@ -90,7 +85,6 @@ class FluxAdapter(DiffusersAdapter):
                 "rollout.guidance_mode 'embedded' needs a guidance-distilled model, but this FLUX transformer has no "
                 "guidance embedding (guidance_embeds=False, e.g. FLUX.1-schnell): use 'cfg' (with guidance_scale 1 for none)."
             )
-        self._guidance_mode = mode
 
     def _load_components(self) -> None:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel

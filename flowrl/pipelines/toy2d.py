@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
 from ..errors import FlowRLError
@@ -202,11 +203,16 @@ class Toy2DPipeline:
     guidance_mode = "cfg"  # set by the trainer; irrelevant here
 
     def __init__(
-        self, base: GaussianMixture = TWO_MODES, hidden: int = 64, device: str | torch.device = "cpu", net: nn.Module | None = None
+        self,
+        base: GaussianMixture = TWO_MODES,
+        hidden: int = 64,
+        device: str | torch.device = "cpu",
+        net: nn.Module | None = None,
+        shift: float = 1.0,
     ) -> None:
         self.base = base
         self.device = torch.device(device)
-        self.schedule = FlowSchedule()
+        self.schedule = FlowSchedule(shift=shift)
         self.denoiser: nn.Module = (net if net is not None else Toy2DNet(base.dim, hidden)).to(self.device)
         self._use_reference = False
 
@@ -216,7 +222,7 @@ class Toy2DPipeline:
         apply (the MLP is small and trained in full)."""
         if getattr(config, "lora", None) is not None:
             raise FlowRLError("pipeline toy2d trains its small MLP in full; remove pipeline.lora.")
-        return cls(device=device)
+        return cls(device=device, shift=getattr(config, "shift", 1.0), hidden=getattr(config, "hidden", 64))
 
     def encode(self, prompts: Sequence[str]) -> Condition:
         return {"prompt": torch.zeros(len(prompts), 1, device=self.device)}
@@ -265,6 +271,8 @@ class Toy2DConfig(PipelineConfig):
     """``pipeline.name: toy2d``: the exact 2-D two-mode base (``pretrained`` is not read)."""
 
     name: str = "toy2d"
+    shift: float = Field(1.0, gt=0)  # SD3-style time shift of the sampling grid: > 1 puts more steps at high noise
+    hidden: int = Field(64, ge=1)  # width of the fine-tuned MLP's two hidden layers
 
     def build(self, device: Any, loaded: Any = None) -> Toy2DPipeline:
         if loaded is not None:

@@ -78,16 +78,27 @@ def require_local_dir(path: str | Path, what: str) -> Path:
 
 def from_pretrained(loader: Callable[[str], Any], source: str | Path, what: str) -> Any:
     """Call ``loader(source)`` turning every failure into one FlowRLError sentence that names the source."""
+    from huggingface_hub import constants
+
+    from flowrl.hub import check_hub, hub_unreachable, is_connection_failure
+
     local = looks_local(source)
     src = str(require_local_dir(source, what)) if local else str(source)
+    instead = "pass that directory instead of the hub id"
+    # a hub id, online: the hub is probed first (bounded by HF_HUB_ETAG_TIMEOUT); unreachable, a cached model is read
+    # from the cache and an uncached one is one sentence saying so (offline, huggingface_hub answers from the cache at once)
+    online = not local and not constants.HF_HUB_OFFLINE
+    local_only = online and check_hub(src, None, what, instead)
     try:
-        return loader(src)
+        return loader(src, local_files_only=True) if local_only else loader(src)
     except FlowRLError:
         raise
     except Exception as e:  # transformers raises OSError, ValueError, safetensors errors, HTTP errors...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if local:
             raise FlowRLError(f"{what} at {src} could not be loaded; it is missing files or corrupt ({first}).") from e
+        if online and is_connection_failure(e):  # the network went away after the probe
+            raise hub_unreachable(src, what, instead) from None
         raise FlowRLError(
             f"{what} '{src}' could not be loaded from the Hugging Face hub or its cache ({first}); "
             "download it while online or pass a local directory."

@@ -31,6 +31,8 @@ _BUILTIN = {
     "quadratic2d": "flowrl.reward_models.toy2d:QuadraticReward2D",
     "aesthetic": "flowrl.reward_models.aesthetic:AestheticReward",
     "clip_score": "flowrl.reward_models.clip_score:ClipScoreReward",
+    "source_preservation": "flowrl.reward_models.edit:SourcePreservationReward",  # edit models: keep the source
+    "clip_directional": "flowrl.reward_models.edit:ClipDirectionalReward",  # edit models: move along the instruction
     "pickscore": "flowrl.reward_models.pickscore:PickScoreReward",
     "hpsv2": "flowrl.reward_models.hpsv2:HPSv2Reward",
     "image_reward": "flowrl.reward_models.image_reward:ImageRewardReward",

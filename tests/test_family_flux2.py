@@ -1,0 +1,485 @@
+"""FLUX.2-dev and FLUX.2-klein through flowrl: the real diffusers / transformers classes at tiny size (a 30-layer
+Mistral3 and a 27-layer Qwen3 text encoder, so that the pipelines' default stacked layers exist), saved with
+``save_pretrained`` and loaded through ``pipeline.pretrained=<dir>``; oracle checks against ``Flux2Pipeline`` and
+``Flux2KleinPipeline``'s own ``__call__``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_components import (
+    CORPUS,
+    euler_final_latents,
+    family_config,
+    ode_sample,
+    rescoring_ratio_is_one,
+    two_iterations_change_every_parameter,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["a photo of a cat", "a dog"]  # the same as tests/test_family_sd3_flux.py (its lora_round_trip samples them)
+TOKENS = {"dev": 64, "klein": 32}  # pipeline.max_sequence_length of the tiny models
+SIZE = 16  # pixels: latents (16, 4, 4) after the 2x2 patchify of a (4, 8, 8) VAE latent, 16 image tokens
+
+# Chat templates shaped like the real ones (Mistral-Small-3.1's system/[INST] turns with typed content; Qwen3's
+# im_start turns with the empty think block that enable_thinking=False adds): both sides call the same template.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['content'] is string %}{% set text = m['content'] %}"
+    "{% else %}{% set text = m['content'] | map(attribute='text') | join('') %}{% endif %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def chat_tokenizer(kind: str):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained in-process (the system message in its corpus, so that it
+    costs few tokens) with a chat template. The real FLUX.2-dev tokenizer is a PixtralProcessor, which needs
+    torchvision; its text path is this tokenizer's ``apply_chat_template``."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "dev":
+        specials = ["<pad>", "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+        names = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    else:
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+        names = {"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = (CORPUS + [SYSTEM_MESSAGE, "user assistant"]) * 4
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=500, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=512, **names)
+    fast.chat_template = MISTRAL_TEMPLATE if kind == "dev" else QWEN_TEMPLATE
+    return fast
+
+
+def tiny_mistral3(seed: int = 0):
+    """Mistral3ForConditionalGeneration (Mistral text model + Pixtral vision tower) with 30 text layers of width 16."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = dict(model_type="mistral", vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=30, num_attention_heads=2)
+    text.update(num_key_value_heads=1, head_dim=8, max_position_embeddings=256, sliding_window=None, pad_token_id=0, bos_token_id=2)
+    vision = dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=32)
+    vision.update(patch_size=8, num_channels=3, head_dim=8)
+    torch.manual_seed(seed)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=10, spatial_merge_size=1)
+    return Mistral3ForConditionalGeneration(config).eval()
+
+
+def tiny_qwen3(seed: int = 0, layers: int = 27):
+    """Qwen3ForCausalLM with 27 layers of width 16."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def tiny_flux2_vae(seed: int = 0):
+    """AutoencoderKLFlux2 (4 latent channels, scale factor 2) with non-trivial batch-norm running statistics."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    vae.bn.running_mean.copy_(0.3 * torch.randn(16))  # a fresh BatchNorm's (0, 1) would hide a missing denormalisation
+    vae.bn.running_var.copy_(0.5 + torch.rand(16))
+    return vae.eval()
+
+
+def build_tiny_flux2(directory, variant: str = "dev", dynamic: bool = True, is_distilled: bool = False):
+    """FLUX.2-shaped: one double- and one single-stream block (guidance embedding for dev), the variant's text
+    encoder and chat template, the FLUX.2 VAE, a dynamically shifting FlowMatchEuler scheduler (or shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,  # three stacked hidden states of width 16
+        timestep_guidance_channels=256,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=variant == "dev",
+    )
+    if dynamic:
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+        )
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    parts = dict(scheduler=scheduler, vae=tiny_flux2_vae(), tokenizer=chat_tokenizer(variant), transformer=transformer)
+    if variant == "dev":
+        pipe = Flux2Pipeline(text_encoder=tiny_mistral3(), **parts)
+    else:
+        pipe = Flux2KleinPipeline(text_encoder=tiny_qwen3(), is_distilled=is_distilled, **parts)
+    pipe.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dev_dir(tmp_path_factory):
+    return build_tiny_flux2(tmp_path_factory.mktemp("tiny_flux2_dev"), "dev")
+
+
+@pytest.fixture(scope="module")
+def klein_dir(tmp_path_factory):
+    return build_tiny_flux2(tmp_path_factory.mktemp("tiny_flux2_klein_base"), "klein")
+
+
+def with_model_index(directory, tmp_path: Path, **changes) -> Path:
+    """A copy of a tiny checkpoint whose model_index.json has ``changes`` (the components are shared, not rebuilt)."""
+    copy = tmp_path / f"{Path(directory).name}_{'_'.join(changes)}"
+    shutil.copytree(directory, copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    (copy / "model_index.json").write_text(json.dumps({**index, **changes}))
+    return copy
+
+
+def load(directory, variant: str = "dev", **kwargs):
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+
+    config = PipelineConfig(
+        name="flux2", pretrained=str(directory), device="cpu", height=SIZE, width=SIZE, max_sequence_length=TOKENS[variant], **kwargs
+    )
+    return build_pipeline(config, "cpu")
+
+
+def flux2_config(directory, output_dir, variant: str = "dev", **extra):
+    guidance = {"rollout.guidance_mode": "embedded", "rollout.guidance_scale": 4.0} if variant == "dev" else {"rollout.guidance_scale": 4.0}
+    return family_config(
+        "flux2",
+        directory,
+        output_dir,
+        **{"pipeline.max_sequence_length": TOKENS[variant], "pipeline.height": SIZE, "pipeline.width": SIZE, **guidance, **extra},
+    )
+
+
+flowrl_euler = functools.partial(euler_final_latents, prompts=PROMPTS)
+
+
+def pipeline_call(pipe, noise: torch.Tensor, variant: str, output_type: str, guidance_scale: float, steps: int = 2):
+    """The diffusers pipeline's own __call__ with its default grid, from flowrl's noise (its prepare_latents takes
+    latents in flowrl's (B, 4C, h, w) layout and packs them)."""
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt=PROMPTS,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        height=SIZE,
+        width=SIZE,
+        guidance_scale=guidance_scale,
+        output_type=output_type,
+        max_sequence_length=TOKENS[variant],
+    ).images
+
+
+# -- oracles against the diffusers pipelines ----------------------------------------------------------
+
+
+def test_dev_matches_diffusers_pipeline_with_embedded_guidance(dev_dir):
+    """Oracle: chat template + stacked layers (10, 20, 30), packing, 4-D ids, empirical-mu grid, timestep / 1000 and
+    the guidance input as Flux2Pipeline.__call__, then its batch-norm denormalisation, un-patchify and decode."""
+    from diffusers import Flux2Pipeline
+
+    from flowrl.pipelines.flux2 import pack_latents
+
+    adapter, pipe = load(dev_dir), Flux2Pipeline.from_pretrained(dev_dir)
+    assert adapter.variant == "dev" and adapter.guidance_mode == "embedded" and adapter.lora_pipeline_class == "Flux2Pipeline"
+    assert adapter.out_layers == (10, 20, 30) and adapter.latent_shape() == (16, 4, 4)
+    embeds, ids = pipe.encode_prompt(PROMPTS, max_sequence_length=TOKENS["dev"])
+    cond = adapter.encode(PROMPTS)
+    assert embeds.shape == (2, TOKENS["dev"], 48) and torch.equal(ids[0], adapter.txt_ids)
+    torch.testing.assert_close(cond["prompt_embeds"], embeds, atol=1e-6, rtol=0)
+    assert (cond["prompt_embeds"][0] - cond["prompt_embeds"][1]).abs().max() > 1e-3, "the prompt was truncated away"
+
+    steps, scale = 2, 4.0
+    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
+    theirs = pipeline_call(pipe, noise, "dev", "latent", scale, steps)  # packed (B, tokens, 16)
+    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
+    ours = flowrl_euler(adapter, noise, steps, scale)
+    diff = (pack_latents(ours) - theirs).abs().max().item()
+    print(f"FLUX.2-dev oracle (embedded guidance {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
+    assert diff < 1e-5 and (ours - noise).abs().max() > 0.1
+    images = pipeline_call(pipe, noise, "dev", "pt", scale, steps)
+    decoded = adapter.decode(ours)
+    assert decoded.shape == (2, 3, SIZE, SIZE)
+    torch.testing.assert_close(decoded, images, atol=1e-5, rtol=0)
+    assert len(adapter.frozen_modules()) == 2 and not any(p.requires_grad for m in adapter.frozen_modules() for p in m.parameters())
+
+
+def test_klein_base_matches_diffusers_pipeline_with_true_cfg(klein_dir):
+    """Oracle: Qwen3 chat template (thinking off) + layers (9, 18, 27), no guidance input, true CFG against the
+    encoded empty prompt (Flux2KleinPipeline's do_classifier_free_guidance at scale 4), decode."""
+    from diffusers import Flux2KleinPipeline
+
+    adapter, pipe = load(klein_dir, "klein"), Flux2KleinPipeline.from_pretrained(klein_dir)
+    assert adapter.variant == "klein" and not adapter.step_distilled and adapter.guidance_mode == "cfg"
+    assert adapter.out_layers == (9, 18, 27) and not adapter.guidance_embeds and adapter.lora_pipeline_class == "Flux2KleinPipeline"
+    embeds, _ = pipe.encode_prompt(PROMPTS, max_sequence_length=TOKENS["klein"])
+    empty, _ = pipe.encode_prompt("", max_sequence_length=TOKENS["klein"])
+    torch.testing.assert_close(adapter.encode(PROMPTS)["prompt_embeds"], embeds, atol=1e-6, rtol=0)
+    torch.testing.assert_close(adapter.unconditional(1)["prompt_embeds"], empty, atol=1e-6, rtol=0)
+
+    steps, scale = 2, 4.0
+    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
+    theirs = pipeline_call(pipe, noise, "klein", "latent", scale, steps)  # klein returns the VAE's latents (B, 4, 8, 8)
+    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
+    ours = flowrl_euler(adapter, noise, steps, scale)
+    diff = (adapter.denormalize(ours) - theirs).abs().max().item()
+    print(f"FLUX.2-klein-base oracle (true CFG {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
+    assert diff < 1e-5
+    unguided = flowrl_euler(adapter, noise, steps, 1.0)
+    assert (unguided - ours).abs().max() > 1e-3, "the CFG branch changed nothing"
+    torch.testing.assert_close(adapter.decode(ours), pipeline_call(pipe, noise, "klein", "pt", scale, steps), atol=1e-5, rtol=0)
+
+
+def test_klein_distilled_runs_without_guidance(klein_dir, tmp_path):
+    """is_distilled: the pipeline ignores guidance_scale (its output at 4.0 is flowrl's at 1); flowrl refuses a
+    scale other than 1 and the embedded mode, each in one sentence."""
+    from diffusers import Flux2KleinPipeline
+
+    from flowrl.errors import FlowRLError
+
+    directory = with_model_index(klein_dir, tmp_path, is_distilled=True)
+    adapter, pipe = load(directory, "klein"), Flux2KleinPipeline.from_pretrained(directory)
+    assert adapter.step_distilled and pipe.config.is_distilled
+    noise = adapter.initial_noise(2, torch.Generator().manual_seed(2))
+    theirs = pipeline_call(pipe, noise, "klein", "latent", 4.0)
+    torch.testing.assert_close(adapter.denormalize(flowrl_euler(adapter, noise, 2, 1.0)), theirs, atol=1e-5, rtol=0)
+    with pytest.raises(FlowRLError, match="step-distilled .* set rollout.guidance_scale to 1"):
+        flowrl_euler(adapter, noise, 2, 4.0)
+    with pytest.raises(FlowRLError, match="does not use"):
+        adapter.guidance_mode = "embedded"
+    # a pipeline given in memory (flowrl.Trainer(pipeline=...)) is told apart by its class and config alike
+    from flowrl.config import PipelineConfig
+    from flowrl.pipelines import build_pipeline
+
+    given = build_pipeline(PipelineConfig(name="flux2", device="cpu", height=SIZE, width=SIZE), "cpu", loaded=pipe)
+    assert given.variant == "klein" and given.step_distilled and given.text_encoder is pipe.text_encoder
+
+
+def test_default_grid_is_the_pipelines_for_k_1_to_50(dev_dir, tmp_path):
+    """For K = 1..50 flowrl's sigmas = those Flux2Pipeline sets up with its default arguments (the empirical mu
+    changes with K), for the dynamically shifting config and for a static shift 3 (mu ignored)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+
+    from flowrl.errors import FlowRLError
+    from tests.test_family_stable_diffusion import pipeline_default_grid
+
+    static = tmp_path / "static"
+    shutil.copytree(dev_dir, static)
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(static / "scheduler")
+    for directory, dynamic in ((dev_dir, True), (static, False)):
+        adapter, pipe = load(directory), Flux2Pipeline.from_pretrained(directory)
+        assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == dynamic
+        embeds = adapter.encode(["a cat"])["prompt_embeds"]  # the grid does not depend on the text: skip the encoder
+        for steps in range(1, 51):
+            _, sigmas = pipeline_default_grid(pipe, steps, prompt_embeds=embeds, height=SIZE, width=SIZE, guidance_scale=4.0)
+            assert torch.equal(adapter.schedule.sigmas(steps), sigmas), (dynamic, steps)
+    # the flow_shift override gives a static shift on the same grid; another family's grid is refused
+    from flowrl.samplers.schedules import FlowSchedule
+
+    shifted = load(dev_dir, flow_shift=2.0)
+    assert not shifted.schedule.dynamic and torch.equal(shifted.schedule.sigmas(4), FlowSchedule(2.0, "flux").sigmas(4))
+    with pytest.raises(FlowRLError, match="sampling_grid 'leading' does not apply to flux2"):
+        load(dev_dir, sampling_grid="leading")
+
+
+@pytest.mark.parametrize("image_seq_len", [16, 1024, 4096, 4301, 16384])
+def test_empirical_mu_grid_equals_the_scheduler_at_real_sizes(image_seq_len):
+    """Both branches of the empirical mu (step-dependent up to 4300 tokens, linear in the size above) at real sizes
+    (1024 tokens = 512x512, 4096 = 1024x1024, 16384 = 2048x2048): Flux2Schedule equals the scheduler set up as the
+    pipelines do it, with diffusers' own compute_empirical_mu."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    from flowrl.pipelines.flux2 import Flux2Schedule, empirical_mu
+
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)
+    ours = Flux2Schedule(grid="flux", dynamic=True, image_seq_len=image_seq_len)
+    for steps in (1, 4, 8, 28, 50):
+        assert empirical_mu(image_seq_len, steps) == compute_empirical_mu(image_seq_len, steps)
+        scheduler.set_timesteps(steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=compute_empirical_mu(image_seq_len, steps))
+        assert torch.equal(ours.sigmas(steps), scheduler.sigmas), (image_seq_len, steps)
+
+
+# -- guidance ------------------------------------------------------------------------------------------
+
+
+def test_dev_embedded_guidance_one_forward_per_step_with_gradient(dev_dir):
+    from flowrl.errors import FlowRLError
+
+    adapter = load(dev_dir)
+    calls = []
+    hook = adapter.denoiser.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        ode_sample(adapter, PROMPTS, steps=3, guidance_scale=4.0)
+        assert len(calls) == 3, f"{len(calls)} transformer calls for 3 steps"
+        calls.clear()
+        x = adapter.initial_noise(2, torch.Generator().manual_seed(0))
+        cond = adapter.encode(PROMPTS)
+        out = adapter.predict(x, torch.tensor(0.6), cond, 4.0)
+        assert len(calls) == 1
+        out.square().mean().backward()
+    finally:
+        hook.remove()
+    grads = [p.grad for p in adapter.denoiser.time_guidance_embed.guidance_embedder.parameters()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads), "no gradient through the guidance embedding"
+    with torch.no_grad():  # the scale is a real model input
+        assert (adapter.predict(x, torch.tensor(0.6), cond, 1.0) - out).abs().max() > 1e-4
+    with pytest.raises(FlowRLError, match="guidance-distilled"):
+        adapter.guidance_mode = "cfg"
+
+
+def test_dev_guidance_mode_cfg_fails_with_one_sentence_at_start_up(dev_dir, tmp_path):
+    from flowrl.config import load_config
+    from flowrl.errors import FlowRLError
+    from flowrl.trainer import Trainer
+
+    with pytest.raises(FlowRLError, match="rollout.guidance_mode"):
+        Trainer(load_config(None, flux2_config(dev_dir, tmp_path / "run", **{"rollout.guidance_mode": "cfg"})))
+
+
+def test_other_pipelines_and_short_text_encoders_are_refused(dev_dir, klein_dir, tmp_path):
+    from flowrl.errors import FlowRLError
+
+    with pytest.raises(FlowRLError, match="is a FluxPipeline checkpoint; pipeline.name=flux2 reads Flux2Pipeline"):
+        load(with_model_index(dev_dir, tmp_path, _class_name="FluxPipeline"))
+    short = tmp_path / "short"
+    shutil.copytree(klein_dir, short)
+    tiny_qwen3(layers=20).save_pretrained(short / "text_encoder")
+    with pytest.raises(FlowRLError, match=r"has 20 layers, but FLUX.2 stacks the hidden states of layers \(9, 18, 27\)"):
+        load(short, "klein")
+
+
+# -- training --------------------------------------------------------------------------------------------
+
+
+def test_dev_two_grpo_iterations_full_finetune(dev_dir, tmp_path):
+    trainer = two_iterations_change_every_parameter(flux2_config(dev_dir, tmp_path / "run"))
+    rescoring_ratio_is_one(trainer)
+
+
+def test_klein_base_lora_cfg_round_trip_through_diffusers_load_lora_weights(klein_dir, tmp_path):
+    """Two GRPO iterations with LoRA under true CFG (every adapter tensor moves, ratio 1), then the LoRA file
+    loaded by Flux2KleinPipeline.load_lora_weights, the merged export and the LoRA-only export all give flowrl's
+    samples."""
+    from diffusers import Flux2KleinPipeline
+
+    from tests.test_family_sd3_flux import lora_round_trip
+
+    overrides = flux2_config(klein_dir, tmp_path / "run", "klein", **{"pipeline.lora": "{r: 4, alpha: 8}"})
+    lora_round_trip(Flux2KleinPipeline, "flux2", klein_dir, tmp_path, overrides, 4.0)
+
+
+def test_dev_lora_embedded_guidance_round_trip_through_diffusers_load_lora_weights(dev_dir, tmp_path):
+    """FLUX.2-dev: two GRPO iterations with LoRA under embedded guidance (every adapter tensor moves, ratio 1), then
+    the run's checkpoint loaded by Flux2Pipeline.load_lora_weights into the base checkpoint, the merged export and
+    the LoRA-only export all reproduce flowrl's samples (the guidance embedding's input included)."""
+    from diffusers import Flux2Pipeline
+
+    from tests.test_family_sd3_flux import lora_round_trip
+
+    overrides = flux2_config(dev_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"})
+    lora_round_trip(Flux2Pipeline, "flux2", dev_dir, tmp_path, overrides, 4.0)
+
+
+def test_dev_lora_targets_and_diffusers_load_lora_weights(dev_dir, tmp_path):
+    """The default targets cover the double blocks' image and text attention and the single blocks' fused
+    projections (each by its full name); Flux2Pipeline.load_lora_weights loads every tensor of the saved file."""
+    from diffusers import Flux2Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    adapter = load(dev_dir, lora={"r": 4, "alpha": 8})
+    targets = set(adapter.default_lora_targets)
+    assert "single_transformer_blocks.0.attn.to_out" in targets and "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in targets
+    assert "transformer_blocks.0.attn.add_q_proj" in targets and len(targets) == 8 + 2
+    lora = {n.rsplit(".lora_", 1)[0] for n, p in adapter.denoiser.named_parameters() if p.requires_grad}
+    assert lora == targets
+    with torch.no_grad():
+        for p in adapter.trainable_parameters():
+            p.normal_(0, 0.1)  # peft's B starts at zero: give the file something to carry
+    adapter.save_lora(tmp_path / "lora")
+    pipe = Flux2Pipeline.from_pretrained(dev_dir)
+    pipe.load_lora_weights(tmp_path / "lora")
+    theirs = get_peft_model_state_dict(pipe.transformer, adapter_name=next(iter(pipe.transformer.peft_config)))
+    ours = get_peft_model_state_dict(adapter.denoiser)
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k].float(), v) for k, v in ours.items())
+
+
+# -- presets ---------------------------------------------------------------------------------------------
+
+PRESETS = [
+    "configs/flux2/grpo_dev_clip_pickscore.yaml",
+    "configs/flux2/grpo_klein_base_pickscore.yaml",
+    "configs/flux2/grpo_klein_pickscore.yaml",
+]
+
+
+@pytest.mark.parametrize("path", PRESETS)
+def test_presets_validate(path):
+    from flowrl.config import load_config
+    from flowrl.prompts import prompt_pool
+
+    config = load_config(Path(__file__).resolve().parents[1] / path, [])
+    pc = config.prompts
+    assert len(prompt_pool(pc.dataset, pc.train_split, file=pc.train_file)) > 10
+    assert len(prompt_pool(pc.dataset, pc.eval_split, pc.eval_size, file=pc.eval_file)) > 1
+    assert config.pipeline.name == "flux2" and config.pipeline.dtype == "bfloat16" and config.train.mixed_precision == "bf16"
+    assert config.pipeline.lora is not None and config.pipeline.lora.r == 64 and config.pipeline.gradient_checkpointing
+    assert config.sampler.name == "flow_sde" and config.train.learning_rate == 3e-4 and config.objective.clip_range == 1e-4
+    if "dev" in path:  # guidance-distilled: the scale is the embedding's input
+        assert config.rollout.guidance_mode == "embedded" and config.rollout.guidance_scale == 4.0
+        assert config.reward.components == {"clip_score": 1.0, "pickscore": 0.5}
+    elif "base" in path:  # true CFG
+        assert config.rollout.guidance_mode == "cfg" and config.rollout.guidance_scale == 4.0
+    else:  # step-distilled: no guidance, 4 steps
+        assert config.rollout.guidance_scale == 1.0 and config.rollout.num_inference_steps == 4

@@ -1,0 +1,638 @@
+"""Qwen-Image (text-to-image, Edit, Edit-Plus) through flowrl: the real diffusers / transformers classes at tiny
+size (QwenImageTransformer2DModel, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration, a Qwen2Tokenizer
+trained in-process), saved with ``save_pretrained`` and loaded through ``pipeline.pretrained=<dir>``; oracle
+checks against the diffusers pipelines' own ``__call__``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_components import (
+    euler_final_latents,
+    family_config,
+    ode_sample,
+    rescoring_ratio_is_one,
+    two_iterations_change_every_parameter,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["a photo of a cat", "a red apple on a wooden table in the sun"]  # different lengths: a padded mask
+TEXT_TOKENS = 32  # pipeline.max_sequence_length of the tiny runs
+SIZE = 32  # pixels: 4x4 latents, 2x2 = 4 image tokens
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen/Qwen-Image's scheduler_config.json (dynamic shift from the token count, terminal sigma 0.02)
+QWEN_SCHEDULER = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    shift=1.0,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+    use_dynamic_shifting=True,
+)
+
+
+# -- tiny components ---------------------------------------------------------------------------------
+def tiny_qwen_tokenizer():
+    """A real Qwen2Tokenizer (byte-level BPE with Qwen's pre-tokenizer) trained in-process so that the templates'
+    words are single tokens: the text-to-image template's prefix is 34 tokens and the edit one's 64, as with the
+    real tokenizer, so the pipelines' dropped prefixes drop exactly the system prompt here too."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from flowrl.pipelines.qwen_image import EDIT_PLUS_PICTURE, EDIT_PLUS_TEMPLATE, EDIT_TEMPLATE, T2I_TEMPLATE
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    corpus = [T2I_TEMPLATE.format(p) for p in PROMPTS] + [EDIT_TEMPLATE.format("make it red"), EDIT_PLUS_TEMPLATE.format(EDIT_PLUS_PICTURE)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=SPECIAL, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus * 4, trainer)
+    model = json.loads(tok.to_str())["model"]
+    return Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], additional_special_tokens=SPECIAL[1:])
+
+
+def tiny_qwen_vl(tokenizer, hidden: int = 32):
+    """Qwen2_5_VLForConditionalGeneration at a tiny config (2 text layers with multimodal RoPE, a 2-block vision
+    tower with window and full attention), its special token ids those of ``tokenizer``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIAL}
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": 512,
+            "hidden_size": hidden,
+            "intermediate_size": 37,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1000000.0},
+            "max_position_embeddings": 4096,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": hidden,
+            "intermediate_size": 37,
+            "num_heads": 2,
+            "out_hidden_size": hidden,
+            "fullatt_block_indexes": [1],
+            "window_size": 56,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def tiny_qwen_vae():
+    """AutoencoderKLQwenImage: 8x spatial compression (as the real one), 4 latent channels with a non-trivial
+    latents mean / std."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(0)
+    return AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    ).eval()
+
+
+def tiny_qwen_transformer(**kwargs):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(8, 4, 4),
+        **kwargs,
+    )
+
+
+def build_tiny_qwen_image(directory):
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    tokenizer = tiny_qwen_tokenizer()
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
+        vae=tiny_qwen_vae(),
+        text_encoder=tiny_qwen_vl(tokenizer),
+        tokenizer=tokenizer,
+        transformer=tiny_qwen_transformer(),
+    )
+    pipe.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny_qwen_image"))
+
+
+def load(name: str, directory, **kwargs):
+    from flowrl.pipelines import FAMILIES, build_pipeline
+
+    options = {"max_sequence_length": TEXT_TOKENS, "height": SIZE, "width": SIZE, **kwargs}
+    return build_pipeline(FAMILIES.section(name)(pretrained=str(directory), device="cpu", **options), "cpu")
+
+
+def qwen_config(directory, output_dir, name: str = "qwen_image", **extra):
+    return family_config(
+        name,
+        directory,
+        output_dir,
+        **{
+            "pipeline.max_sequence_length": TEXT_TOKENS,
+            "pipeline.height": SIZE,
+            "pipeline.width": SIZE,
+            "rollout.guidance_scale": 4.0,
+            **extra,
+        },
+    )
+
+
+def flowrl_euler(adapter, noise: torch.Tensor, steps: int, guidance_scale: float, prompts=PROMPTS, metadata=None) -> torch.Tensor:
+    return euler_final_latents(adapter, noise, steps, guidance_scale, prompts, metadata)
+
+
+# -- text-to-image -----------------------------------------------------------------------------------
+def test_qwen_image_matches_diffusers_pipeline_with_true_cfg(qwen_dir):
+    """Oracle: template + dropped prefix + padded mask, packing, img_shapes, the dynamic shift with the terminal
+    stretch, timestep / 1000, true CFG against " " with the norm rescale, and the VAE decode, as
+    QwenImagePipeline.__call__ (default arguments but the size and the text length)."""
+    from diffusers import QwenImagePipeline
+
+    from flowrl.pipelines.flux import pack_latents, unpack_latents
+
+    adapter, pipe = load("qwen_image", qwen_dir), QwenImagePipeline.from_pretrained(qwen_dir)
+    pipe.set_progress_bar_config(disable=True)
+    assert adapter.latent_shape() == (4, 4, 4) and adapter.guidance_mode == "cfg" and adapter.config.negative_prompt == " "
+    embeds, mask = pipe.encode_prompt(PROMPTS, max_sequence_length=TEXT_TOKENS)
+    cond = adapter.encode(PROMPTS)
+    assert mask is not None and cond["prompt_embeds"].shape == (2, TEXT_TOKENS, 32)
+    length = embeds.shape[1]
+    torch.testing.assert_close(cond["prompt_embeds"][:, :length], embeds, atol=1e-5, rtol=0)
+    assert torch.equal(cond["prompt_embeds_mask"][:, :length], mask) and cond["prompt_embeds_mask"][:, length:].sum() == 0
+    assert cond["prompt_embeds"][:, length:].abs().max() == 0
+
+    steps, scale = 2, 4.0
+    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
+    call = dict(
+        prompt=PROMPTS,
+        negative_prompt=" ",
+        true_cfg_scale=scale,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        max_sequence_length=TEXT_TOKENS,
+    )
+    theirs = pipe(latents=pack_latents(noise), output_type="latent", **call).images
+    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
+    ours = flowrl_euler(adapter, noise, steps, scale)
+    diff = (ours - unpack_latents(theirs, 4, 4)).abs().max().item()
+    print(f"Qwen-Image oracle (true CFG {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
+    assert diff < 1e-5
+    images = pipe(latents=pack_latents(noise), output_type="pt", **call).images
+    torch.testing.assert_close(adapter.decode(ours), images, atol=1e-5, rtol=0)
+    # without the rescale the guided prediction differs: the pipeline's rescale is really applied
+    x, sigma = noise, torch.tensor(0.7)
+    plain = load("qwen_image", qwen_dir, cfg_norm_rescale=False)
+    with torch.no_grad():
+        assert (plain.predict(x, sigma, cond, scale) - adapter.predict(x, sigma, cond, scale)).abs().max() > 1e-3
+    assert not any(p.requires_grad for m in adapter.frozen_modules() for p in m.parameters()) and len(adapter.frozen_modules()) == 2
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # diffusers' K = 1 grid (0 / 0)
+def test_qwen_image_default_grid_is_the_pipelines_for_k_1_to_50(qwen_dir):
+    """flowrl's grid = the sigmas QwenImagePipeline sets up with its default arguments for K = 2..50 at two sizes
+    (mu from the token count, then the shift_terminal stretch to 0.02). At K = 1 diffusers' stretch divides 0 by 0
+    (a NaN sigma); flowrl samples [1, 0]."""
+    from diffusers import QwenImagePipeline
+
+    from tests.test_family_stable_diffusion import pipeline_default_grid
+
+    pipe = QwenImagePipeline.from_pretrained(qwen_dir)
+    embeds, _ = pipe.encode_prompt(["a cat"], max_sequence_length=TEXT_TOKENS)
+    for height, width in ((SIZE, SIZE), (64, 32)):
+        adapter = load("qwen_image", qwen_dir, height=height, width=width)
+        assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic and adapter.schedule.shift_terminal == pytest.approx(0.02)
+        for steps in range(1, 51):
+            _, sigmas = pipeline_default_grid(pipe, steps, prompt_embeds=embeds, height=height, width=width, true_cfg_scale=1.0)
+            ours = adapter.schedule.sigmas(steps)
+            if steps == 1:
+                assert torch.isnan(sigmas[0]) and torch.equal(ours, torch.tensor([1.0, 0.0]))
+                continue
+            assert torch.equal(ours, sigmas), (height, width, steps)
+            assert float(ours[-2]) == pytest.approx(0.02, abs=1e-6)
+    from flowrl.errors import FlowRLError
+
+    assert load("qwen_image", qwen_dir, sampling_grid="linspace").schedule.sigmas(4)[-2] > 0.02  # no stretch there
+    with pytest.raises(FlowRLError, match="does not apply to qwen_image"):
+        load("qwen_image", qwen_dir, sampling_grid="flow_match")
+
+
+def test_qwen_image_two_grpo_iterations_full_finetune_with_cfg(qwen_dir, tmp_path):
+    from flowrl.errors import FlowRLError
+
+    trainer = two_iterations_change_every_parameter(qwen_config(qwen_dir, tmp_path / "run"))
+    rescoring_ratio_is_one(trainer)
+    # the last block's text-stream tail cannot reach the output: frozen, not carried through the optimizer
+    frozen = [n for n, p in trainer.pipeline.denoiser.named_parameters() if not p.requires_grad]
+    assert frozen and all(
+        n.startswith("transformer_blocks.1.") and ("txt_mlp" in n or "added_q" in n or "add_q" in n or "to_add_out" in n) for n in frozen
+    )
+    with pytest.raises(FlowRLError, match="guidance-distilled"):
+        trainer.pipeline.guidance_mode = "embedded"
+
+
+def test_qwen_image_lora_round_trip_through_diffusers_load_lora_weights(qwen_dir, tmp_path):
+    from diffusers import QwenImagePipeline
+
+    lora_round_trip(
+        QwenImagePipeline,
+        "qwen_image",
+        qwen_dir,
+        tmp_path,
+        qwen_config(qwen_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}),
+        4.0,
+    )
+
+
+def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, overrides: list[str], guidance_scale: float, export: bool = True):
+    """Two LoRA GRPO iterations; the run's checkpoint loaded with ``pipeline_cls.load_lora_weights`` gives flowrl's
+    samples; the merged export and the LoRA-only export too (``export``: needs ``pipeline_cls.from_pretrained``)."""
+    from peft.utils import get_peft_model_state_dict
+
+    from flowrl.pipelines import build_pipeline
+
+    trainer = two_iterations_change_every_parameter(overrides)
+    rescoring_ratio_is_one(trainer)
+    assert "transformer_blocks.1.attn.add_q_proj" not in trainer.pipeline.default_lora_targets
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
+    prompts, metadata = sample_inputs(trainer)
+    ours = ode_sample_with(trainer.pipeline, prompts, metadata, guidance_scale)
+
+    def with_transformer(transformer):
+        plain = trainer.config.pipeline.model_copy(update={"lora": None})
+        adapter = build_pipeline(plain, "cpu")
+        if transformer is not None:
+            adapter.denoiser = transformer  # flowrl's sampler around a transformer loaded by diffusers
+        return ode_sample_with(adapter, prompts, metadata, guidance_scale)
+
+    # the user's path: the base checkpoint + load_lora_weights(run checkpoint), nothing of flowrl
+    pipe = load_diffusers(pipeline_cls, directory)
+    pipe.load_lora_weights(checkpoint)
+    ours_lora = get_peft_model_state_dict(trainer.pipeline.denoiser)
+    theirs_lora = get_peft_model_state_dict(pipe.transformer, adapter_name=next(iter(pipe.transformer.peft_config)))
+    assert set(theirs_lora) == set(ours_lora), "diffusers did not load every LoRA tensor"
+    assert all(torch.equal(theirs_lora[k].float(), v) for k, v in ours_lora.items())
+    base = with_transformer(None)
+    torch.testing.assert_close(with_transformer(pipe.transformer), ours, atol=1e-5, rtol=0)
+    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
+    merged = trainer.pipeline.merged_denoiser()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(with_transformer(merged), ours, atol=1e-4, rtol=0)
+    if not export:
+        return
+    from flowrl.cli import main
+
+    assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 0
+    torch.testing.assert_close(with_transformer(pipeline_cls.from_pretrained(tmp_path / "merged").transformer), ours, atol=1e-4, rtol=0)
+    assert main(["export", str(checkpoint), str(tmp_path / "lora"), "--lora-only"]) == 0
+    pipe = load_diffusers(pipeline_cls, directory)
+    pipe.load_lora_weights(tmp_path / "lora")
+    torch.testing.assert_close(with_transformer(pipe.transformer), ours, atol=1e-5, rtol=0)
+
+
+def sample_inputs(trainer) -> tuple[list[str], list[dict]]:
+    """Two prompts (with their metadata) of the run's own prompt pool."""
+    from flowrl.prompts import prompts_for
+
+    pool = prompts_for(trainer.config.prompts, "train")[:2]
+    return [p for p, _ in pool], [m for _, m in pool]
+
+
+def ode_sample_with(pipeline, prompts, metadata, guidance_scale: float, seed: int = 3, steps: int = 3) -> torch.Tensor:
+    """Deterministic samples from a fixed seed, with the prompts' metadata (the edit models' source images)."""
+    if not getattr(pipeline, "needs_metadata", False):
+        return ode_sample(pipeline, prompts, seed=seed, steps=steps, guidance_scale=guidance_scale)
+    from flowrl.config import ODEConfig
+    from flowrl.samplers import build_sampler
+    from flowrl.samplers.rollout import rollout
+
+    traj = rollout(
+        pipeline,
+        build_sampler(ODEConfig(), pipeline),
+        prompts,
+        metadata,
+        torch.arange(len(prompts)),
+        pipeline.schedule.sigmas(steps),
+        torch.Generator().manual_seed(seed),
+        guidance_scale,
+        same_noise_in_group=False,
+    )
+    return traj.samples
+
+
+def load_diffusers(pipeline_cls, directory):
+    """``pipeline_cls.from_pretrained(directory)``; the edit pipelines get their processor built by
+    :func:`qwen2vl_processor` (without torchvision transformers cannot load Qwen2VLProcessor)."""
+    if pipeline_cls.__name__ == "QwenImagePipeline":
+        return pipeline_cls.from_pretrained(directory)
+    pipe = pipeline_cls.from_pretrained(directory, processor=qwen2vl_processor(directory))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# -- edit --------------------------------------------------------------------------------------------
+CONDITION_AREA = 96 * 96  # pipeline.condition_area of the edit tests (the pipelines' 1024 x 1024 scaled down)
+
+
+def tiny_image_processor():
+    """Qwen2.5-VL's image processor (14-pixel patches, 2x2 merge) with a small pixel budget: 56^2 to 112^2 pixels,
+    i.e. 4 to 16 vision tokens an image. The PIL implementation: the default one needs torchvision."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+
+
+def build_tiny_qwen_edit(directory, plus: bool = False):
+    """QwenImageEditPipeline (or QwenImageEditPlusPipeline, whose transformer here has Qwen-Image-Edit-2511's
+    zero_cond_t) saved as on the hub: ``processor/`` holds the tokenizer files and the image processor's
+    preprocessor_config.json, model_index.json names Qwen2VLProcessor."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    tokenizer = tiny_qwen_tokenizer()
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipe = cls(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
+        vae=tiny_qwen_vae(),
+        text_encoder=tiny_qwen_vl(tokenizer),
+        tokenizer=tokenizer,
+        processor=None,
+        transformer=tiny_qwen_transformer(zero_cond_t=plus),
+    )
+    pipe.save_pretrained(directory)
+    tokenizer.save_pretrained(Path(directory) / "processor")
+    tiny_image_processor().save_pretrained(Path(directory) / "processor")
+    index_file = Path(directory) / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_file.write_text(json.dumps(index, indent=2))
+    return directory
+
+
+def qwen2vl_processor(directory):
+    """The checkpoint's Qwen2VLProcessor, for the diffusers pipelines. Without torchvision transformers builds it
+    only without its video processor, which needs torchvision and which the pipelines never use: the class check
+    of that one argument is skipped (the processor's __call__ is transformers' own)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    try:
+        return Qwen2VLProcessor.from_pretrained(Path(directory) / "processor")
+    except ImportError:  # torchvision missing
+        pass
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def skip_video(self, name, argument):
+        return None if name == "video_processor" and argument is None else check(self, name, argument)
+
+    ProcessorMixin.check_argument_for_proper_class = skip_video
+    try:
+        return Qwen2VLProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(Path(directory) / "processor"),
+            tokenizer=AutoTokenizer.from_pretrained(Path(directory) / "processor"),
+            video_processor=None,
+        )
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+@pytest.fixture(scope="module")
+def edit_dir(tmp_path_factory):
+    return build_tiny_qwen_edit(tmp_path_factory.mktemp("tiny_qwen_edit"))
+
+
+@pytest.fixture(scope="module")
+def edit_plus_dir(tmp_path_factory):
+    return build_tiny_qwen_edit(tmp_path_factory.mktemp("tiny_qwen_edit_plus"), plus=True)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Source images (PNG files): two squares and a 3:2 landscape, and a .jsonl prompt file for each edit model."""
+    import numpy as np
+    import PIL.Image
+
+    root = tmp_path_factory.mktemp("qwen_sources")
+    rng = np.random.default_rng(0)
+    paths = {}
+    for name, (w, h) in {"square_a": (48, 48), "square_b": (40, 40), "wide": (60, 40)}.items():
+        paths[name] = str(root / f"{name}.png")
+        PIL.Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[name])
+    edit = [{"prompt": "make it red", "image": paths["square_a"]}, {"prompt": "add a hat", "image": paths["square_b"]}]
+    plus = [
+        {"prompt": "put the cat on the table", "images": [paths["square_a"], paths["wide"]]},
+        {"prompt": "swap the colors", "images": [paths["square_b"], paths["wide"]]},
+    ]
+    for name, rows in (("edit", edit), ("plus", plus)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths[name] = str(root / f"{name}.jsonl")
+    return paths
+
+
+def edit_config(directory, output_dir, name: str, prompt_file: str, **extra):
+    return qwen_config(
+        directory,
+        output_dir,
+        name=name,
+        **{
+            "pipeline.condition_area": CONDITION_AREA,
+            "prompts.dataset": "file",
+            "prompts.train_file": prompt_file,
+            "prompts.eval_file": prompt_file,
+            **extra,
+        },
+    )
+
+
+@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit_plus"])
+def test_qwen_image_edit_matches_diffusers_pipeline_with_true_cfg(request, sources, monkeypatch, plus):
+    """Oracle for both edit pipelines: the source images' resizing, the processor's inputs (vision tokens
+    expanded, pixel values, grids), the edit templates with 64 dropped tokens, the VAE condition latents (mode,
+    mean/std, packed after the generated tokens), img_shapes (and Edit-2511's zero_cond_t), true CFG with the
+    same images and the norm rescale, as QwenImageEditPipeline / QwenImageEditPlusPipeline.__call__. The
+    pipelines hard-code a 1024 x 1024 source area (a 7 s VAE encode per image on one CPU core): here their
+    module's area is patched to CONDITION_AREA, which flowrl gets as pipeline.condition_area."""
+    import PIL.Image
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    from flowrl.pipelines.flux import pack_latents, unpack_latents
+    from flowrl.pipelines.qwen_image import QwenImageEditConfig, QwenImageEditPlusConfig, calculate_dimensions
+
+    # flowrl's defaults are the pipelines' own areas, and its rounding their calculate_dimensions
+    assert QwenImageEditConfig(pretrained="x").condition_area == pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE == 1024 * 1024
+    assert QwenImageEditPlusConfig(pretrained="x").vlm_condition_area == pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE
+    for ratio in (1.0, 1.5, 0.5625, 4 / 3):
+        assert calculate_dimensions(1024 * 1024, ratio) == pipeline_qwenimage_edit.calculate_dimensions(1024 * 1024, ratio)[:2]
+        assert calculate_dimensions(384 * 384, ratio) == pipeline_qwenimage_edit_plus.calculate_dimensions(384 * 384, ratio)
+    if plus:
+        monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", CONDITION_AREA)
+        directory, name, cls = request.getfixturevalue("edit_plus_dir"), "qwen_image_edit_plus", QwenImageEditPlusPipeline
+        paths = [sources["square_a"], sources["wide"]]
+        metadata = [{"images": paths}]
+    else:
+        original = pipeline_qwenimage_edit.calculate_dimensions
+        monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: original(CONDITION_AREA, ratio))
+        directory, name, cls = request.getfixturevalue("edit_dir"), "qwen_image_edit", QwenImageEditPipeline
+        paths = [sources["wide"]]
+        metadata = [{"image": paths[0]}]
+    adapter, pipe = load(name, directory, condition_area=CONDITION_AREA), load_diffusers(cls, directory)
+    images = [PIL.Image.open(p).convert("RGB") for p in paths]
+    prompt = ["make the cat red"]
+
+    # the VLM sees what the pipeline's processor gives
+    vlm_images, _, sizes = adapter._prepare_images(images)
+    text = adapter._prompt_text(prompt[0], len(images))
+    theirs_inputs = pipe.processor(text=[text], images=vlm_images, padding=True, return_tensors="pt")
+    ours_inputs = adapter._vlm_inputs([text], [vlm_images])
+    for key in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw"):
+        assert torch.equal(ours_inputs[key], theirs_inputs[key]), key
+    embeds, mask = pipe.encode_prompt(prompt, image=vlm_images if plus else vlm_images[0])
+    cond = adapter.encode(prompt, metadata)
+    length = embeds.shape[1]
+    torch.testing.assert_close(cond["prompt_embeds"][:, :length], embeds, atol=1e-5, rtol=0)
+    assert mask is None and cond["prompt_embeds_mask"].sum() == length
+    expected_tokens = sum((h // 16) * (w // 16) for h, w in sizes)
+    assert cond["image_latents"].shape == (1, expected_tokens, 16)
+
+    steps, scale = 2, 4.0
+    noise = adapter.initial_noise(1, torch.Generator().manual_seed(1))
+    call = dict(
+        image=images if plus else images[0],
+        prompt=prompt,
+        negative_prompt=" ",
+        true_cfg_scale=scale,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+    )
+    theirs = pipe(latents=pack_latents(noise), output_type="latent", **call).images
+    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
+    ours = flowrl_euler(adapter, noise, steps, scale, prompt, metadata)
+    diff = (ours - unpack_latents(theirs, 4, 4)).abs().max().item()
+    print(f"{name} oracle ({len(images)} source images, true CFG {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
+    assert diff < 1e-5
+    torch.testing.assert_close(adapter.decode(ours), pipe(latents=pack_latents(noise), output_type="pt", **call).images, atol=1e-5, rtol=0)
+
+
+def test_qwen_image_edit_two_grpo_iterations_full_finetune_with_cfg(edit_dir, sources, tmp_path):
+    """Two GRPO iterations of Qwen-Image-Edit, source images from a .jsonl prompt file: every trainable tensor
+    moves, re-scoring gives ratio 1, the stored condition carries the images' latents and the negative branch."""
+    trainer = two_iterations_change_every_parameter(edit_config(edit_dir, tmp_path / "run", "qwen_image_edit", sources["edit"]))
+    rescoring_ratio_is_one(trainer)
+    traj = trainer.collect(0)
+    assert traj.cond["image_latents"].shape[1] == 36 and traj.cond["image_shapes"][0].tolist() == [[6, 6]]  # 96 x 96 sources
+    assert not torch.equal(traj.cond["prompt_embeds"], traj.cond["negative_prompt_embeds"])
+
+
+def test_qwen_image_edit_lora_round_trip_through_diffusers_load_lora_weights(edit_dir, sources, tmp_path):
+    """Qwen-Image-Edit (one source image a prompt): LoRA GRPO, ratio 1, and the checkpoint loaded with
+    QwenImageEditPipeline.load_lora_weights reproduces flowrl's edited samples."""
+    from diffusers import QwenImageEditPipeline
+
+    overrides = edit_config(edit_dir, tmp_path / "run", "qwen_image_edit", sources["edit"], **{"pipeline.lora": "{r: 4, alpha: 8}"})
+    lora_round_trip(QwenImageEditPipeline, "qwen_image_edit", edit_dir, tmp_path, overrides, 4.0, export=False)
+
+
+def test_qwen_image_edit_plus_lora_round_trip_through_diffusers_load_lora_weights(edit_plus_dir, sources, tmp_path):
+    """Qwen-Image-Edit-Plus (two source images a prompt, Edit-2511's zero_cond_t): LoRA GRPO, ratio 1, and the
+    checkpoint loaded with QwenImageEditPlusPipeline.load_lora_weights reproduces flowrl's edited samples."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    overrides = edit_config(
+        edit_plus_dir, tmp_path / "run", "qwen_image_edit_plus", sources["plus"], **{"pipeline.lora": "{r: 4, alpha: 8}"}
+    )
+    lora_round_trip(QwenImageEditPlusPipeline, "qwen_image_edit_plus", edit_plus_dir, tmp_path, overrides, 4.0, export=False)
+
+
+def test_qwen_image_edit_refuses_what_it_cannot_batch(edit_dir, sources):
+    """One sentence for a prompt without a source image and for a source of another aspect ratio than the run's;
+    condition_aspect crops mixed sources to one geometry; where Edit-Plus reads its sources."""
+    from flowrl.errors import FlowRLError
+
+    adapter = load("qwen_image_edit", edit_dir, condition_area=CONDITION_AREA)
+    with pytest.raises(FlowRLError, match="needs a source image per prompt"):
+        adapter.encode(["make it red"], [{}])
+    adapter.encode(["make it red"], [{"image": sources["square_a"]}])
+    with pytest.raises(FlowRLError, match="condition_aspect"):
+        adapter.encode(["make it red"], [{"image": sources["wide"]}])
+    # centre-cropped to one aspect ratio, mixed sources share the geometry
+    cropped = load("qwen_image_edit", edit_dir, condition_area=CONDITION_AREA, condition_aspect=1.0)
+    cond = cropped.encode(["make it red", "add a hat"], [{"image": sources["square_a"]}, {"image": sources["wide"]}])
+    assert cond["image_latents"].shape == (2, 36, 16) and cond["image_shapes"].tolist() == [[[6, 6]], [[6, 6]]]
+    # Edit-Plus: the sources from metadata["images"], metadata["image"] or the keys pipeline.source_images names
+    plus = load("qwen_image_edit_plus", edit_dir, condition_area=CONDITION_AREA, source_images=["front", "back"])
+    meta = {"front": sources["square_a"], "back": sources["square_b"], "image": sources["wide"]}
+    assert plus._source_images(meta) == [sources["square_a"], sources["square_b"]]
+    plus.config.source_images = None
+    assert plus._source_images(meta) == [sources["wide"]] and plus._source_images({"images": ["a", "b"]}) == ["a", "b"]
+    with pytest.raises(FlowRLError, match="non-empty list"):
+        plus._source_images({"images": "a.png"})
+
+
+# -- presets -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["configs/qwen_image/grpo_pickscore.yaml", "configs/qwen_image/edit_plus_grpo_pickscore.yaml"])
+def test_real_configs_validate(path):
+    """The presets load and resolve without weights; the text-to-image one's bundled prompt files resolve (the edit
+    one names the user's own .jsonl of instructions and source images)."""
+    from flowrl.config import load_config
+    from flowrl.prompts import prompt_pool
+
+    config = load_config(Path(__file__).resolve().parents[1] / path, [])
+    assert config.pipeline.dtype == "bfloat16" and config.train.mixed_precision == "bf16"
+    assert config.pipeline.lora is not None and config.pipeline.gradient_checkpointing and config.pipeline.offload_frozen
+    assert config.rollout.guidance_mode == "cfg" and config.rollout.guidance_scale == 4.0 and config.pipeline.negative_prompt == " "
+    assert config.sampler.name == "flow_sde" and config.sampler.noise_level == 1.0 and config.rollout.num_inference_steps == 10
+    assert (config.pipeline.lora.r, config.pipeline.lora.alpha, config.train.learning_rate) == (64, 128, 3e-4)
+    if "edit" in path:
+        assert config.pipeline.name == "qwen_image_edit_plus" and config.pipeline.condition_area == 384 * 384
+        assert config.pipeline.condition_aspect == 1.0 and (config.pipeline.height, config.pipeline.width) == (384, 384)
+        return
+    pc = config.prompts
+    assert len(prompt_pool(pc.dataset, pc.train_split, file=pc.train_file)) > 10
+    assert len(prompt_pool(pc.dataset, pc.eval_split, pc.eval_size, file=pc.eval_file)) > 1
+    assert config.pipeline.name == "qwen_image" and config.reward.components == {"clip_score": 1.0, "pickscore": 0.5}
+    assert config.objective.per_reward_advantages

@@ -1,0 +1,280 @@
+"""Z-Image / Z-Image-Turbo through flowrl: the real diffusers/transformers classes at tiny size (ZImageTransformer2DModel,
+Qwen3Model with a chat-template tokenizer, AutoencoderKL), saved with ``save_pretrained`` and loaded through
+``pipeline.pretrained=<dir>``; oracle checks against ``ZImagePipeline.__call__``."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_components import (
+    CORPUS,
+    euler_final_latents,
+    family_config,
+    ode_sample,
+    rescoring_ratio_is_one,
+    tiny_vae,
+    two_iterations_change_every_parameter,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOKENS = 48  # pipeline.max_sequence_length of the tiny model
+# captions of different lengths: 26 real tokens (one 32-token block) and 48 (two blocks), so the two images' RoPE
+# positions differ and the transformer's batch needs its attention mask, as with real prompts
+PROMPTS = ["a photo of a cat", "an astronaut riding a horse on the moon with a red apple on a wooden table and a city at night"]
+# Qwen3's template, reduced to what ZImagePipeline uses: one user turn, the generation prompt, and the thinking switch
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def qwen_tokenizer():
+    """A real byte-level BPE ``PreTrainedTokenizerFast`` with Qwen's special tokens (no BOS, pad = <|endoftext|>) and a
+    chat template, trained in-process on the tiny corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(
+        CORPUS * 4,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", model_max_length=64)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_z_image(directory, scheduler=None):
+    """Z-Image-shaped: one main and one refiner layer of each kind with qk norm, a 2-layer Qwen3 (GQA) text encoder,
+    a 4-channel VAE with FLUX's scaling and shift factors; Z-Image-Turbo's scheduler (static shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=320,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=128,
+        )
+    ).eval()
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=32,
+        n_layers=1,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=32,
+        axes_dims=[4, 4, 8],
+        axes_lens=[256, 32, 32],
+    )
+    vae = tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    pipe = ZImagePipeline(
+        scheduler=scheduler or FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=qwen_tokenizer(),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def z_dir(tmp_path_factory):
+    return build_tiny_z_image(tmp_path_factory.mktemp("tiny_z_image"))
+
+
+def load(directory, **kwargs):
+    from flowrl.pipelines import build_pipeline
+    from flowrl.pipelines.z_image import ZImageConfig
+
+    options = {"height": 16, "width": 16, "max_sequence_length": TOKENS, **kwargs}
+    return build_pipeline(ZImageConfig(pretrained=str(directory), device="cpu", **options), "cpu")
+
+
+def z_config(directory, output_dir, **extra):
+    return family_config(
+        "z_image",
+        directory,
+        output_dir,
+        **{"pipeline.max_sequence_length": TOKENS, "pipeline.height": 16, "pipeline.width": 16, **extra},
+    )
+
+
+flowrl_euler = functools.partial(euler_final_latents, prompts=PROMPTS)
+
+
+@pytest.mark.parametrize(("scale", "negative"), [(0.0, None), (4.0, "blurry, low quality")], ids=["turbo_no_cfg", "base_cfg4_negative"])
+def test_matches_diffusers_pipeline(z_dir, scale, negative):
+    """Oracle: chat-template Qwen3 encoding, 1 - sigma timesteps, negated output, the pipeline's sigmas and its CFG
+    ``c + s (c - u)`` (flowrl's scale s + 1) against the negative prompt, as ZImagePipeline.__call__."""
+    from diffusers import ZImagePipeline
+
+    adapter = load(z_dir, negative_prompt=negative or "")
+    pipe = ZImagePipeline.from_pretrained(z_dir)
+    pipe.set_progress_bar_config(disable=True)
+    assert adapter.latent_shape() == (4, 8, 8) and adapter.schedule.shift == 3.0 and not adapter.schedule.dynamic
+    with torch.no_grad():
+        embeds, negatives = pipe.encode_prompt(
+            list(PROMPTS),
+            do_classifier_free_guidance=True,
+            negative_prompt=None if negative is None else [negative] * 2,
+            max_sequence_length=TOKENS,
+        )
+    cond, uncond = adapter.encode(PROMPTS), adapter.unconditional(2)
+    assert cond["prompt_mask"].sum(1).tolist() == [26, 48] == [len(e) for e in embeds]
+    for i in range(2):  # each caption is its real tokens only, as the pipeline's list
+        torch.testing.assert_close(cond["prompt_embeds"][i][cond["prompt_mask"][i]], embeds[i], atol=1e-6, rtol=0)
+        torch.testing.assert_close(uncond["prompt_embeds"][i][uncond["prompt_mask"][i]], negatives[i], atol=1e-6, rtol=0)
+
+    steps = 3
+    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
+
+    def call(output_type):
+        # ZImagePipeline writes the chat-templated texts back into the lists it is given: fresh lists per call
+        return pipe(
+            prompt=list(PROMPTS),
+            negative_prompt=None if negative is None else [negative] * 2,
+            latents=noise.clone(),
+            num_inference_steps=steps,
+            height=16,
+            width=16,
+            guidance_scale=scale,
+            max_sequence_length=TOKENS,
+            output_type=output_type,
+        ).images  # default arguments: the pipeline's own grid
+
+    theirs = call("latent")
+    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
+    ours = flowrl_euler(adapter, noise, steps, scale + 1.0)
+    diff = (ours - theirs).abs().max().item()
+    print(f"Z-Image oracle (diffusers guidance {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
+    # no CFG: the same float32 operations in the same order (0.0 measured); CFG: flowrl writes u + w (c - u) on the
+    # negated outputs where diffusers writes c + s (c - u) before negating, a float32 rounding apart (1.6e-6 measured)
+    assert diff <= (0.0 if scale == 0 else 1e-5)
+    images = call("pt")
+    torch.testing.assert_close(adapter.decode(ours), images, atol=1e-4, rtol=0)
+    assert not any(p.requires_grad for m in adapter.frozen_modules() for p in m.parameters()) and len(adapter.frozen_modules()) == 2
+
+
+def with_scheduler(directory, tmp_path, scheduler):
+    """A copy of the tiny checkpoint with another scheduler config."""
+    import shutil
+
+    copy = tmp_path / f"{Path(directory).name}_{type(scheduler).__name__}"
+    shutil.copytree(directory, copy)
+    shutil.rmtree(copy / "scheduler")
+    scheduler.save_pretrained(copy / "scheduler")
+    return copy
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["turbo_shift3", "dynamic"])
+def test_default_grid_is_the_pipelines_for_k_1_to_50(z_dir, tmp_path, dynamic):
+    """flowrl's grid = the sigmas ZImagePipeline sets up with its default arguments for K = 1..50: its float32
+    torch.linspace(1, 1/K, K), shifted by the static shift 3 (Z-Image-Turbo's config) or by exp(mu) of the image
+    token count (a dynamic config, mu = 0.50 at 16 tokens). FLUX's numpy line differs from it for most K, so
+    sampling_grid=flux (FLUX's grid) stays a different, selectable grid."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    from flowrl.errors import FlowRLError
+    from tests.test_family_stable_diffusion import pipeline_default_grid
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)
+    directory = with_scheduler(z_dir, tmp_path, scheduler) if dynamic else z_dir
+    adapter, pipe = load(directory), ZImagePipeline.from_pretrained(directory)
+    assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == dynamic
+    for steps in range(1, 51):
+        _, sigmas = pipeline_default_grid(pipe, steps, prompt="a cat", height=16, width=16, guidance_scale=0.0, max_sequence_length=TOKENS)
+        assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
+    flux = load(directory, sampling_grid="flux")
+    assert type(flux.schedule).__name__ == "FlowSchedule"
+    assert sum(not torch.equal(flux.schedule.sigmas(k), adapter.schedule.sigmas(k)) for k in range(1, 51)) > 30
+    with pytest.raises(FlowRLError, match="sampling_grid 'leading' does not apply to z_image"):
+        load(directory, sampling_grid="leading")
+
+
+def test_guidance_turbo_one_forward_base_cfg_two_branches_embedded_refused(z_dir, tmp_path):
+    """Turbo (scale 1): one single-batch forward per step; CFG: one forward of both branches, whose unconditional half
+    is the negative prompt; 'embedded' (a guidance input) is refused: Z-Image has no guidance embedding."""
+    from flowrl.config import load_config
+    from flowrl.errors import FlowRLError
+    from flowrl.trainer import Trainer
+
+    adapter = load(z_dir, negative_prompt="blurry")
+    calls = []
+    hook = adapter.denoiser.register_forward_hook(lambda module, args, out: calls.append(len(args[0])))
+    try:
+        ode_sample(adapter, PROMPTS, steps=3, guidance_scale=1.0)
+        assert calls == [2, 2, 2]
+        calls.clear()
+        ode_sample(adapter, PROMPTS, steps=3, guidance_scale=5.0)
+        assert calls == [4, 4, 4]
+    finally:
+        hook.remove()
+    x, sigma, cond = adapter.initial_noise(2, torch.Generator().manual_seed(0)), torch.tensor(0.6), adapter.encode(PROMPTS)
+    with torch.no_grad():  # the guided prediction is u + 5 (c - u) with u the negative prompt's
+        c, u = adapter.predict(x, sigma, cond, 1.0), adapter.predict(x, sigma, adapter.encode(["blurry"] * 2), 1.0)
+        torch.testing.assert_close(adapter.predict(x, sigma, cond, 5.0), u + 5.0 * (c - u), atol=1e-5, rtol=0)
+    with pytest.raises(FlowRLError, match="Z-Image has none"):
+        adapter.guidance_mode = "embedded"
+    from types import SimpleNamespace
+
+    from flowrl.distributed import choose_blocks_to_wrap
+
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)  # FSDP's units (docs/distributed.md): every block
+    assert choose_blocks_to_wrap(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), adapter.denoiser) == ["ZImageTransformerBlock"]
+    with pytest.raises(FlowRLError, match="guidance embedding"):
+        Trainer(load_config(None, z_config(z_dir, tmp_path / "run", **{"rollout.guidance_mode": "embedded"})))
+
+
+def test_two_grpo_iterations_full_finetune_with_cfg(z_dir, tmp_path):
+    """The base model's recipe: true CFG (diffusers' 4.0 = flowrl's 5.0) in rollout and training."""
+    trainer = two_iterations_change_every_parameter(z_config(z_dir, tmp_path / "run", **{"rollout.guidance_scale": 5.0}))
+    print(f"Z-Image re-scoring at unchanged weights: max |log ratio| = {rescoring_ratio_is_one(trainer):.2e}")
+
+
+def test_lora_round_trip_through_diffusers_load_lora_weights(z_dir, tmp_path):
+    """Turbo's recipe (no guidance) with LoRA on Flow-Factory's targets; the checkpoint loads with
+    ZImagePipeline.load_lora_weights and reproduces flowrl's samples; merged export and --lora-only agree."""
+    from diffusers import ZImagePipeline
+
+    from tests.test_family_sd3_flux import lora_round_trip
+
+    overrides = z_config(z_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"})
+    lora_round_trip(ZImagePipeline, "z_image", z_dir, tmp_path, overrides, 1.0)
+
+
+def test_preset_validates():
+    from flowrl.config import load_config
+    from flowrl.prompts import prompt_pool
+
+    for name, scale, steps in (("grpo_pickscore_turbo.yaml", 1.0, 6), ("grpo_pickscore.yaml", 5.0, 10)):
+        config = load_config(Path(__file__).resolve().parents[1] / "configs" / "z_image" / name, [])
+        pc = config.prompts
+        assert len(prompt_pool(pc.dataset, pc.train_split, file=pc.train_file)) > 10
+        assert len(prompt_pool(pc.dataset, pc.eval_split, pc.eval_size, file=pc.eval_file)) > 1
+        assert config.pipeline.name == "z_image" and config.pipeline.dtype == "bfloat16" and config.train.mixed_precision == "bf16"
+        assert config.pipeline.lora is not None and config.pipeline.lora.r == 64 and config.pipeline.gradient_checkpointing
+        assert config.rollout.guidance_scale == scale and config.rollout.num_inference_steps == steps
+        assert config.rollout.guidance_mode == "cfg" and config.reward.components == {"pickscore": 1.0}
