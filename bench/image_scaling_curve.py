@@ -26,6 +26,7 @@ from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.best_of_n import best_of_n  # noqa: E402
 from flowrl.inference.plots import save_scaling_plot  # noqa: E402
 from flowrl.inference.svdd import svdd_in_batches  # noqa: E402
+from flowrl.samplers.rollout import start_noise  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main() -> None:
         svdd = {}
         for m in args.svdd:
             gen = held.generator()
-            noise = pipe.initial_noise(len(held), gen)  # the plain evaluation's start noise
+            noise = start_noise(pipe, len(held), gen)  # the plain evaluation's start noise
             result = svdd_in_batches(pipe, sde, reward, held.prompts, held.metadata, m, held.sigmas, gen, held.guidance_scale, batch, noise)
             svdd[m] = float(result.scores[torch.isfinite(result.scores)].mean())
             print(f"  svdd M={m}: {svdd[m]:.4f}", flush=True)

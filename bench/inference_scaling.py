@@ -29,6 +29,7 @@ from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.best_of_n import best_of_n  # noqa: E402
 from flowrl.inference.noise_search import zero_order_search  # noqa: E402
 from flowrl.inference.svdd import svdd_in_batches  # noqa: E402
+from flowrl.samplers.rollout import start_noise  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
 
 
@@ -58,15 +59,15 @@ def main() -> None:
         pipe, held, reward, batch = trainer.pipeline, trainer.modality.held_out, trainer.reward, trainer.config.rollout.batch_size
         ode, sde = trainer.modality.eval_sampler, trainer.sampler
 
-        def start_noise():  # the plain evaluation's generator and start noise
+        def plain_start():  # the plain evaluation's generator and start noise
             gen = held.generator()
-            return gen, pipe.initial_noise(len(held), gen)
+            return gen, start_noise(pipe, len(held), gen)
 
         def best(m):
             return best_of_n(pipe, ode, reward, held.prompts, held.metadata, m, held.sigmas, held.generator(), held.guidance_scale, batch)
 
         def zero_order(m):
-            gen, noise = start_noise()
+            gen, noise = plain_start()
             return zero_order_search(
                 pipe,
                 ode,
@@ -84,7 +85,7 @@ def main() -> None:
             )
 
         def svdd(m):
-            gen, noise = start_noise()
+            gen, noise = plain_start()
             return svdd_in_batches(pipe, sde, reward, held.prompts, held.metadata, m, held.sigmas, gen, held.guidance_scale, batch, noise)
 
         def measure(fn):

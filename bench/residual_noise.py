@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from flowrl.checkpoint import read_weights  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
 from flowrl.samplers import FlowCPSConfig, FlowSDEConfig  # noqa: E402
-from flowrl.samplers.rollout import rollout  # noqa: E402
+from flowrl.samplers.rollout import rollout, start_noise  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def main() -> None:
         judge = trainer.judge
         pipe.denoiser.eval()
         ids = torch.arange(len(held))
-        noise = pipe.initial_noise(len(held), held.generator())
+        noise = start_noise(pipe, len(held), held.generator())
         steps = held.sigmas.numel() - 1
 
         def run(sampler, seed):

@@ -34,7 +34,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import stat
 import tempfile
 import warnings
@@ -46,6 +45,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import fault_injection
 from .distributed import shard_optimizer_tensors
 from .errors import FlowRLError
 
@@ -180,14 +180,6 @@ def remove_leftover_temporaries(run_dir: Path) -> list[Path]:
     return sorted(removed)
 
 
-def _test_hook_kill_during_checkpoint(directory: Path) -> None:
-    """Test hook, inert unless the environment variable FLOWRL_TEST_KILL_DURING_CHECKPOINT names this checkpoint
-    (``step_000002``): the process then SIGKILLs itself half-way through writing it, as a kill -9 from outside
-    would (tests/test_runs.py)."""
-    if os.environ.get("FLOWRL_TEST_KILL_DURING_CHECKPOINT") == Path(directory).name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
@@ -309,16 +301,21 @@ def save_checkpoint(
     with atomic_directory(directory, world_readable=False) as tmp:
         if extra is not None:
             extra(tmp)
+        fault_injection.reached("checkpoint:denoiser.safetensors", checkpoint_step(directory))
         # clone: tied weights (an LM's input/output embeddings) share storage, which safetensors refuses
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, str(tmp / "denoiser.safetensors"))
         opt_tensors, groups = optimizer_tensors(optimizer)
+        fault_injection.reached("checkpoint:optimizer.safetensors", checkpoint_step(directory))
         save_file({k: v.cpu() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
-        _test_hook_kill_during_checkpoint(directory)
+        fault_injection.reached("checkpoint:config.yaml", checkpoint_step(directory))
         (tmp / "config.yaml").write_text(config_yaml)
         files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         state = {**trainer_state, "optimizer": groups, "files": files}
         state["state_sha256"] = _state_digest(state)
+        fault_injection.reached("checkpoint:trainer_state.json", checkpoint_step(directory))
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        fault_injection.reached("checkpoint:rename", checkpoint_step(directory))
+    fault_injection.reached("checkpoint:latest", checkpoint_step(directory))
     with atomic_path(directory.parent / "latest") as pointer:
         pointer.write_text(directory.name + "\n")
     return directory
@@ -431,3 +428,13 @@ def _load(file: Path) -> dict[str, torch.Tensor]:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError) as e:
         raise FlowRLError(f"checkpoint file '{file}' is corrupt ({str(e).splitlines()[0]}).") from None
+
+
+def load_checkpoint_weights(pipeline, checkpoint: Path) -> None:
+    """Load a run checkpoint's trained weights into ``pipeline`` (an objective's own module, saved under
+    ``objective.``, is left to its objective); a checkpoint of another model is one sentence."""
+    weights = {k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")}
+    try:
+        pipeline.load_trainable_state_dict(weights)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise FlowRLError(f"checkpoint '{checkpoint}' does not match its model ({str(e).splitlines()[0][:160]}).") from None

@@ -17,6 +17,7 @@ EPILOG = """examples:
   flowrl sample runs/digits_grpo/checkpoints/step_000030 --prompt "a handwritten seven" -n 8
   flowrl eval runs/digits_grpo/checkpoints/step_000030
   flowrl eval configs/digits/grpo.yaml --best-of 16      (or --svdd 16: inference-time scaling)
+  flowrl eval configs/digits/grpo.yaml --smc 16 --smc-lambda 30   (particles toward p_base exp(lambda r))
   flowrl eval configs/dllm/diffu_grpo.yaml sampler.eval_temperature=1 --best-of 16 --select majority,likelihood
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
   flowrl export runs/sd_lora/checkpoints/step_000100 my_lora --lora-only --push-to-hub me/my-lora
@@ -71,8 +72,17 @@ def _parser() -> argparse.ArgumentParser:
         "eval",
         help="held-out evaluation reward of a checkpoint or a config's starting model; or grade the generations recorded in a .jsonl file",
     )
-    e.add_argument("source", help="checkpoint directory, YAML config, or .jsonl of recorded generations")
+    e.add_argument("source", nargs="?", help="checkpoint directory, YAML config, or .jsonl of recorded generations")
     e.add_argument("overrides", nargs="*")
+    e.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="re-run exactly the evaluation recorded in FILE (an eval spec: a line `flowrl eval` printed, a run's "
+        "summary.json, or a spec file), say whether its number came back bit for bit and which recorded fields differ; "
+        "exit 1 when the number differs",
+    )
     e.add_argument("--field", default="llada_generation_256", help="(.jsonl) the field holding the generations")
     e.add_argument("--gold-field", default="ground_truth", help="(.jsonl) the field holding the gold answer")
     e.add_argument(
@@ -92,19 +102,44 @@ def _parser() -> argparse.ArgumentParser:
         "rollout sampler by the reward of their predicted x0; writes the grid to --out",
     )
     e.add_argument(
+        "--smc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="SMC: N particles per held-out item on the rollout sampler, weighted by exp(lambda_t r(x0_hat)) with lambda_t "
+        "rising linearly to --smc-lambda and resampled when the ESS falls below --smc-ess-threshold N, targeting "
+        "p_base(x) exp(lambda r(x)); one particle per item drawn by its final weight; writes the grid to --out",
+    )
+    e.add_argument(
+        "--smc-lambda",
+        type=float,
+        default=None,
+        metavar="LAMBDA",
+        help="(--smc) the tilt lambda of the target p_base exp(lambda r); default 10 for image / video rewards, 1 for a "
+        "diffusion LM's --select score (likelihood: the model's distribution squared)",
+    )
+    e.add_argument(
+        "--smc-ess-threshold",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="(--smc) resample an item when its effective sample size falls below this fraction of N (default 0.5; "
+        "0 never, 1 at every step)",
+    )
+    e.add_argument(
         "--select",
         default=None,
         metavar="RULES",
-        help="(diffusion LMs) how --best-of / --svdd choose without the gold answer, comma-separated: majority "
+        help="(diffusion LMs) how --best-of / --svdd / --smc choose without the gold answer, comma-separated: majority "
         "(self-consistency over the extracted answers; --best-of only), likelihood (the model's own), a reward's name "
         "(e.g. format), or reward (the run's reward, if it does not read the gold answer); default majority,likelihood "
-        "for --best-of, likelihood for --svdd",
+        "for --best-of, likelihood for --svdd and --smc",
     )
     e.add_argument(
         "--out",
         type=Path,
         default=Path("best_of_n.png"),
-        help="(--best-of, --svdd) grid of the chosen samples; for diffusion LMs the accuracy-vs-N plot, "
+        help="(--best-of, --svdd, --smc) grid of the chosen samples; for diffusion LMs the accuracy-vs-N plot, "
         "the chosen completions going to the same name with .jsonl",
     )
     x = sub.add_parser(
@@ -205,16 +240,26 @@ def _check_arguments(args) -> None:
             from .visualize import image_format
 
             image_format(args.out)  # an --out extension that names no image format: one sentence, before any model loads
-    if args.command == "eval" and (args.best_of is not None or args.svdd is not None):
+    searching = args.command == "eval" and (args.best_of is not None or args.svdd is not None or args.smc is not None)
+    if searching:
         from .visualize import image_format
 
         image_format(args.out)
     if args.command == "eval":
         at_least_one("--best-of", args.best_of)
         at_least_one("--svdd", args.svdd)
+        at_least_one("--smc", args.smc)
+        if sum(v is not None for v in (args.best_of, args.svdd, args.smc)) > 1:
+            raise FlowRLError("give only one of --best-of, --svdd and --smc.")
+        if args.smc_lambda is not None and not math.isfinite(args.smc_lambda):
+            raise FlowRLError(f"--smc-lambda must be a finite number, got {args.smc_lambda}.")
+        if args.smc_ess_threshold is not None and not 0 <= args.smc_ess_threshold <= 1:
+            raise FlowRLError(f"--smc-ess-threshold is a fraction of the particles, in [0, 1]; got {args.smc_ess_threshold}.")
+        if args.smc is None and args.spec is None and (args.smc_lambda is not None or args.smc_ess_threshold is not None):
+            raise FlowRLError("--smc-lambda and --smc-ess-threshold set up --smc; give --smc N too.")
     if args.command in ("serve-reward", "label") and args.port is not None and not 0 <= args.port <= 65535:
         raise FlowRLError(f"--port must be in 0-65535, got {args.port}.")
-    if args.command == "sample" or (args.command == "eval" and (args.best_of is not None or args.svdd is not None)):
+    if args.command == "sample" or searching:
         _check_writable(args.out)
 
 
@@ -296,9 +341,18 @@ def _config_for_source(source: str, overrides: list[str]):
 
 
 def _eval(args) -> int:
-    from .checkpoint import read_weights
+    from .eval_command import SMC_DEFAULT_LAMBDA, evaluate_again, run_evaluation
     from .run_logger import json_line
 
+    if args.spec is not None:
+        searches = (args.best_of, args.svdd, args.smc, args.smc_lambda, args.smc_ess_threshold, args.select)
+        if args.source is not None or args.overrides or any(v is not None for v in searches):
+            raise FlowRLError(
+                "--spec re-runs the recorded evaluation as it was; give it alone (no source, overrides, --best-of, --svdd, --smc or --select)."
+            )
+        return evaluate_again(args.spec, args.out)
+    if args.source is None:
+        raise FlowRLError("flowrl eval needs a checkpoint directory, a YAML config or a .jsonl file (or --spec FILE).")
     if args.source.endswith(".jsonl"):
         from .evaluation.recorded import format_report, grade_recorded
 
@@ -307,319 +361,36 @@ def _eval(args) -> int:
         print(json_line({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
         return 0
     config, checkpoint = _config_for_source(args.source, args.overrides)
-    if config.pipeline.modality == "text" and args.best_of is not None:
-        return _text_best_of_n(config, checkpoint, args.best_of, args.select, args.out)
-    if config.pipeline.modality == "text" and args.svdd is not None:
-        return _text_svdd(config, checkpoint, args.svdd, args.select, args.out)
-    if args.select is not None:
-        raise FlowRLError("--select chooses among a diffusion LM's completions; image best-of-N and SVDD select by the run's reward.")
+    if config.pipeline.modality != "text" and args.select is not None:
+        raise FlowRLError("--select chooses among a diffusion LM's completions; image best-of-N, SVDD and SMC select by the run's reward.")
     if args.best_of is not None:
-        return _best_of_n(config, checkpoint, args.best_of, args.out)
-    if args.svdd is not None:
-        return _svdd(config, checkpoint, args.svdd, args.out)
-    from .trainer import Trainer
-
-    trainer = Trainer(config)
-    if checkpoint is not None:
-        trainer.load_weights(read_weights(checkpoint))
-    metrics = trainer.evaluate()
-    print(json_line({**{k: round(v, 6) for k, v in metrics.items()}, "settings": _eval_settings(config)}))  # NaN -> null
-    return 0
-
-
-def _eval_settings(config) -> dict:
-    """The settings an evaluation number depends on, printed with it (block length alone moves a dLLM's
-    accuracy by points; steps, guidance and seed move an image reward)."""
-    if config.pipeline.modality == "text":
-        sc = config.sampler
-        return {
-            "model": config.pipeline.pretrained,
-            "dataset": config.prompts.dataset,
-            "eval_size": config.prompts.eval_size,
-            "gen_length": sc.gen_length,
-            "steps": sc.steps,
-            "block_length": sc.block_length,
-            "temperature": sc.eval_temperature,
-            "remasking": sc.remasking,
-            "threshold": sc.threshold,
+        method = {"name": "best_of", "n": args.best_of}
+    elif args.svdd is not None:
+        method = {"name": "svdd", "m": args.svdd}
+    elif args.smc is not None:
+        default_lambda = SMC_DEFAULT_LAMBDA["text" if config.pipeline.modality == "text" else "images"]
+        method = {
+            "name": "smc",
+            "n": args.smc,
+            "lambda": args.smc_lambda if args.smc_lambda is not None else default_lambda,
+            "ess_threshold": args.smc_ess_threshold if args.smc_ess_threshold is not None else 0.5,
+            "tempering": "linear",
+            "resampling": "systematic",
         }
-    from .config import eval_steps_and_guidance
-
-    steps, guidance = eval_steps_and_guidance(config)
-    return {
-        "model": config.pipeline.pretrained,
-        "dataset": config.prompts.dataset,
-        "samples_per_prompt": config.eval.samples_per_prompt,
-        "seed": config.eval.seed,
-        "steps": steps,
-        "guidance_scale": guidance,
-        "sampler": "ode",
-    }
-
-
-def _image_model(config, checkpoint: Path | None):
-    """The config's image / video model (a checkpoint's weights loaded), its samplers, its reward and its
-    held-out setting: what the inference-time scaling methods use, with no trainer or optimizer."""
-    from . import seeding
-    from .config import set_num_threads
-    from .evaluation.held_out import held_out_images
-    from .modalities.images import build_image_components
-    from .reward_models import build_reward_from_config
-
-    set_num_threads(config)
-    device = _device(config.pipeline.device)
-    reward = build_reward_from_config(config.reward)
-    seeding.seed_initialisation(config.seed)
-    parts = build_image_components(config, device)
-    if checkpoint is not None:
-        _load_checkpoint_weights(parts.pipeline, checkpoint)
-    parts.pipeline.denoiser.eval()
-    return parts, reward, held_out_images(config, parts.pipeline, device)
-
-
-def _best_of_n(config, checkpoint: Path | None, n: int, out: Path) -> int:
-    import torch
-
-    from .inference.best_of_n import best_of_n
-    from .run_logger import json_line
-    from .visualize import save_grid
-
-    parts, reward, held = _image_model(config, checkpoint)
-    result = best_of_n(
-        parts.pipeline,
-        parts.eval_sampler,
-        reward,
-        held.prompts,
-        held.metadata,
-        n,
-        held.sigmas,
-        held.generator(),
-        held.guidance_scale,
-        config.rollout.batch_size,
-    )
-    curve = result.scaling_curve()
-    print(f"best-of-N on {len(result.best)} held-out items ({config.eval.samples_per_prompt} per prompt):")
-    for k, v in curve.items():
-        print(f"  N = {k:4d}   eval reward {v:.4f}")
-    save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
-    components = {f"eval/reward/{k}@{n}": round(float(v[torch.isfinite(v)].mean()), 6) for k, v in result.components.items()}
-    print(
-        json_line(
-            {
-                **{f"eval/reward/mean@{k}": round(v, 6) for k, v in curve.items()},
-                **components,
-                "grid": str(out),
-                "settings": _eval_settings(config),
-            }
-        )
-    )
-    return 0
-
-
-def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> int:
-    import torch
-
-    from .inference.svdd import svdd_in_batches
-    from .run_logger import json_line
-    from .visualize import save_grid
-
-    parts, reward, held = _image_model(config, checkpoint)
-    gen = held.generator()
-    noise = parts.pipeline.initial_noise(len(held), gen)  # the plain evaluation's start noise
-    result = svdd_in_batches(
-        parts.pipeline,
-        parts.sampler,
-        reward,
-        held.prompts,
-        held.metadata,
-        m,
-        held.sigmas,
-        gen,
-        held.guidance_scale,
-        config.rollout.batch_size,
-        noise,
-    )
-    save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
-    finite = result.scores[torch.isfinite(result.scores)]
-    components = {f"eval/reward/{k}@svdd{m}": round(float(v.nanmean()), 6) for k, v in result.components.items()}
-    settings = {**_eval_settings(config), "sampler": parts.sampler.name}  # SVDD draws from the rollout sampler
-    print(json_line({f"eval/reward/mean@svdd{m}": round(float(finite.mean()), 6), **components, "grid": str(out), "settings": settings}))
-    return 0
-
-
-def _text_model(config, checkpoint: Path | None):
-    """The config's diffusion LM (a checkpoint's weights loaded, DCoLT's unmasking head included) and the run's
-    reward, which grades the held-out items: what text best-of-N and SVDD use, with no trainer or optimizer."""
-    from . import seeding
-    from .checkpoint import read_weights
-    from .config import set_num_threads
-    from .modalities.text import TextModality
-    from .reward_models import build_reward_from_config
-
-    set_num_threads(config)
-    seeding.seed_initialisation(config.seed)  # DCoLT's head is created fresh before its weights are loaded
-    modality = TextModality(config, _device(config.pipeline.device))
-    modality.check()
-    if checkpoint is not None:
-        extra = modality.objective.extra_module
-        if extra is not None:
-            extra.load_state_dict({k[len("objective.") :]: v for k, v in read_weights(checkpoint).items() if k.startswith("objective.")})
-        _load_checkpoint_weights(modality.pipeline, checkpoint)
-    modality.pipeline.model.eval()
-    return modality, build_reward_from_config(config.reward)
-
-
-def _text_rules(select: str | None, default: str) -> list[str]:
-    rules = [r.strip() for r in (select or default).split(",") if r.strip()]
-    if not rules:
-        raise FlowRLError(f"--select needs at least one rule, got '{select}'.")
-    return list(dict.fromkeys(rules))
-
-
-def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None, out: Path) -> int:
-    import json
-
-    from tqdm import tqdm
-
-    from .checkpoint import atomic_path
-    from .inference.plots import save_scaling_plot
-    from .inference.text_best_of_n import ORACLE, text_best_of_n
-    from .inference.text_candidates import build_scorers, check_candidates_differ
-    from .run_logger import json_line
-
-    rules = _text_rules(select, "majority,likelihood")
-    check_candidates_differ("--best-of", n, config.sampler.eval_temperature, config.sampler.remasking)  # before minutes of loading
-    scorers = build_scorers(rules, config.reward)  # refuses a gold grader before any model is loaded
-    modality, grader = _text_model(config, checkpoint)
-    prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
-    temperature = config.sampler.eval_temperature
-    with tqdm(total=n * len(prompts), desc=f"best-of-{n}", unit="completion", disable=None) as bar:
-        result = text_best_of_n(
-            modality.pipeline,
-            config.sampler,
-            config.pipeline.prompt_length,
-            grader,
-            scorers,
-            prompts,
-            metadata,
-            n,
-            temperature,
-            config.eval.seed,
-            config.rollout.batch_size,
-            modality.position_scorer,
-            progress=bar.update,
-        )
-    curves = result.curves(rules)
-    print(
-        f"best-of-N on {len(prompts)} held-out items, candidates at temperature {temperature:g}; accuracy of each rule's choice "
-        f"(the run's reward), and pass@N: any candidate right, an oracle upper bound, not an accuracy:"
-    )
-    print("  " + f"{'N':>4}" + "".join(f"{r:>14}" for r in rules) + f"{'pass@N oracle':>16}")
-    for k in result.ks():
-        print("  " + f"{k:>4}" + "".join(f"{curves[r][k]:>14.4f}" for r in rules) + f"{curves[ORACLE][k]:>16.4f}")
-    single = result.sample_accuracy()
-    print(f"  single-sample accuracy over all {n * len(prompts)} candidates: {single:.4f}")
-    save_scaling_plot(
-        {f"{config.pipeline.pretrained}{' (' + checkpoint.name + ')' if checkpoint else ''}, T = {temperature:g}": curves},
-        out,
-        "held-out accuracy (run's reward)",
-    )
-    rows_path = out.with_suffix(".jsonl")
-    with atomic_path(rows_path) as tmp, open(tmp, "w") as f:
-        for i, prompt in enumerate(prompts):  # every rule's choice at N, with the candidates' answers it chose from
-            chosen = {r: int(result.choose(r, n)[i]) for r in rules}
-            f.write(
-                json.dumps(
-                    {
-                        "prompt": prompt,
-                        "answers": result.answers[i],
-                        "graded": result.graded[i].tolist(),
-                        "chosen": {r: {"index": j, "completion": result.completions[i][j]} for r, j in chosen.items()},
-                    }
-                )
-                + "\n"
-            )
-    print(
-        json_line(
-            {
-                **{f"eval/reward/mean@{k}/{r}": round(curves[r][k], 6) for r in rules for k in result.ks()},
-                **{f"eval/oracle_pass@{k}": round(curves[ORACLE][k], 6) for k in result.ks()},
-                "eval/reward/mean/single_sample": round(single, 6),
-                "plot": str(out),
-                "completions": str(rows_path),
-                "settings": {**_eval_settings(config), "n": n, "select": rules},
-            }
-        )
-    )
-    return 0
-
-
-def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out: Path) -> int:
-    import json
-
-    from tqdm import tqdm
-
-    from .checkpoint import atomic_path
-    from .inference.masked_svdd import masked_svdd_in_batches
-    from .inference.text_candidates import build_scorers, check_candidates_differ
-    from .run_logger import json_line
-
-    rules = _text_rules(select, "likelihood")
-    if len(rules) != 1 or rules[0] == "majority":
-        raise FlowRLError(f"--svdd values each candidate by one score (likelihood, a reward's name or reward), got --select {select}.")
-    check_candidates_differ("--svdd", m, config.sampler.eval_temperature, config.sampler.remasking)
-    scorer = build_scorers(rules, config.reward)[0]
-    modality, grader = _text_model(config, checkpoint)
-    prompts, metadata = [p for p, _ in modality.eval_pool], [m_ for _, m_ in modality.eval_pool]
-    with tqdm(total=len(prompts), desc=f"svdd-{m}", unit="item", disable=None) as bar:
-        result = masked_svdd_in_batches(
-            modality.pipeline,
-            config.sampler,
-            config.pipeline.prompt_length,
-            scorer,
-            prompts,
-            m,
-            config.sampler.eval_temperature,
-            config.eval.seed,
-            config.rollout.batch_size,
-            modality.position_scorer,
-            progress=bar.update,
-        )
-    graded = grader(result.completions, prompts, metadata)
-    rows_path = out.with_suffix(".jsonl")
-    with atomic_path(rows_path) as tmp, open(tmp, "w") as f:
-        for i, prompt in enumerate(prompts):
-            f.write(
-                json.dumps(
-                    {
-                        "prompt": prompt,
-                        "completion": result.completions[i],
-                        "score": float(graded.scores[i]),
-                        "value": float(result.scores[i]),
-                    }
-                )
-                + "\n"
-            )
-    components = {f"eval/reward/{k}@svdd{m}": round(float(v.float().nanmean()), 6) for k, v in graded.extras.items()}
-    print(
-        json_line(
-            {
-                f"eval/reward/mean@svdd{m}/{rules[0]}": round(float(graded.scores.float().nanmean()), 6),
-                **components,
-                "denoiser_forwards_per_item": round(result.forwards / len(prompts), 3),
-                "completions": str(rows_path),
-                "settings": {**_eval_settings(config), "svdd": m, "select": rules[0]},
-            }
-        )
-    )
+    else:
+        method = {"name": "plain"}
+    if config.pipeline.modality == "text" and method["name"] != "plain":
+        method["select"] = args.select
+    print(json_line(run_evaluation(config, checkpoint, method, args.out)))  # NaN -> null
     return 0
 
 
 def _sample(args) -> int:
-
     import torch
 
+    from .checkpoint import load_checkpoint_weights
     from .pipelines import FAMILIES, build_pipeline
+    from .pipelines.common import device_for
     from .samplers import ODEConfig, build_sampler
     from .samplers.rollout import sample
     from .visualize import save_grid
@@ -636,10 +407,10 @@ def _sample(args) -> int:
     threads = config.train.num_threads if config is not None else None
     if threads or pipe_cfg.default_num_threads():
         torch.set_num_threads(threads or pipe_cfg.default_num_threads())
-    device = _device(pipe_cfg.device)
+    device = device_for(pipe_cfg.device)
     pipeline = build_pipeline(pipe_cfg, device)
     if config is not None:
-        _load_checkpoint_weights(pipeline, source)
+        load_checkpoint_weights(pipeline, source)
         pipeline.guidance_mode = config.rollout.guidance_mode
     pipeline.denoiser.eval()
     if args.prompt is None:
@@ -683,33 +454,13 @@ def _sample(args) -> int:
     return 0
 
 
-def _device(spec: str):
-    """pipeline.device honoured exactly (refused when this machine lacks it); auto: a GPU when present."""
-    import torch
-
-    from .config import resolve_device
-
-    device = resolve_device(spec)
-    return device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _load_checkpoint_weights(pipeline, checkpoint: Path) -> None:
-    from .checkpoint import read_weights
-
-    weights = {k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")}
-    try:
-        pipeline.load_trainable_state_dict(weights)
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise FlowRLError(f"checkpoint '{checkpoint}' does not match its model ({str(e).splitlines()[0][:160]}).") from None
-
-
 def _export(args) -> int:
     """A standalone model directory: the base model's components with the fine-tuned denoiser (LoRA
     merged into its weights), loadable with ``DiffusionPipeline.from_pretrained(out)`` for diffusers
     checkpoints; or, with --lora-only, the diffusers LoRA file for ``load_lora_weights``."""
     import shutil
 
-    from .checkpoint import atomic_directory
+    from .checkpoint import atomic_directory, load_checkpoint_weights
     from .model_card import push_to_hub, write_model_card
     from .pipelines import build_pipeline
 
@@ -728,7 +479,7 @@ def _export(args) -> int:
             raise FlowRLError(f"--push-to-hub '{args.push_to_hub}' is not a hub repository id (expected 'user/name').") from None
     config, _ = _config_for_source(str(source), [])
     pipeline = build_pipeline(config.pipeline, "cpu")
-    _load_checkpoint_weights(pipeline, source)
+    load_checkpoint_weights(pipeline, source)
     subfolder = pipeline.denoiser_subfolder
     with atomic_directory(args.out) as tmp:
         if args.lora_only:

@@ -68,6 +68,9 @@ class TrainConfig(Section):
     # torch's intra-op threads per process; None: the model family's choice (1 for the embedded and toy models, whose
     # kernels are too small to share; torch's default, one per core, for real checkpoints)
     num_threads: int | None = Field(None, ge=1)
+    # bit-reproducible on a GPU as well: deterministic kernels, fixed cuBLAS workspace, no cuDNN benchmarking
+    # (flowrl/determinism.py; docs/reproducibility.md says what it costs)
+    deterministic: bool = False
     stop_after: int | None = Field(None, ge=1)  # end this process after N iterations (a planned interruption)
     # A run that cannot learn stops (docs/failure_behaviour.md): at once when every reward of an iteration is
     # NaN or infinite, and when more than this fraction of the last nonfinite_window iterations' rewards are.
@@ -84,6 +87,9 @@ class EvalConfig(Section):
     every: int = Field(10, ge=0)  # iterations between evaluations; 0 = only before and after
     samples_per_prompt: int = Field(4, ge=1)
     seed: int = 1234  # held-out seeds, distinct from the training stream
+    # rows per denoiser call in evaluation (and best-of-N / SVDD / noise search); every call has exactly this many
+    # rows, the last one padded, so a sample's bits never depend on the other items evaluated beside it
+    batch_size: int = Field(16, ge=1)
     num_inference_steps: int | None = None  # None: rollout.num_inference_steps
     guidance_scale: float | None = None  # None: rollout.guidance_scale
     # a held-out judge: rewards scored on the evaluation samples only and never given to the objective, logged as

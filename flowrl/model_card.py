@@ -249,6 +249,26 @@ def build_model_card(
                 f"({summary.get('status')}); held-out reward {_fmt(summary.get('eval_reward_initial'))} → "
                 f"{_fmt(summary.get('eval_reward_final'))} at step {_fmt(summary.get('eval_reward_final_step'))}.",
             ]
+    spec = summary.get("eval_spec") if isinstance(summary.get("eval_spec"), dict) else None
+    if spec is not None:
+        shown = {k: v for k, v in spec.items() if k != "config"}  # the resolved config is long; it is in summary.json
+        lines += [
+            "",
+            "### Evaluation spec",
+            "",
+            f"The run's final held-out numbers (step {_fmt(summary.get('eval_reward_final_step'))}) were measured as this "
+            "versioned spec records: weights hash, sampler, steps, guidance, seeds, prompt set and its hash, reward, judge "
+            "and library versions. The complete spec, with the resolved config, is `eval_spec` in the run's `summary.json`; "
+            "`flowrl eval --spec RUN/summary.json` re-runs that evaluation and says whether it comes back bit for bit.",
+            "",
+            "<details><summary>eval spec</summary>",
+            "",
+            "```json",
+            json.dumps(shown, indent=2),
+            "```",
+            "",
+            "</details>",
+        ]
     lines += ["", "## Samples", ""]
     lines.append(
         f"![{grid_caption}]({GRID_FILE})\n\n*{grid_caption}*" if grid_caption else "No sample grid was found next to this checkpoint."

@@ -6,12 +6,26 @@ from a checkpoint replays exactly the draws an uninterrupted run would make: no 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-PURPOSES = {"prompts": 0, "rollout": 1, "update": 2, "eval": 3, "init": 4, "pairs": 5, "pair_prompts": 6, "initial_noise": 7}
+PURPOSES = {
+    "prompts": 0,
+    "rollout": 1,
+    "update": 2,
+    "eval": 3,
+    "init": 4,
+    "pairs": 5,
+    "pair_prompts": 6,
+    "initial_noise": 7,
+    "eval_content": 8,
+}
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -48,6 +62,25 @@ def global_rows(group_ids: torch.Tensor, per_group: int) -> torch.Tensor:
 _ROW_STREAM = 2**31
 
 
+def content_key(prompt: str, metadata: dict[str, Any] | None = None) -> int:
+    """A 128-bit integer naming a held-out item by its content: the prompt text and the metadata values that
+    are plain JSON (a digit label, a gold answer, an image path). Values that are not (a PIL image, a tensor)
+    are left out, so two items that differ only there share a key."""
+    plain = {k: v for k, v in sorted((metadata or {}).items()) if _is_plain_json(v)}
+    text = json.dumps([prompt, plain], sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:16], "big")
+
+
+def _is_plain_json(value: Any) -> bool:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain_json(v) for k, v in value.items())
+    return False
+
+
 class RowGenerators:
     """One random stream per sample row, keyed by (seed, iteration, purpose, the row's global key).
 
@@ -66,6 +99,24 @@ class RowGenerators:
         """CPU streams (the draws are moved to the model's device), one per key."""
         tag = _ROW_STREAM + PURPOSES[purpose]  # where a per-process stream has its rank: never a rank, so no stream is shared
         return cls([torch.Generator().manual_seed(derive_seed(seed, iteration, tag, int(k))) for k in keys])
+
+    @classmethod
+    def by_content(
+        cls, seed: int, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], sample_index: Sequence[int]
+    ) -> RowGenerators:
+        """Evaluation streams, one per item, keyed by (seed, the item's prompt content, its sample index among
+        that prompt's samples) and nothing else: the same prompt gets the same noise whichever other prompts
+        are evaluated with it, in whatever order, on however many processes (training keys by global index
+        instead, see ``keyed``)."""
+        if not len(prompts) == len(metadata) == len(sample_index):
+            raise ValueError(f"{len(prompts)} prompts, {len(metadata)} metadata and {len(sample_index)} sample indices")
+        tag = PURPOSES["eval_content"]
+        return cls(
+            [
+                torch.Generator().manual_seed(derive_seed(seed, tag, content_key(p, m), int(i)))
+                for p, m, i in zip(prompts, metadata, sample_index, strict=True)
+            ]
+        )
 
     def __len__(self) -> int:
         return len(self.generators)

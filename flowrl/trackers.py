@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,29 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _quiet_tensorboard_writer_threads() -> None:
+    """TensorBoard writes its event file from a thread of its own. A write that fails there (a full disk, a read-only
+    directory) is kept for the run's thread, which raises it at its next log or flush (and flowrl says it in one
+    sentence, ``writing``), and raised in the writer thread too, where Python would print it as a traceback: that
+    second report is dropped. Every other thread's exception is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "flowrl_quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith(("tensorboard.", "tensorboardX."))):
+            previous(args)
+
+    hook.flowrl_quiet_tensorboard = True
+    threading.excepthook = hook
+
+
 def _tensorboard_tracker(directory: Path):
     """accelerate's TensorBoard tracker writing straight into ``directory`` (the run's tensorboard/, as before
     trackers were configurable), with the config flattened into hparams."""
     from accelerate.tracking import TensorBoardTracker
+
+    _quiet_tensorboard_writer_threads()
 
     class RunTensorBoard(TensorBoardTracker):
         def store_init_configuration(self, values: dict) -> None:

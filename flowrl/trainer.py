@@ -34,8 +34,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list, gather_object
 from tqdm import tqdm
 
-from . import deepspeed_zero, seeding
+from . import deepspeed_zero, fault_injection, seeding
 from .checkpoint import (
+    STATE_FILE,
     TEMP_PREFIX,
     atomic_path,
     checkpoint_step,
@@ -47,6 +48,7 @@ from .checkpoint import (
     writing,
 )
 from .config import Config, load_config, resolve_device, set_num_threads, to_yaml
+from .determinism import enable_deterministic_mode
 from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
 from .errors import FlowRLError, Preempted
 from .modalities import build_modality
@@ -115,6 +117,8 @@ class Trainer:
             config = config.model_copy(update={"eval": config.eval.model_copy(update={"judge": recorded})})
         self.config = config
         set_num_threads(config)  # one thread for the embedded models: more only add contention (train.num_threads)
+        if config.train.deterministic:  # before any model or CUDA context exists
+            enable_deterministic_mode()
         self.trackers = Trackers(config, Path(config.output_dir))  # a tracker's missing package is refused before anything is written
         self.accelerator = _accelerator(config, self.trackers.log_with())
         enable_fsdp_on_cpu(self.accelerator)  # an FSDP launch of CPU processes shards as it would on GPUs
@@ -165,8 +169,10 @@ class Trainer:
         self._run_lock = RunLock(self.run_dir)
         self._updating = False  # True while the optimizer may have changed the weights of an unfinished iteration
         self._saving = False  # True while a checkpoint is being written
+        self._logged = 0  # the last iteration whose metrics line (with its evaluation) is written; a later one is not saved
         # (iteration, non-finite, all) of the last train.nonfinite_window iterations' rewards; saved in each checkpoint
         self._nonfinite: deque[tuple[int, int, int]] = deque(maxlen=config.train.nonfinite_window)
+        self._last_eval_spec: tuple[int, dict[str, Any]] | None = None  # (step, spec) of the last evaluation, main process
 
     def _probe_user_rewards(self) -> None:
         """A user's reward (an import path, an entry point, an object passed in) scores two samples shaped like the
@@ -242,14 +248,18 @@ class Trainer:
         """collect -> score -> advantages -> update; logging, evaluation and checkpoints follow in fit()."""
         lr = self.config.train.learning_rate * self._set_learning_rate(iteration)
         t0 = time.perf_counter()
+        fault_injection.reached("collect", iteration + 1)
         batch = self.collect(iteration)
         t1 = time.perf_counter()
+        fault_injection.reached("score", iteration + 1)
         batch = self.score(batch)
         reward_metrics = self._reward_metrics(batch, iteration)  # of everything collected, before prepare() reorders or subsets
         self._check_learnable(iteration)  # before the update: a batch with nothing to learn from never reaches the optimizer
         t2 = time.perf_counter()
+        fault_injection.reached("advantages", iteration + 1)
         batch = self.advantages(batch)
         self._updating = True
+        fault_injection.reached("update", iteration + 1)
         metrics = self.update(batch, iteration)
         self._updating = False
         t3 = time.perf_counter()
@@ -372,6 +382,37 @@ class Trainer:
             metrics["eval/judge/mean"], metrics["eval/judge/is_eval_reward"] = metrics["eval/reward/mean"], 1.0
         return (metrics, shown) if return_samples else metrics
 
+    def eval_spec(self, metrics: dict[str, float], shown: Any, checkpoint: Path | None) -> dict[str, Any]:
+        """The evaluation spec (flowrl/evaluation/spec.py) of ``evaluate``'s ``metrics`` for the current weights
+        (``checkpoint``: where they are saved, if they are). Under FSDP or DeepSpeed the weights are sharded across
+        processes and their hash is left out (None)."""
+        from .evaluation.spec import build_spec, weights_sha256
+
+        text = self.config.pipeline.modality == "text"
+        extra = self.objective.extra_module
+        modules = [("", self.accelerator.unwrap_model(self.module)), *([("objective.", extra)] if extra is not None else [])]
+        sharded = is_fsdp(self.accelerator) or self.deepspeed
+        if text:
+            items = self.modality.eval_pool
+            prompts, metadata = [p for p, _ in items], [m for _, m in items]
+            sampler = {"name": "masked", **self.config.sampler.model_dump(mode="json")}
+        else:
+            prompts, metadata = self.modality.held_out.prompts, self.modality.held_out.metadata
+            sampler = {"name": self.modality.eval_sampler.name}
+        return build_spec(
+            self.config,
+            method={"name": "plain"},
+            checkpoint=checkpoint,
+            weights=None if sharded else weights_sha256(modules),
+            sampler=sampler,
+            prompts=list(prompts),
+            metadata=list(metadata),
+            reward=self.reward,
+            judge=self.judge,
+            result={k: v for k, v in metrics.items() if not k.startswith("perf/")},
+            sample_shape=None if text else tuple(shown.shape[1:]),
+        )
+
     def sample(self, prompts: str | Sequence[str], num_samples: int = 1, seed: int = 0, **options: Any) -> Any:
         """Samples of the current weights: ``num_samples`` per prompt, prompt-major. Images and videos come back as a
         float tensor in [0, 1] (deterministic sampler unless ``sampler="rollout"``; ``num_inference_steps``,
@@ -385,6 +426,7 @@ class Trainer:
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self) -> Path | None:
+        fault_injection.reached("checkpoint", self.iteration)
         states = gather_object([self.objective.state_dict()])
         self.accelerator.wait_for_everyone()
         path = None
@@ -480,7 +522,7 @@ class Trainer:
         if len(objective_states) != self.world:
             raise FlowRLError(f"checkpoint '{directory}' was written by {len(objective_states)} process(es) but this run has {self.world}.")
         self.objective.load_state_dict(objective_states[self.rank])
-        self.iteration = int(state["iteration"])
+        self.iteration = self._logged = int(state["iteration"])
         self._nonfinite.clear()  # a checkpoint written before the window was saved: it starts afresh
         self._nonfinite.extend(tuple(int(x) for x in entry) for entry in state.get("nonfinite_window", []))
 
@@ -681,12 +723,16 @@ class Trainer:
         evaluate = ((cfg.eval.every and it % cfg.eval.every == 0) or last or stopping) and stopping != "SIGTERM"
         if evaluate:
             metrics.update(self._evaluate_and_log(it, tag="after" if last or stopping else None, log=False))
+        fault_injection.reached("log", it)
         self.logger.log(it, metrics)
+        self._logged = it
         if (cfg.log.checkpoint_every and it % cfg.log.checkpoint_every == 0) or last or stopping:
             self.save()
         if self.is_main and evaluate:
+            fault_injection.reached("plots", it)
             records = self.logger.records()
             save_reward_curve(records, self.run_dir / "reward_curve.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
+            fault_injection.reached("plots:instruments.png", it)
             save_instruments(records, self.run_dir / "instruments.png", title=f"{cfg.objective.name} on {cfg.pipeline.pretrained}")
         return bool(stopping)
 
@@ -698,8 +744,11 @@ class Trainer:
         return "SIGTERM" if "SIGTERM" in requests else (requests[0] if requests else False)
 
     def _evaluate_and_log(self, step: int, tag: str | None, log: bool = True) -> dict[str, float]:
+        fault_injection.reached("evaluate", step)
         t0 = time.perf_counter()
         metrics, shown = self.evaluate(return_samples=True)
+        if self.is_main:  # summary.json records the last one, with the checkpoint that holds its weights (_finish)
+            self._last_eval_spec = (step, self.eval_spec(metrics, shown, None))
         metrics["perf/eval_s"] = time.perf_counter() - t0
         if self.is_main:
             self.modality.save_eval_samples(shown, self.run_dir, step, tag)
@@ -726,22 +775,44 @@ class Trainer:
             * (2 if self.objective.trains_on in PAIRED_ROWS else self.config.train.num_generations),
             "wall_seconds_this_process": round(seconds, 1),
             "stopped_early": self.iteration < self.config.train.iterations,
+            "eval_spec": self._final_eval_spec(),
         }
-        try:
+        fault_injection.reached("finish")
+        try:  # summary.json is the run's last write: a summary that says completed had every other write done
+            self.logger.close()  # the trackers' last flush
             if self.is_main and (self.run_dir / "config.yaml").is_file():
-                with atomic_path(self.run_dir / "summary.json") as tmp:
-                    tmp.write_text(json_line(summary, indent=2) + "\n")
                 save_reward_curve(
                     records, self.run_dir / "reward_curve.png", title=f"{self.config.objective.name} on {self.config.pipeline.pretrained}"
                 )
         except FlowRLError:
             if not quiet:
                 raise
-        finally:
-            self.logger.close()
+        fault_injection.reached("finish:summary.json")
+        try:
+            if self.is_main and (self.run_dir / "config.yaml").is_file():
+                with atomic_path(self.run_dir / "summary.json") as tmp:
+                    tmp.write_text(json_line(summary, indent=2) + "\n")
+        except FlowRLError:
+            if not quiet:  # on the failure path the first error is the one to say
+                raise
         if not quiet:
             self.accelerator.wait_for_everyone()
         return summary
+
+    def _final_eval_spec(self) -> dict[str, Any] | None:
+        """The spec of the last evaluation this process ran, naming the checkpoint of its step (``flowrl eval --spec
+        summary.json`` re-runs it); the starting model's (step 0) needs none."""
+        if self._last_eval_spec is None:
+            return None
+        step, spec = self._last_eval_spec
+        spec = {**spec, "model": dict(spec["model"])}
+        if step > 0:
+            ckpt = self.run_dir / "checkpoints" / f"step_{step:06d}"
+            saved = (ckpt / STATE_FILE).is_file()
+            spec["model"]["checkpoint"] = str(ckpt.resolve()) if saved else None
+            if not saved:
+                spec["model"]["trained_weights_unsaved"] = True
+        return spec
 
     def _save_after_failure(self) -> str:
         """Make sure the last completed iteration is on disk and say where. Weights changed by an unfinished
@@ -750,10 +821,18 @@ class Trainer:
             return "no iteration had completed, so there is nothing to resume"
         directory = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
         if not directory.is_dir():
-            if self._saving or self._updating:  # the checkpoint write itself failed, or the weights are half-updated
+            # the checkpoint write itself failed, the weights are half-updated, or the iteration's evaluation or metrics
+            # line is missing (a resume from it would never write them: it is trained again instead)
+            if self._saving or self._updating or self._logged < self.iteration:
                 earlier = sorted(p.name for p in (self.run_dir / "checkpoints").glob("step_*") if p.is_dir())
                 resume = f"resume_from=latest continues from {earlier[-1]}" if earlier else "there is no checkpoint to resume from"
-                what = "could not be saved" if self._saving else "was not saved (the failure came during the next update)"
+                what = (
+                    "could not be saved"
+                    if self._saving
+                    else "was not saved (the failure came during the next update)"
+                    if self._updating
+                    else "was not saved (the failure came before its metrics were logged)"
+                )
                 return f"iteration {self.iteration} {what}, so {resume}"
             try:
                 self.save()

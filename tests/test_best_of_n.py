@@ -81,7 +81,7 @@ def test_nonfinite_rewards_are_never_chosen(trainer):
     from flowrl.inference.best_of_n import best_of_n
 
     held = trainer.modality.held_out
-    prompts, metadata, sigmas, guidance, gen = held.prompts[:3], held.metadata[:3], held.sigmas, held.guidance_scale, held.generator()
+    prompts, metadata, sigmas, guidance, gen = held.prompts[:3], held.metadata[:3], held.sigmas, held.guidance_scale, held.generator()[:3]
     with pytest.warns(UserWarning, match="NaN or infinite"):  # one call per round of 3 prompts: rounds 1 and 3 fail
         result = best_of_n(
             trainer.pipeline,

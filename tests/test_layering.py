@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1] / "flowrl"
 ORDER: list[str] = [
     # base: errors, records, keyed randomness, the config-section base and the name tables, files on disk
     "flowrl.errors",
+    "flowrl.fault_injection",
+    "flowrl.determinism",
     "flowrl.types",
     "flowrl.seeding",
     "flowrl.sections",
@@ -50,6 +52,7 @@ ORDER: list[str] = [
     # the loop
     "flowrl.modalities",
     "flowrl.trainer",
+    "flowrl.eval_command",
     # what users call: the Python API (the package itself), the servers, the command line
     "flowrl",
     "flowrl.reward_server",

@@ -12,6 +12,7 @@ from conftest import CONFIGS, fast_overrides
 from flowrl.config import load_config
 from flowrl.inference.best_of_n import best_of_n
 from flowrl.inference.noise_search import _neighbors, zero_order_search
+from flowrl.samplers.rollout import start_noise
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_pivot_reward_never_decreases_and_round_zero_is_the_evaluation(trainer):
     metrics = trainer.evaluate()
     held = trainer.modality.held_out  # the search starts from the noise the plain evaluation draws
     gen = held.generator()
-    noise = trainer.pipeline.initial_noise(len(held), gen)
+    noise = start_noise(trainer.pipeline, len(held), gen)
     result = zero_order_search(
         trainer.pipeline,
         trainer.modality.eval_sampler,

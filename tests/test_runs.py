@@ -64,14 +64,17 @@ def test_a_running_run_refuses_a_second_run_and_a_resume_naming_its_pid(tmp_path
     first = flowrl_process("train", str(GRPO), *fast_overrides(run, **{"train.iterations": 5000, "log.checkpoint_every": 1}))
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").is_file())
+        # stopped, it still holds its lock but leaves the CPU to the three runs it must refuse
+        first.send_signal(signal.SIGSTOP)
         holder = f"pid {first.pid} on "
         for extra in ([], ["resume_from=latest"], ["overwrite=true"]):
             second = flowrl_process("train", str(GRPO), *fast_overrides(run), *extra)
             code, (_, err) = second.wait(timeout=300), second.communicate()
             assert code == 2 and err.startswith(f"flowrl: error: output_dir '{run}' is in use by another flowrl run ({holder}"), err
             assert err.rstrip().endswith("); wait for it to end, or choose another output_dir.") and err.count("\n") == 1
-        assert first.poll() is None  # the running run went on
+        assert first.poll() is None  # the running run is still there
     finally:
+        first.send_signal(signal.SIGCONT)
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=300)
     assert first.returncode == 143
@@ -205,7 +208,7 @@ def leftovers(run: Path) -> list[str]:
 def test_a_kill_9_during_a_checkpoint_write_leaves_nothing_after_the_resume_and_the_resume_is_exact(tmp_path, capsys):
     overrides = {"train.iterations": 2, "log.checkpoint_every": 1, "log.trackers": "[]"}
     run = tmp_path / "killed"
-    proc = flowrl_process("train", str(GRPO), *fast_overrides(run, **overrides), env={"FLOWRL_TEST_KILL_DURING_CHECKPOINT": "step_000002"})
+    proc = flowrl_process("train", str(GRPO), *fast_overrides(run, **overrides), env={"FLOWRL_TEST_KILL_AT": "checkpoint:config.yaml@2"})
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, err[-2000:]
     half = [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".flowrl-tmp-step_000002-")]

@@ -19,7 +19,7 @@ from conftest import CONFIGS
 from flowrl.config import RewardConfig, load_config
 from flowrl.errors import FlowRLError
 from flowrl.inference.masked_svdd import masked_svdd, masked_svdd_in_batches
-from flowrl.inference.text_best_of_n import ORACLE, candidate_generator, text_best_of_n
+from flowrl.inference.text_best_of_n import ORACLE, candidate_streams, text_best_of_n
 from flowrl.inference.text_candidates import RewardScorer, answer_key, build_scorer, build_scorers, generate_texts, majority_choice
 from flowrl.reward_models import build_reward_from_config
 from flowrl.reward_models.math_answer import extract_answer
@@ -86,7 +86,12 @@ def test_best_of_one_is_the_plain_evaluation_for_every_rule(setup, best, plain):
     # the candidates differ (T = 1) and are exactly what the keyed generators give
     config, modality, *_ = setup
     j2 = generate_texts(
-        modality.pipeline, setup[3][:8], config.sampler, config.pipeline.prompt_length, 1.0, candidate_generator(config.eval.seed, 2)
+        modality.pipeline,
+        setup[3][:8],
+        config.sampler,
+        config.pipeline.prompt_length,
+        1.0,
+        candidate_streams(config.eval.seed, setup[3][:8], 2),
     )
     assert j2.completions == [c[2] for c in best.completions[:8]]
     assert any(len(set(c)) > 1 for c in best.completions)
@@ -121,7 +126,12 @@ def test_pass_at_n_is_an_upper_bound_on_every_rule(best):
 def test_likelihood_rule_is_the_recorded_log_likelihood_and_picks_its_argmax(setup, best):
     config, modality, _, prompts, _ = setup
     traj = generate_texts(
-        modality.pipeline, prompts[:8], config.sampler, config.pipeline.prompt_length, 1.0, candidate_generator(config.eval.seed, 1)
+        modality.pipeline,
+        prompts[:8],
+        config.sampler,
+        config.pipeline.prompt_length,
+        1.0,
+        candidate_streams(config.eval.seed, prompts[:8], 1),
     )
     torch.testing.assert_close(best.scores["likelihood"][:8, 1], traj.token_log_probs.double().sum(1), atol=0, rtol=0)
     assert torch.equal(best.choose("likelihood", N), best.scores["likelihood"].argmax(1))

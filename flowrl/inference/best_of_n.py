@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..samplers.rollout import start_noise
+from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler
 from .candidates import sample_and_score
 
@@ -56,9 +58,9 @@ def best_of_n(
     metadata: Sequence[dict[str, Any]],
     n: int,
     sigmas: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     guidance_scale: float = 1.0,
-    batch_size: int = 64,
+    batch_size: int = 16,
 ) -> BestOfN:
     """Sample ``n`` candidates for each prompt with ``sampler``, score them with ``reward``, keep the best.
 
@@ -77,7 +79,7 @@ def best_of_n(
             reward,
             prompts,
             metadata,
-            pipeline.initial_noise(p, generator),
+            start_noise(pipeline, p, generator),
             sigmas,
             generator,
             guidance_scale,

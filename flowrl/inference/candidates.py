@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..samplers.rollout import rollout
+from ..samplers.rollout import rollout, rows_of
+from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler
 
 
@@ -21,31 +22,38 @@ def sample_and_score(
     metadata: Sequence[dict[str, Any]],
     noise: Tensor,
     sigmas: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     guidance_scale: float,
     batch_size: int,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Sample prompt i from start noise ``noise[i]``, ``batch_size`` prompts at a time, and score it.
+    """Sample prompt i from start noise ``noise[i]``, ``batch_size`` prompts at a time, and score it. Every
+    batch has exactly ``batch_size`` rows (the last padded with copies of its last item, dropped unscored), so
+    a sample's bits do not depend on how many items are searched beside it.
 
     Returns the decoded samples (P, *S) on the CPU, their rewards (P,) float32 (NaN where the reward
     failed) and the reward's components (name -> (P,))."""
     samples, scores, extras = [], [], []
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
+        rows = idx + [idx[-1]] * (batch_size - len(idx))
+        streams = rows_of(generator, idx)
+        if isinstance(streams, RowGenerators):  # the padding rows draw from throw-away streams of their own
+            streams = RowGenerators(streams.generators + [torch.Generator() for _ in rows[len(idx) :]])
         traj = rollout(
             pipeline,
             sampler,
-            [prompts[i] for i in idx],
-            [metadata[i] for i in idx],
-            torch.tensor(idx),
+            [prompts[i] for i in rows],
+            [metadata[i] for i in rows],
+            torch.tensor(rows),
             sigmas,
-            generator,
+            streams,
             guidance_scale,
-            initial_noise=noise[idx],
+            initial_noise=noise[rows],
             same_noise_in_group=False,
         )
-        out = reward(traj.samples, traj.prompts, traj.metadata)
-        samples.append(traj.samples.cpu())
+        kept = traj.samples[: len(idx)]
+        out = reward(kept, traj.prompts[: len(idx)], traj.metadata[: len(idx)])
+        samples.append(kept.cpu())
         scores.append(out.scores.float().cpu())
         extras.append({k: v.float().cpu() for k, v in out.extras.items()})
     return torch.cat(samples), torch.cat(scores), {k: torch.cat([e[k] for e in extras]) for k in extras[0]}

@@ -40,8 +40,9 @@ from ..samplers.masked import (
     shift_logits,
     transfer_schedule,
 )
+from ..seeding import RowGenerators
 from ..types import MaskedLM
-from .text_best_of_n import candidate_generator
+from .text_best_of_n import candidate_streams
 from .text_candidates import MAJORITY, TextScorer, check_candidates_differ, encode_prompts
 
 
@@ -73,10 +74,11 @@ def masked_svdd(
     prompts: Sequence[str],
     m: int,
     temperature: float,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     position_scorer=None,
 ) -> MaskedSVDDResult:
-    """One completion per prompt by SVDD with ``m`` candidates per unmasking step (batch = prompts x m rows)."""
+    """One completion per prompt by SVDD with ``m`` candidates per unmasking step (batch = prompts x m rows);
+    with per-prompt streams, prompt i's m candidates draw in turn from prompt i's stream."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
     if getattr(scorer, "name", None) == MAJORITY:
@@ -89,6 +91,7 @@ def masked_svdd(
     ids, mask = encode_prompts(lm, prompts, prompt_length)
     p, length = ids.shape
     rows = torch.arange(p, device=ids.device).repeat_interleave(m)  # candidate-major within an item
+    cand_gen = generator[rows.tolist()] if isinstance(generator, RowGenerators) else generator
     ids_m, prompts_m = ids[rows], [q for q in prompts for _ in range(m)]
     attention_mask = torch.cat([mask[rows], torch.ones((p * m, sc.gen_length), dtype=mask.dtype, device=mask.device)], dim=1)
     rec = _Recorder.start(ids, sc.gen_length, lm.mask_token_id)
@@ -114,9 +117,9 @@ def masked_svdd(
                 logits = completion_logits(rec.completion, torch.arange(p, device=ids.device) * m)
             cand_logits, cand_eligible = logits[rows], eligible[rows]
             # the sampler's own transition, M times per item, drawing randomness in generate's order and shapes
-            x0 = gumbel_sample(cand_logits, temperature, generator, exclude=lm.mask_token_id)
+            x0 = gumbel_sample(cand_logits, temperature, cand_gen, exclude=lm.mask_token_id)
             log_p = _token_log_probs(cand_logits, x0)
-            scores = _scores(cand_logits, log_p, rec.completion[rows], sc.remasking, position_scorer, generator, temperature)
+            scores = _scores(cand_logits, log_p, rec.completion[rows], sc.remasking, position_scorer, cand_gen, temperature)
             scores = scores.masked_fill(~cand_eligible, float("-inf"))
             k = _num_to_unmask(scores, cand_eligible, schedule[s], sc.threshold, s == steps_per_block - 1)
             cand = _keep(rec, rows)
@@ -161,14 +164,21 @@ def masked_svdd_in_batches(
     progress=None,
 ) -> MaskedSVDDResult:
     """:func:`masked_svdd` over many prompts, ``batch_size // m`` prompts (x ``m`` candidates) at a time, each
-    chunk with a fresh generator seeded with ``seed`` as the plain evaluation draws (M = 1 reproduces it
-    exactly). ``progress``: called with the number of prompts done after each chunk."""
+    prompt with its own stream keyed by its text as the plain evaluation draws (M = 1 reproduces it exactly). ``progress``: called with the number of prompts done after each chunk."""
     chunk = max(1, batch_size // m)
     parts = []
     for i in range(0, len(prompts), chunk):
         parts.append(
             masked_svdd(
-                lm, sampler, prompt_length, scorer, prompts[i : i + chunk], m, temperature, candidate_generator(seed, 0), position_scorer
+                lm,
+                sampler,
+                prompt_length,
+                scorer,
+                prompts[i : i + chunk],
+                m,
+                temperature,
+                candidate_streams(seed, prompts[i : i + chunk], 0),
+                position_scorer,
             )
         )
         if progress is not None:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..samplers.rollout import start_noise
+from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler
 from .candidates import sample_and_score
 
@@ -35,9 +37,13 @@ class NoiseSearchResult:
     evaluations: int  # samples generated and scored per item: 1 + rounds * neighbors
 
 
-def _neighbors(pivot: Tensor, n: int, step: float, generator: torch.Generator) -> Tensor:
-    """(n, P, *S) candidates sqrt(1 - step^2) pivot + step d around every pivot."""
-    d = torch.stack([torch.randn(pivot.shape, generator=generator) for _ in range(n)]).to(pivot.device)
+def _neighbors(pivot: Tensor, n: int, step: float, generator: torch.Generator | RowGenerators) -> Tensor:
+    """(n, P, *S) candidates sqrt(1 - step^2) pivot + step d around every pivot (with per-item streams, item i's
+    directions from item i's stream)."""
+    if isinstance(generator, RowGenerators):
+        d = torch.stack([generator.randn(tuple(pivot.shape)) for _ in range(n)]).to(pivot.device)
+    else:
+        d = torch.stack([torch.randn(pivot.shape, generator=generator) for _ in range(n)]).to(pivot.device)
     return math.sqrt(max(0.0, 1.0 - step**2)) * pivot + step * d
 
 
@@ -52,9 +58,9 @@ def zero_order_search(
     neighbors: int,
     step: float,
     sigmas: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     guidance_scale: float = 1.0,
-    batch_size: int = 64,
+    batch_size: int = 16,
     initial_noise: Tensor | None = None,
 ) -> NoiseSearchResult:
     """Search the start noise of each prompt's sample with ``rounds`` x ``neighbors`` evaluations (see the module docstring)."""
@@ -68,7 +74,7 @@ def zero_order_search(
         )
         return samples, torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
 
-    pivot = (initial_noise if initial_noise is not None else pipeline.initial_noise(p, generator)).float()
+    pivot = (initial_noise if initial_noise is not None else start_noise(pipeline, p, generator)).float()
     best_samples, best_scores = evaluate(pivot)
     history = [best_scores.clone()]
     for _ in range(rounds):

@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..samplers.rollout import rows_of, start_noise
+from ..seeding import RowGenerators
 from ..types import Condition, Pipeline, Sampler, index_condition
 
 
@@ -47,7 +49,7 @@ def svdd_sample(
     metadata: Sequence[dict[str, Any]],
     m: int,
     sigmas: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     guidance_scale: float = 1.0,
     initial_noise: Tensor | None = None,
 ) -> SVDDResult:
@@ -62,13 +64,14 @@ def svdd_sample(
     cond_m = _repeat(cond, m)
     prompts_m = [q for q in prompts for _ in range(m)]
     metadata_m = [d for d in metadata for _ in range(m)]
-    x = (initial_noise if initial_noise is not None else pipeline.initial_noise(p, generator)).float()
+    x = (initial_noise if initial_noise is not None else start_noise(pipeline, p, generator)).float()
     output = pipeline.predict(x, sigmas[0], cond, guidance_scale)
     step_scores = []
     for k in range(sigmas.shape[0] - 1):
         sigma, sigma_next = sigmas[k], sigmas[k + 1]
         rows = torch.arange(p).repeat_interleave(m)
-        candidates = sampler.step(output[rows], x[rows], sigma, sigma_next, generator=generator).x_next  # (P*M, *S)
+        # with per-item streams, item i's M candidates draw in turn from item i's stream
+        candidates = sampler.step(output[rows], x[rows], sigma, sigma_next, generator=rows_of(generator, rows)).x_next  # (P*M, *S)
         if float(sigma_next) > 0:
             look = pipeline.predict(candidates, sigma_next, cond_m, guidance_scale)
             x0_hat = sampler.deterministic_step(look, candidates, sigma_next, torch.zeros_like(sigma_next))
@@ -95,7 +98,7 @@ def svdd_in_batches(
     metadata: Sequence[dict[str, Any]],
     m: int,
     sigmas: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RowGenerators,
     guidance_scale: float,
     batch_size: int,
     initial_noise: Tensor,
@@ -112,7 +115,7 @@ def svdd_in_batches(
             metadata[i : i + chunk],
             m,
             sigmas,
-            generator,
+            rows_of(generator, slice(i, i + chunk)),
             guidance_scale,
             initial_noise=initial_noise[i : i + chunk],
         )

@@ -10,9 +10,9 @@ The run's reward (for math: the gold-answer grader) then measures the kept compl
 accuracy of the rule. pass@N, whether *any* of the N candidates is right, is the same grader choosing
 with the answer in hand: an oracle upper bound, reported under its own name and never as accuracy.
 
-Candidate 0 of every item is exactly the completion the plain held-out evaluation draws at the same
-temperature (same batches, same generator seeded with ``seed`` per batch), so every rule at N = 1 equals
-the plain evaluation (tested); candidate j > 0 draws from the stream keyed by (seed, j). The curves use
+Candidate j of an item draws from its own stream keyed by (seed, the prompt's text, j), so candidate 0 is
+exactly the completion the plain held-out evaluation draws at the same temperature and every rule at N = 1
+equals the plain evaluation (tested), whatever the batching and whichever other items are evaluated. The curves use
 nested subsets (the first k candidates), as the image best-of-N does, so every point is a real
 selection among the completions the next point also sees.
 """
@@ -92,9 +92,11 @@ def _finite_mean(x: Tensor) -> float:
     return float(finite.double().mean()) if len(finite) else float("nan")
 
 
-def candidate_generator(seed: int, j: int) -> torch.Generator:
-    """Candidate 0: the plain evaluation's generator (seeded with ``seed``); candidate j: the keyed stream (seed, j)."""
-    return torch.Generator().manual_seed(seed) if j == 0 else seeding.torch_generator(seed, j, 0, "eval")
+def candidate_streams(seed: int, prompts: Sequence[str], j: int) -> seeding.RowGenerators:
+    """Candidate j of each prompt: its own stream keyed by (seed, the prompt's text, j); candidate 0 is the plain
+    evaluation's draw. A diffusion LM's item is keyed by its prompt alone: its metadata (the gold answer) never
+    conditions the generation."""
+    return seeding.RowGenerators.by_content(seed, prompts, [{}] * len(prompts), [j] * len(prompts))
 
 
 @torch.no_grad()
@@ -131,8 +133,9 @@ def text_best_of_n(
         for start in range(0, p, batch_size):
             idx = list(range(start, min(start + batch_size, p)))
             batch_prompts, batch_meta = [prompts[i] for i in idx], [metadata[i] for i in idx]
-            # a fresh generator per batch, as the plain evaluation draws: candidate 0 is its completion
-            traj = generate_texts(lm, batch_prompts, sampler, prompt_length, temperature, candidate_generator(seed, j), position_scorer)
+            # per-item streams, as the plain evaluation draws: candidate 0 is its completion
+            streams = candidate_streams(seed, batch_prompts, j)
+            traj = generate_texts(lm, batch_prompts, sampler, prompt_length, temperature, streams, position_scorer)
             ll = traj.token_log_probs.double().sum(1).cpu()
             for i, text in zip(idx, traj.completions):
                 completions[i].append(text)
@@ -150,4 +153,4 @@ def text_best_of_n(
     return TextBestOfN(completions=completions, answers=answers, scores=scores, graded=graded, components=components)
 
 
-__all__: Sequence[str] = ["ORACLE", "TextBestOfN", "candidate_generator", "text_best_of_n"]
+__all__: Sequence[str] = ["ORACLE", "TextBestOfN", "candidate_streams", "text_best_of_n"]

@@ -27,7 +27,7 @@ from ..reward_models.gradients import reward_and_gradient
 from ..run_logger import nanmean
 from ..samplers import ODEConfig, build_sampler
 from ..samplers.branching import branched_rollout, trained_steps
-from ..samplers.rollout import keyed_noise, rollout, sample, sde_window
+from ..samplers.rollout import keyed_noise, rollout, sample, sde_window, start_noise
 from ..types import PAIRED_ROWS, Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..visualize import save_grid, save_points, save_videos
 
@@ -304,29 +304,23 @@ class ImageModality:
         (eval.judge) scores the same samples, and ``eval/diversity`` is their seed diversity per prompt.
         Returns (metrics, the first ``log.grid_prompts`` prompts' samples for the grid)."""
         held = self.held_out
-        gen = held.generator()
-        noise = self.pipeline.initial_noise(len(held), gen)
+        gen = held.generator()  # per-item streams keyed by the prompt's content (evaluation/held_out.py)
+        noise = start_noise(self.pipeline, len(held), gen)
         mine = list(range(rank, len(held), world))
         self.pipeline.denoiser.eval()
-        traj = rollout(
-            self.pipeline,
-            self.eval_sampler,
-            [held.prompts[i] for i in mine],
-            [held.metadata[i] for i in mine],
-            torch.tensor(mine),
-            held.sigmas,
-            gen,
-            held.guidance_scale,
-            initial_noise=noise[mine],
-        )
-        out = reward(traj.samples, traj.prompts, traj.metadata)
-        judged = judge(traj.samples, traj.prompts, traj.metadata) if judge is not None else None
+        # eval.batch_size rows per denoiser call, the last call padded: every sample is computed in a batch of the
+        # same shape, so its bits do not depend on which other items are evaluated beside it
+        size = self.config.eval.batch_size
+        samples = torch.cat([self._eval_rows(held, noise, gen, mine[start : start + size], size) for start in range(0, len(mine), size)])
+        prompts, metadata = [held.prompts[i] for i in mine], [held.metadata[i] for i in mine]
+        out = reward(samples, prompts, metadata)
+        judged = judge(samples, prompts, metadata) if judge is not None else None
         local = [
             (
                 i,
                 float(out.scores[j]),
                 {k: float(v[j]) for k, v in out.extras.items()},
-                traj.samples[j].cpu(),
+                samples[j].cpu(),
                 {"mean": float(judged.scores[j]), **{k: float(v[j]) for k, v in judged.extras.items()}} if judged is not None else {},
             )
             for j, i in enumerate(mine)
@@ -341,6 +335,25 @@ class ImageModality:
         metrics["eval/diversity"] = seed_diversity(samples, self.config.eval.samples_per_prompt)
         grid = samples[: self.config.log.grid_prompts * self.config.eval.samples_per_prompt]
         return metrics, grid
+
+    def _eval_rows(self, held: HeldOut, noise: torch.Tensor, gen: seeding.RowGenerators, rows: list[int], size: int) -> torch.Tensor:
+        """The evaluation samples of held-out items ``rows``, sampled in one batch of ``size`` rows: the rows past
+        ``rows`` repeat its last item with fresh streams of their own, and are dropped."""
+        pad = [rows[-1]] * (size - len(rows))
+        streams = seeding.RowGenerators(gen[rows].generators + held.generator()[pad].generators)
+        everything = rows + pad
+        traj = rollout(
+            self.pipeline,
+            self.eval_sampler,
+            [held.prompts[i] for i in everything],
+            [held.metadata[i] for i in everything],
+            torch.tensor(everything),
+            held.sigmas,
+            streams,
+            held.guidance_scale,
+            initial_noise=noise[everything],
+        )
+        return traj.samples[: len(rows)]
 
     def save_eval_samples(self, grid: torch.Tensor, run_dir: Path, step: int, tag: str | None) -> None:
         if grid.ndim == 2:  # points (the 2-D toy): a scatter plot

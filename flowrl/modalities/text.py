@@ -16,6 +16,7 @@ from ..checkpoint import atomic_path
 from ..config import Config
 from ..errors import FlowRLError
 from ..evaluation.held_out import eval_pool
+from ..inference.text_best_of_n import candidate_streams
 from ..inference.text_candidates import generate_texts
 from ..objectives import BuildContext, build_objective
 from ..pipelines import build_pipeline
@@ -127,7 +128,10 @@ class TextModality:
         for start in range(0, len(mine), self.config.rollout.batch_size):
             idx = mine[start : start + self.config.rollout.batch_size]
             prompts, meta = [items[i][0] for i in idx], [items[i][1] for i in idx]
-            traj = self._generate(prompts, self.config.sampler.eval_temperature, torch.Generator().manual_seed(self.config.eval.seed))
+            # per-item streams keyed by the prompt's text: a prompt's completion does not depend on its batch or
+            # on which other prompts are evaluated (the candidate 0 of best-of-N and SVDD)
+            streams = candidate_streams(self.config.eval.seed, prompts, 0)
+            traj = self._generate(prompts, self.config.sampler.eval_temperature, streams)
             out = reward(traj.completions, prompts, meta)
             judged = judge(traj.completions, prompts, meta) if judge is not None else None  # eval.judge: logged as eval/judge/*
             for j, i in enumerate(idx):

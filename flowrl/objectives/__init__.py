@@ -23,6 +23,8 @@ OBJECTIVES = Registry(
         "seppo": "flowrl.objectives.seppo:SePPOConfig",
         "adjoint_matching": "flowrl.objectives.adjoint_matching:AdjointMatchingConfig",
         "diffusion_nft": "flowrl.objectives.diffusion_nft:DiffusionNFTConfig",
+        "flow_dppo": "flowrl.objectives.flow_dppo:FlowDPPOConfig",
+        "awm": "flowrl.objectives.awm:AWMConfig",
         # diffusion language models (modality "text")
         "diffu_grpo": "flowrl.objectives.dllm.policy:DiffuGRPOConfig",
         "unigrpo": "flowrl.objectives.dllm.policy:UniGRPOConfig",

@@ -43,6 +43,12 @@ def resolve_device(spec: str, key: str = "pipeline.device") -> torch.device | No
     return device
 
 
+def device_for(spec: str) -> torch.device:
+    """``pipeline.device`` honoured exactly (refused when this machine lacks it); ``auto``: a GPU when present."""
+    device = resolve_device(spec)
+    return device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 class LoraConfig(Section):
     """``pipeline.lora``: train low-rank adapters (peft) instead of the whole denoiser / language model."""
 

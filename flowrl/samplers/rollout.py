@@ -48,6 +48,15 @@ def keyed_noise(pipeline: Pipeline, generators: RowGenerators) -> Tensor:
     return torch.cat([pipeline.initial_noise(1, g) for g in generators.generators])
 
 
+def start_noise(pipeline: Pipeline, count: int, generator: torch.Generator | RowGenerators) -> Tensor:
+    """``count`` initial noises: from one generator in turn, or row b from per-row stream b (``keyed_noise``)."""
+    if isinstance(generator, RowGenerators):
+        if len(generator) != count:
+            raise ValueError(f"{count} initial noises asked of {len(generator)} row streams")
+        return keyed_noise(pipeline, generator)
+    return pipeline.initial_noise(count, generator)
+
+
 def rows_of(generator: torch.Generator | RowGenerators, index) -> torch.Generator | RowGenerators:
     """The streams of the rows ``index`` (a slice or indices): a per-row generator is cut with the batch;
     a single generator serves every chunk in turn."""

@@ -1,0 +1,212 @@
+"""The evaluation spec: one complete, versioned record of what an evaluation number depends on.
+
+Every evaluation flowrl prints (training-time, ``flowrl eval``, best-of-N, SVDD) carries one: the model and
+a hash of the weights it evaluated, the sampler and its parameters, steps, guidance, resolution or generation
+length, seeds, the prompt set and its hash, the reward and judge, the library versions, the whole resolved
+config, and the result at full precision. ``flowrl eval --spec FILE`` reads it back (from a spec file, a run's
+summary.json or eval_spec.json, or a line ``flowrl eval`` printed), re-runs exactly that evaluation and says
+whether the number came back bit for bit, and which recorded fields differ when it did not (docs/reproducibility.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import sys
+from collections.abc import Iterable
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FlowRLError
+from ..seeding import content_key
+
+SPEC_FORMAT = "flowrl.eval_spec"
+SPEC_VERSION = 1
+# the libraries whose code computes an evaluation number; a different version may move its bits
+LIBRARIES = ("flowrl", "torch", "diffusers", "transformers", "peft", "accelerate", "numpy", "safetensors")
+# fields that describe the machine rather than the evaluation: a difference there is reported, never refused
+ENVIRONMENT_FIELDS = ("environment",)
+
+
+def weights_sha256(modules: Iterable[tuple[str, torch.nn.Module]]) -> str:
+    """sha256 over every tensor of the named modules' state dicts (name, dtype, shape and raw bytes, in name
+    order): the weights an evaluation actually ran, base and fine-tuned parts alike. Reads every weight once."""
+    digest = hashlib.sha256()
+    for prefix, module in modules:
+        state = module.state_dict()
+        for name in sorted(state):
+            tensor = state[name]
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if hasattr(tensor, "full_tensor"):  # a sharded (FSDP2 DTensor) parameter: its full value
+                tensor = tensor.full_tensor()
+            data = tensor.detach().to("cpu").contiguous()
+            digest.update(f"{prefix}{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def prompt_set_sha256(prompts: list[str], metadata: list[dict[str, Any]]) -> str:
+    """sha256 of the ordered held-out items, each named by its content key (its prompt and plain metadata)."""
+    return hashlib.sha256(",".join(f"{content_key(p, m):032x}" for p, m in zip(prompts, metadata, strict=True)).encode()).hexdigest()
+
+
+def environment() -> dict[str, Any]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            versions[name] = None
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
+    return {
+        "versions": versions,
+        "python": platform.python_version(),
+        "platform": f"{sys.platform}-{platform.machine()}",
+        "device": device,
+        "torch_threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def reward_description(reward) -> dict[str, Any] | None:
+    """The reward's components and the classes that compute them (their code is versioned by the library
+    versions in the environment); None when there is no reward (no judge configured)."""
+    if reward is None:
+        return None
+    components = getattr(reward, "components", None)
+    parts = components.items() if isinstance(components, dict) else [(getattr(reward, "name", "reward"), reward)]
+    return {
+        name: f"{type(part).__module__}.{type(part).__qualname__}"
+        + (f" {part.version}" if isinstance(getattr(part, "version", None), str) else "")
+        for name, part in parts
+    }
+
+
+def build_spec(
+    config,
+    *,
+    method: dict[str, Any],
+    checkpoint: Path | None,
+    weights: str | None,
+    sampler: dict[str, Any],
+    prompts: list[str],
+    metadata: list[dict[str, Any]],
+    reward,
+    judge,
+    result: dict[str, float],
+    sample_shape: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
+    """The spec of one evaluation (see the module docstring). ``method``: {"name": "plain" | "best_of" | "svdd",
+    and its parameters}; ``sampler``: its name and parameters; ``result``: the metrics at full precision;
+    ``sample_shape``: one sample's shape (channels, [frames,] height, width), the resolution actually sampled."""
+    from ..config import eval_steps_and_guidance
+
+    text = config.pipeline.modality == "text"
+    if text:
+        sc = config.sampler
+        generation = {
+            "gen_length": sc.gen_length,
+            "steps": sc.steps,
+            "block_length": sc.block_length,
+            "temperature": sc.eval_temperature,
+            "remasking": sc.remasking,
+            "threshold": sc.threshold,
+        }
+    else:
+        steps, guidance = eval_steps_and_guidance(config)
+        pc = config.pipeline.model_dump(mode="json")
+        generation = {
+            "steps": steps,
+            "guidance_scale": guidance,
+            "resolution": {k: pc[k] for k in ("height", "width", "num_frames") if pc.get(k) is not None} or "the model's default",
+            "sample_shape": list(sample_shape) if sample_shape is not None else None,
+        }
+    return {
+        "format": SPEC_FORMAT,
+        "version": SPEC_VERSION,
+        "method": method,
+        "model": {
+            "family": config.pipeline.name,
+            "pretrained": config.pipeline.pretrained,
+            "revision": getattr(config.pipeline, "revision", None),
+            "checkpoint": str(checkpoint) if checkpoint is not None else None,
+            "weights_sha256": weights,
+        },
+        "sampler": sampler,
+        "generation": generation,
+        "seeds": {
+            "eval_seed": config.eval.seed,
+            "samples_per_prompt": 1 if text else config.eval.samples_per_prompt,
+            "batch_size": config.rollout.batch_size if text else config.eval.batch_size,
+            "noise": "per item, keyed by the prompt's content and the sample index",
+        },
+        "prompts": {
+            "source": config.prompts.model_dump(mode="json"),
+            "count": len(prompts),
+            "sha256": prompt_set_sha256(prompts, metadata),
+        },
+        "reward": {"config": config.reward.model_dump(mode="json"), "components": reward_description(reward)},
+        "judge": (
+            {"config": config.eval.judge.model_dump(mode="json"), "components": reward_description(judge)}
+            if config.eval.judge is not None
+            else None
+        ),
+        "environment": environment(),
+        "config": config.model_dump(mode="json"),
+        # NaN as null, as every JSON flowrl writes has it: a re-run compares like with like
+        "result": {k: None if v is None or math.isnan(float(v)) else float(v) for k, v in result.items()},
+    }
+
+
+def read_spec(path: str | Path) -> dict[str, Any]:
+    """The spec in ``path``: a spec file, a run's summary.json (its ``eval_spec``), or the output of ``flowrl
+    eval`` (the last JSON line holding a ``spec``)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FlowRLError(f"spec file '{path}' does not exist.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FlowRLError(f"could not read spec file '{path}': {e}.") from None
+    candidates: list[Any] = []
+    try:
+        candidates.append(json.loads(text))
+    except json.JSONDecodeError:
+        for line in text.splitlines():  # the output of flowrl eval: text lines and one JSON line
+            if line.lstrip().startswith("{"):
+                try:
+                    candidates.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    for record in reversed(candidates):
+        if not isinstance(record, dict):
+            continue
+        spec = record if record.get("format") == SPEC_FORMAT else record.get("spec") or record.get("eval_spec")
+        if isinstance(spec, dict) and spec.get("format") == SPEC_FORMAT:
+            if spec.get("version") != SPEC_VERSION:
+                raise FlowRLError(
+                    f"'{path}' holds an evaluation spec of version {spec.get('version')}; this flowrl reads version {SPEC_VERSION}."
+                )
+            return spec
+    raise FlowRLError(f"'{path}' holds no flowrl evaluation spec (a spec file, a run's summary.json or a `flowrl eval` output line).")
+
+
+def differences(recorded: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted names of the fields that differ between two specs (the result excluded), each with both values."""
+    found = []
+    for key in sorted(set(recorded) | set(now)):
+        if not prefix and key == "result":
+            continue
+        a, b = recorded.get(key), now.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += differences(a, b, name + ".")
+        elif a != b:
+            found.append(f"{name}: {json.dumps(a)} -> {json.dumps(b)}")
+    return found
