@@ -832,10 +832,16 @@ def server_case(kind: str, work: Path, ref: dict[str, Any], point: str = "score@
 
 
 # -- the whole sweep ----------------------------------------------------------------------------------------------------
+PLACEHOLDERS = {"<run>": "runs/x", "<url>": "http://127.0.0.1:PORT", "<out>": "exported", "|": "/"}  # markdown shows no <...>
+
+
 def markdown(results: list[Result]) -> str:
     rows = ["| fault | case | result |", "|---|---|---|"]
     for r in results:
-        rows.append(f"| {r.group} | {r.case} | {'survived' if r.survived else '**FAILED**'}: {r.detail.replace('|', '/')} |")
+        detail = r.detail
+        for placeholder, shown in PLACEHOLDERS.items():
+            detail = detail.replace(placeholder, shown)
+        rows.append(f"| {r.group} | {r.case} | {'survived' if r.survived else '**FAILED**'}: {detail} |")
     return "\n".join(rows) + "\n"
 
 

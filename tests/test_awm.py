@@ -75,7 +75,7 @@ def test_grid_times_are_interior_grid_points_distinct_per_sample():
 
 def test_two_iterations_with_ode_rollouts(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(
-        fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.num_times": 2}), AWM
+        fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.num_times": 2, "objective.beta": 0.0}), AWM
     )
     assert trainer.sampler.name == "ode" and not trainer.sampler.stochastic and not trainer.objective.needs_log_probs
     rows = trainer.logger.records()
@@ -98,7 +98,7 @@ def test_two_iterations_with_sde_rollouts_grid_times_ghuber_and_reference(tmp_pa
 
 def test_registered_and_config_refuses_bad_values():
     assert "awm" in OBJECTIVES.builtin_names()
-    assert load_config(AWM).objective.name == "awm"
+    assert load_config(AWM).objective.name == "awm" and AWMConfig().beta == 0.0  # plain AWM by default
     with pytest.raises(FlowRLError, match="objective.weighting"):
         load_config(AWM, ["objective.weighting=huber2"])
     with pytest.raises(FlowRLError, match="objective.num_times"):

@@ -139,7 +139,7 @@ def test_two_iterations_through_the_trainer(tmp_path, one_thread):
 def test_registered_and_config_refuses_bad_values():
     assert "flow_dppo" in OBJECTIVES.builtin_names()
     config = load_config(DPPO)
-    assert config.objective.name == "flow_dppo" and config.objective.kl_threshold == 1e-7
+    assert config.objective.name == "flow_dppo" and config.objective.kl_threshold == 1e-4  # the preset: tuned to digits
     assert FlowDPPOConfig().kl_threshold == 1e-7 and math.isclose(FlowDPPOConfig().std_eps, 1e-4)
     with pytest.raises(FlowRLError, match="objective.kl_threshold"):
         load_config(DPPO, ["objective.kl_threshold=-1"])
