@@ -433,6 +433,21 @@ def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None,
     }
 
 
+def _one_score_search(config, checkpoint: Path | None, flag: str, what: str, count: int, select: str | None):
+    """What the diffusion-LM searches that value each candidate by one score (SVDD, SMC) share: the rule checked,
+    its scorer, the model and its grader, the held-out prompts and metadata."""
+    from .inference.text_candidates import build_scorers, check_candidates_differ
+
+    rules = _text_rules(select, "likelihood")
+    if len(rules) != 1 or rules[0] == "majority":
+        raise FlowRLError(f"{flag} {what} by one score (likelihood, a reward's name or reward), got --select {select}.")
+    check_candidates_differ(flag, count, config.sampler.eval_temperature, config.sampler.remasking)
+    scorer = build_scorers(rules, config.reward)[0]
+    modality, grader = text_model(config, checkpoint)
+    prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
+    return rules, scorer, modality, grader, prompts, metadata
+
+
 def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out: Path) -> dict:
     import json
 
@@ -440,15 +455,8 @@ def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out:
 
     from .checkpoint import atomic_path
     from .inference.masked_svdd import masked_svdd_in_batches
-    from .inference.text_candidates import build_scorers, check_candidates_differ
 
-    rules = _text_rules(select, "likelihood")
-    if len(rules) != 1 or rules[0] == "majority":
-        raise FlowRLError(f"--svdd values each candidate by one score (likelihood, a reward's name or reward), got --select {select}.")
-    check_candidates_differ("--svdd", m, config.sampler.eval_temperature, config.sampler.remasking)
-    scorer = build_scorers(rules, config.reward)[0]
-    modality, grader = text_model(config, checkpoint)
-    prompts, metadata = [p for p, _ in modality.eval_pool], [m_ for _, m_ in modality.eval_pool]
+    rules, scorer, modality, grader, prompts, metadata = _one_score_search(config, checkpoint, "--svdd", "values each candidate", m, select)
     with tqdm(total=len(prompts), desc=f"svdd-{m}", unit="item", disable=None) as bar:
         result = masked_svdd_in_batches(
             modality.pipeline,
@@ -502,17 +510,10 @@ def _text_smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
     from .checkpoint import atomic_path
     from .inference.masked_smc import masked_smc_in_batches
     from .inference.smc import _weighted_mean
-    from .inference.text_candidates import build_scorers, check_candidates_differ
 
     n, lam, threshold, select = method["n"], float(method["lambda"]), float(method["ess_threshold"]), method.get("select")
     tempering, resampling = method.get("tempering", "linear"), method.get("resampling", "systematic")
-    rules = _text_rules(select, "likelihood")
-    if len(rules) != 1 or rules[0] == "majority":
-        raise FlowRLError(f"--smc weights each particle by one score (likelihood, a reward's name or reward), got --select {select}.")
-    check_candidates_differ("--smc", n, config.sampler.eval_temperature, config.sampler.remasking)
-    scorer = build_scorers(rules, config.reward)[0]
-    modality, grader = text_model(config, checkpoint)
-    prompts, metadata = [p for p, _ in modality.eval_pool], [m_ for _, m_ in modality.eval_pool]
+    rules, scorer, modality, grader, prompts, metadata = _one_score_search(config, checkpoint, "--smc", "weights each particle", n, select)
     with tqdm(total=len(prompts), desc=f"smc-{n}", unit="item", disable=None) as bar:
         result = masked_smc_in_batches(
             modality.pipeline,
