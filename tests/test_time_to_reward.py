@@ -123,8 +123,11 @@ def test_bench_counts_denoiser_work_by_hand(one_thread):
     # rollout: one call per step on all 4 rows; update: every step trained, one minibatch of 4 -> 3 calls, each backpropagated
     assert (end["rollout_forward_calls"], end["rollout_forwards"]) == (3, 3 * 4)
     assert (end["train_forward_calls"], end["train_forwards"], end["train_backwards"]) == (3, 3 * 4, 3 * 4)
-    # two evaluations (before training and after iteration 1), 3 ODE steps on 20 rows each, no gradient
-    assert full["eval_work"] == {"eval_forward_calls": 2 * 3, "eval_forwards": 2 * 3 * n_eval, "eval_backwards": 0}
+    # two evaluations (before training and after iteration 1), 3 ODE steps on the 20 rows each, no gradient; every
+    # call has exactly eval.batch_size rows (the last one padded), so 20 rows are 2 calls of 16 a step
+    size = 16
+    calls = math.ceil(n_eval / size)
+    assert full["eval_work"] == {"eval_forward_calls": 2 * 3 * calls, "eval_forwards": 2 * 3 * calls * size, "eval_backwards": 0}
     # A 2-step SDE window: the rollout still runs 3 steps, the update only the 2 stochastic ones.
     window = bench.run_method("fast_window", 0, math.inf, 1, 1, tiny)["curve"][-1]
     assert (window["rollout_forwards"], window["train_forwards"], window["train_backwards"]) == (3 * 4, 2 * 4, 2 * 4)
