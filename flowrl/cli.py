@@ -94,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
         "reward at N = 1, 2, 4, ... and writes the chosen samples' grid to --out",
     )
     e.add_argument(
+        "--stop-at",
+        type=float,
+        default=None,
+        metavar="REWARD",
+        help="(--best-of, image and video models) stop an item's search once a candidate's reward reaches REWARD; "
+        "prints the candidates drawn per item",
+    )
+    e.add_argument(
         "--svdd",
         type=int,
         default=None,
@@ -255,6 +263,8 @@ def _check_arguments(args) -> None:
             raise FlowRLError(f"--smc-lambda must be a finite number, got {args.smc_lambda}.")
         if args.smc_ess_threshold is not None and not 0 <= args.smc_ess_threshold <= 1:
             raise FlowRLError(f"--smc-ess-threshold is a fraction of the particles, in [0, 1]; got {args.smc_ess_threshold}.")
+        if args.stop_at is not None and (args.best_of is None or not math.isfinite(args.stop_at)):
+            raise FlowRLError(f"--stop-at ends a --best-of search at a finite reward; give --best-of N and a number, got {args.stop_at}.")
         if args.smc is None and args.spec is None and (args.smc_lambda is not None or args.smc_ess_threshold is not None):
             raise FlowRLError("--smc-lambda and --smc-ess-threshold set up --smc; give --smc N too.")
     if args.command in ("serve-reward", "label") and args.port is not None and not 0 <= args.port <= 65535:
@@ -345,7 +355,7 @@ def _eval(args) -> int:
     from .run_logger import json_line
 
     if args.spec is not None:
-        searches = (args.best_of, args.svdd, args.smc, args.smc_lambda, args.smc_ess_threshold, args.select)
+        searches = (args.best_of, args.stop_at, args.svdd, args.smc, args.smc_lambda, args.smc_ess_threshold, args.select)
         if args.source is not None or args.overrides or any(v is not None for v in searches):
             raise FlowRLError(
                 "--spec re-runs the recorded evaluation as it was; give it alone (no source, overrides, --best-of, --svdd, --smc or --select)."
@@ -364,7 +374,7 @@ def _eval(args) -> int:
     if config.pipeline.modality != "text" and args.select is not None:
         raise FlowRLError("--select chooses among a diffusion LM's completions; image best-of-N, SVDD and SMC select by the run's reward.")
     if args.best_of is not None:
-        method = {"name": "best_of", "n": args.best_of}
+        method = {"name": "best_of", "n": args.best_of, **({"stop_at": args.stop_at} if args.stop_at is not None else {})}
     elif args.svdd is not None:
         method = {"name": "svdd", "m": args.svdd}
     elif args.smc is not None:

@@ -21,7 +21,11 @@ def run_evaluation(config, checkpoint: Path | None, method: dict, out: Path) -> 
     text = config.pipeline.modality == "text"
     name = method.get("name")
     if name == "best_of":
-        return (_text_best_of_n if text else _best_of_n)(config, checkpoint, method["n"], *([method.get("select")] if text else []), out)
+        if text and method.get("stop_at") is not None:
+            raise FlowRLError("--stop-at is for image and video models; a diffusion LM's best-of-N selects without a verifier.")
+        if text:
+            return _text_best_of_n(config, checkpoint, method["n"], method.get("select"), out)
+        return _best_of_n(config, checkpoint, method["n"], out, method.get("stop_at"))
     if name == "svdd":
         return (_text_svdd if text else _svdd)(config, checkpoint, method["m"], *([method.get("select")] if text else []), out)
     if name == "smc":
@@ -158,7 +162,7 @@ def _search_spec(
     )
 
 
-def _best_of_n(config, checkpoint: Path | None, n: int, out: Path) -> dict:
+def _best_of_n(config, checkpoint: Path | None, n: int, out: Path, stop_at: float | None = None) -> dict:
     import torch
 
     from .inference.best_of_n import best_of_n
@@ -176,20 +180,30 @@ def _best_of_n(config, checkpoint: Path | None, n: int, out: Path) -> dict:
         held.generator(),
         held.guidance_scale,
         config.eval.batch_size,
+        stop_at=stop_at,
     )
     curve = result.scaling_curve()
     print(f"best-of-N on {len(result.best)} held-out items ({config.eval.samples_per_prompt} per prompt):")
     for k, v in curve.items():
         print(f"  N = {k:4d}   eval reward {v:.4f}")
+    steps = held.sigmas.numel() - 1
+    draws = float(result.draws.double().mean())
+    if stop_at is not None:
+        print(
+            f"  stopping at reward {stop_at:g}: {draws:.2f} candidates drawn per item ({draws * steps:.1f} denoiser rows, {draws:.2f} reward calls)"
+        )
     save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
     exact = {
         **{f"eval/reward/mean@{k}": v for k, v in curve.items()},
         **{f"eval/reward/{k}@{n}": float(v[torch.isfinite(v)].mean()) for k, v in result.components.items()},
+        # counted cost per item: candidates drawn (= reward calls), and denoiser rows (steps per candidate, no padding)
+        f"eval/best_of{n}/draws_per_item": draws,
+        f"eval/best_of{n}/denoiser_rows_per_item": draws * steps,
     }
     spec = _search_spec(
         config,
         checkpoint,
-        {"name": "best_of", "n": n},
+        {"name": "best_of", "n": n, **({"stop_at": stop_at} if stop_at is not None else {})},
         [("", parts.pipeline.denoiser)],
         {"name": parts.eval_sampler.name},
         held.prompts,

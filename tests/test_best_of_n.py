@@ -1,5 +1,6 @@
 """Best-of-N on the embedded model: best-of-1 is the plain evaluation, the chosen candidate is each item's
-argmax, the scaling curve is nested (monotone), non-finite rewards are never chosen, and the CLI."""
+argmax, the scaling curve is nested (monotone), non-finite rewards are never chosen, early stopping at a reward
+(its degenerate settings, and each item's candidates unchanged by the others stopping), and the CLI."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def trainer(tmp_path_factory):
     return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("bon"), **{"eval.samples_per_prompt": 2})))
 
 
-def _best_of(trainer, n):
+def _best_of(trainer, n, stop_at=None):
     """Best-of-N on the run's held-out setting, as ``flowrl eval --best-of`` calls it."""
     from flowrl.inference.best_of_n import best_of_n
 
@@ -37,7 +38,8 @@ def _best_of(trainer, n):
         held.sigmas,
         held.generator(),
         held.guidance_scale,
-        trainer.config.rollout.batch_size,
+        trainer.config.eval.batch_size,
+        stop_at=stop_at,
     )
 
 
@@ -128,3 +130,35 @@ def test_cli_best_of_prints_the_curve(tmp_path, capsys):
     )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"eval/reward/mean@1", "eval/reward/mean@2", "eval/reward/mean@3", "eval/reward/ink@3"} <= set(last)
+
+
+def test_stopping_at_a_reward_draws_each_items_candidates_until_one_reaches_it(trainer):
+    full = _best_of(trainer, 4)
+    n_items = len(full.best)
+    never = _best_of(trainer, 4, stop_at=float("inf"))  # never reached: plain best-of-N, bit for bit
+    assert torch.equal(never.samples, full.samples) and torch.equal(never.scores, full.scores) and never.draws.eq(4).all()
+    first = _best_of(trainer, 4, stop_at=float("-inf"))  # reached at once: the plain evaluation's candidate
+    assert first.draws.eq(1).all() and first.best.eq(0).all() and torch.equal(first.scores[:, 0], full.scores[:, 0])
+    assert torch.isnan(first.scores[:, 1:]).all()
+    threshold = float(full.scores[:, 0].median())  # about half the items stop after their first candidate
+    stopped = _best_of(trainer, 4, stop_at=threshold)
+    running = full.scores.cummax(1).values
+    expected = torch.tensor([next((j + 1 for j in range(4) if running[i, j] >= threshold), 4) for i in range(n_items)])
+    assert torch.equal(stopped.draws, expected) and 0 < int((expected == 1).sum()) < n_items
+    for i in range(n_items):  # an item's candidates do not depend on which other items were still searching
+        k = int(expected[i])
+        assert torch.equal(stopped.scores[i, :k], full.scores[i, :k]) and torch.isnan(stopped.scores[i, k:]).all()
+        assert int(stopped.best[i]) == int(full.scores[i, :k].argmax())
+
+
+def test_cli_stop_at(tmp_path, capsys):
+    from flowrl.cli import main
+
+    overrides = ["eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}"]
+    assert main(["eval", str(GRPO), *overrides, "--best-of", "2", "--stop-at", "1.3", "--out", str(tmp_path / "b.png")]) == 0
+    out = capsys.readouterr().out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert "candidates drawn per item" in out and 1 <= record["eval/best_of2/draws_per_item"] <= 2
+    assert record["spec"]["method"] == {"name": "best_of", "n": 2, "stop_at": 1.3}
+    assert main(["eval", str(GRPO), "--stop-at", "1.3"]) == 2
+    assert "give --best-of N" in capsys.readouterr().err
