@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..samplers.rollout import rollout, rows_of
+from ..samplers.rollout import padded_rows, rollout
 from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler
 
@@ -35,10 +35,7 @@ def sample_and_score(
     samples, scores, extras = [], [], []
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
-        rows = idx + [idx[-1]] * (batch_size - len(idx))
-        streams = rows_of(generator, idx)
-        if isinstance(streams, RowGenerators):  # the padding rows draw from throw-away streams of their own
-            streams = RowGenerators(streams.generators + [torch.Generator() for _ in rows[len(idx) :]])
+        rows, streams = padded_rows(idx, batch_size, generator)
         traj = rollout(
             pipeline,
             sampler,

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.rollout import keyed_noise, rows_of
+from ..samplers.rollout import keyed_noise, padded_rows, rows_of
 from ..seeding import RowGenerators
 from ..types import Pipeline, Sampler
 from .svdd import _repeat
@@ -349,10 +349,7 @@ def smc_in_batches(
     parts = []
     for start in range(0, len(prompts), chunk):
         idx = list(range(start, min(start + chunk, len(prompts))))
-        padded = idx + [idx[-1]] * (chunk - len(idx))
-        streams = rows_of(generator, idx)
-        if isinstance(streams, RowGenerators):  # the padding items draw from throw-away streams of their own
-            streams = RowGenerators(streams.generators + [torch.Generator() for _ in padded[len(idx) :]])
+        padded, streams = padded_rows(idx, chunk, generator)
         parts.append(
             smc_sample(
                 pipeline,

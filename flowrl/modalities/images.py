@@ -27,7 +27,7 @@ from ..reward_models.gradients import reward_and_gradient
 from ..run_logger import nanmean
 from ..samplers import ODEConfig, build_sampler
 from ..samplers.branching import branched_rollout, trained_steps
-from ..samplers.rollout import keyed_noise, rollout, sample, sde_window, start_noise
+from ..samplers.rollout import keyed_noise, padded_rows, rollout, sample, sde_window, start_noise
 from ..types import PAIRED_ROWS, Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..visualize import save_grid, save_points, save_videos
 
@@ -337,11 +337,8 @@ class ImageModality:
         return metrics, grid
 
     def _eval_rows(self, held: HeldOut, noise: torch.Tensor, gen: seeding.RowGenerators, rows: list[int], size: int) -> torch.Tensor:
-        """The evaluation samples of held-out items ``rows``, sampled in one batch of ``size`` rows: the rows past
-        ``rows`` repeat its last item with fresh streams of their own, and are dropped."""
-        pad = [rows[-1]] * (size - len(rows))
-        streams = seeding.RowGenerators(gen[rows].generators + held.generator()[pad].generators)
-        everything = rows + pad
+        """The evaluation samples of held-out items ``rows``, sampled in one batch of ``size`` rows (padded)."""
+        everything, streams = padded_rows(rows, size, gen)
         traj = rollout(
             self.pipeline,
             self.eval_sampler,

@@ -63,6 +63,19 @@ def rows_of(generator: torch.Generator | RowGenerators, index) -> torch.Generato
     return generator[index] if isinstance(generator, RowGenerators) else generator
 
 
+def padded_rows(
+    rows: list[int], size: int, generator: torch.Generator | RowGenerators
+) -> tuple[list[int], torch.Generator | RowGenerators]:
+    """``rows`` filled up to ``size`` with copies of the last one, and their streams (the copies draw from throw-away
+    streams of their own, so the real rows' streams are not advanced): a batch of a fixed shape, whose padding the
+    caller drops, so that a row's bits do not depend on how many rows share its batch."""
+    full = rows + [rows[-1]] * (size - len(rows))
+    streams = rows_of(generator, rows)
+    if isinstance(streams, RowGenerators):
+        streams = RowGenerators(streams.generators + [torch.Generator() for _ in full[len(rows) :]])
+    return full, streams
+
+
 @torch.no_grad()
 def rollout(
     pipeline: Pipeline,
