@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -61,6 +62,9 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "fast_window": ("grpo.yaml", {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0}),
     "tempflow": ("grpo.yaml", {"objective.timestep_fraction": 1.0, "objective.step_weighting": "noise_level"}),
     "diffusion_nft": ("diffusion_nft.yaml", {}),
+    "flow_dppo": ("flow_dppo.yaml", {}),
+    "flow_dppo_window": ("flow_dppo.yaml", {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0}),
+    "awm": ("awm.yaml", {}),
 }
 
 
@@ -81,7 +85,10 @@ def method_config(method: str, seed: int, output_dir: str, overrides: dict[str, 
     settings = {
         "seed": seed,
         "output_dir": output_dir,
-        "eval.judge": None,  # no held-out judge: only evaluation time "log.progress": False, "log.trackers": [],
+        # the held-out judge (never trained on): a method that reaches the target by hacking the reward shows it
+        "eval.judge": {"components": {"digit_realism": 1.0}},
+        "log.progress": False,
+        "log.trackers": [],
         "log.grid_prompts": 1000,
     }
     for key, value in {**changes, **settings, **(overrides or {})}.items():
@@ -140,7 +147,13 @@ class DenoiserWork:
 def held_out(trainer: Trainer) -> dict[str, float]:
     """The held-out reward and its two parts (so a reward reached by ink alone, the digit lost, shows)."""
     metrics = trainer.evaluate()
-    return {"reward": metrics["eval/reward/mean"], "ink": metrics["eval/reward/ink"], "classifier": metrics["eval/reward/digit_classifier"]}
+    return {
+        "reward": metrics["eval/reward/mean"],
+        "ink": metrics["eval/reward/ink"],
+        "classifier": metrics["eval/reward/digit_classifier"],
+        "judge": metrics["eval/judge/mean"],
+        "diversity": metrics["eval/diversity"],
+    }
 
 
 def run_method(
@@ -193,6 +206,7 @@ def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) 
                 "reward": round(r["reached"]["reward"], 4),
                 "ink": round(r["reached"]["ink"], 4),
                 "classifier": round(r["reached"]["classifier"], 4),
+                "judge": round(r["reached"]["judge"], 4),
                 "forwards": r["reached"]["rollout_forwards"] + r["reached"]["train_forwards"],
                 "rollout_forwards": r["reached"]["rollout_forwards"],
                 "train_forwards": r["reached"]["train_forwards"],
@@ -214,6 +228,8 @@ def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) 
             "median_reached_reward": med("reward"),
             "median_reached_ink": med("ink"),
             "median_reached_classifier": med("classifier"),
+            "median_reached_judge": med("judge"),
+            "start_judge": round(statistics.median(r["curve"][0]["judge"] for r in mine), 4),
             "median_final_reward": round(statistics.median(r["curve"][-1]["reward"] for r in mine), 4),
             "per_seed": per_seed,
         }
@@ -264,6 +280,13 @@ def main() -> None:
     p.add_argument("--eval-samples", type=int, default=4, help="fixed seeds per held-out prompt (20 prompts)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="1 seed, full_sde and fast_window, 2 iterations on 3 steps, 8 samples, target 0")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a config key of every method's run (YAML value), e.g. --set train.learning_rate=1e-3; repeatable",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="reward-vs-time PNG")
     a = p.parse_args()
@@ -273,6 +296,11 @@ def main() -> None:
     if unknown:
         p.error(f"unknown method '{unknown[0]}'; choose from {', '.join(METHODS)}")
     overrides: dict[str, Any] = {"eval.samples_per_prompt": a.eval_samples}
+    for item in a.set:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            p.error(f"--set takes KEY=VALUE, got '{item}'")
+        overrides[key.strip()] = yaml.safe_load(value)
     if a.quick:
         # target 0: every run "reaches" it at its first evaluation, so the speedup path runs too
         methods, a.seeds, a.max_iterations, a.eval_every, a.target = [BASELINE, "fast_window"], 1, 2, 1, 0.0
@@ -295,7 +323,7 @@ def main() -> None:
             last = r["reached"] or r["curve"][-1]
             print(
                 f"seed {seed} {m:<15} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
-                f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}",
+                f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}  judge {last['judge']:.4f} (start {r['curve'][0]['judge']:.4f})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -306,12 +334,13 @@ def main() -> None:
         f"digits_flow, target held-out reward {a.target:g} (20 prompts x {overrides['eval.samples_per_prompt']} seeds, ODE); "
         f"{torch.get_num_threads()} thread(s); median of {len(seeds)} seed(s); training time only; total {total_s:.0f} s"
     )
-    print(f"{'method':<16}{'reached':>8}{'time s':>9}{'iters':>7}{'fwd rows':>10}{'bwd rows':>10}{'final rew':>11}")
+    print(f"{'method':<18}{'reached':>8}{'time s':>9}{'iters':>7}{'fwd rows':>10}{'bwd rows':>10}{'judge@tgt':>11}{'final rew':>11}")
     for m, s in summary.items():
         fmt = lambda v, w, f: f"{'-':>{w}}" if v is None else format(v, f"{w}{f}")  # noqa: E731
         print(
-            f"{m:<16}{s['seeds_reached']:>6}/{len(seeds)}{fmt(s['median_train_s'], 9, '.1f')}{fmt(s['median_iterations'], 7, '.0f')}"
-            f"{fmt(s['median_forwards'], 10, '.0f')}{fmt(s['median_backwards'], 10, '.0f')}{s['median_final_reward']:>11.4f}"
+            f"{m:<18}{s['seeds_reached']:>6}/{len(seeds)}{fmt(s['median_train_s'], 9, '.1f')}{fmt(s['median_iterations'], 7, '.0f')}"
+            f"{fmt(s['median_forwards'], 10, '.0f')}{fmt(s['median_backwards'], 10, '.0f')}{fmt(s['median_reached_judge'], 11, '.4f')}"
+            f"{s['median_final_reward']:>11.4f}"
         )
     if a.plot:
         plot(

@@ -110,6 +110,21 @@ def noise_level_step_weights(stds: Tensor) -> Tensor:
     return stds / stds.mean()
 
 
+def inverse_dt_step_weights(sigmas: Tensor, sigmas_next: Tensor) -> Tensor:
+    """GRPO-Guard's gradient re-weighting (Wang et al. 2025, arXiv:2510.22319) for the trained steps S:
+
+        w_k = (1 / |dt_k|) / ((1 / |S|) sum_{j in S} 1 / |dt_j|),   dt_k = sigma_{k+1} - sigma_k,   k in S.
+
+    A Flow-SDE step's mean moves by dt times the velocity, so the policy gradient of step k scales with |dt_k|;
+    1/|dt_k| equalises the steps of a non-uniform grid (the paper's delta = beta / dt with beta constant for
+    Flow-GRPO's SDE). The paper multiplies each step's loss by 1/dt itself; flowrl normalises the weights to
+    mean 1 over S (as noise_level_step_weights), so the loss scale, and the learning rate that suits it, stay
+    those of uniform weights: on a uniform grid every weight is exactly 1. sigmas, sigmas_next: (|S|,).
+    Returns (|S|,) float32."""
+    inv = 1.0 / (sigmas.double() - sigmas_next.double()).abs()
+    return (inv / inv.mean()).float()
+
+
 def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduction: Reduction = "mean") -> Tensor:
     """KL( N(mean, std^2 I) || N(ref_mean, std^2 I) ) = (mean - ref_mean)^2 / (2 std^2), reduced like the
     log-prob (per-dimension mean by default). Returns (B,)."""

@@ -17,11 +17,13 @@ from torch import Tensor
 
 from ..sections import ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
-from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, masked_mean, noise_level_step_weights
+from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, inverse_dt_step_weights, masked_mean, noise_level_step_weights
 
 KLForm = Literal["gaussian", "flow_grpo"]
 TimestepOrder = Literal["random", "first"]
-StepWeighting = Literal["none", "noise_level"]
+# none: every step alike; noise_level: TempFlow-GRPO's credit by transition std; inverse_dt: GRPO-Guard's gradient
+# re-weighting by 1/|dt| (with ratio_norm: GRPO-Guard in full); both normalised to mean 1 over the trained steps
+StepWeighting = Literal["none", "noise_level", "inverse_dt"]
 
 
 class AdvantageEstimator(Protocol):
@@ -94,8 +96,9 @@ class PolicyGradientObjective:
 
     Step weighting (``step_weighting="noise_level"``, TempFlow-GRPO's noise-aware weighting): the minibatch loss is
     ``(1/|S|) sum_{k in S} (w_k policy_k + beta kl_k)`` with ``w_k = s_k / mean_{j in S} s_j`` over the trained steps
-    S and s_k the transition std (functional.noise_level_step_weights); "none" is w_k = 1. Only the policy term
-    is weighted (the KL is a regulariser, not credit); ratios and their statistics are untouched.
+    S and s_k the transition std (functional.noise_level_step_weights); ``"inverse_dt"`` (GRPO-Guard's gradient
+    re-weighting) is ``w_k = (1/|dt_k|) / mean_{j in S} (1/|dt_j|)`` (functional.inverse_dt_step_weights); "none"
+    is w_k = 1. Only the policy term is weighted (the KL is a regulariser, not credit); ratios and their statistics are untouched.
     """
 
     name: str
@@ -131,7 +134,7 @@ class PolicyGradientObjective:
         steps = choose_train_steps(batch.stochastic, self.timestep_fraction, self.timestep_order, generator)
         advantages = batch.advantages.to(batch.latents.device)
         valid = torch.isfinite(batch.rewards) if batch.rewards is not None else None
-        weights = noise_level_step_weights(transition_stds(sampler, batch, steps)) if self.step_weighting == "noise_level" else None
+        weights = self._step_weights(sampler, batch, steps)
         for i, k in enumerate(steps):
             x, x_next = batch.latents[:, k], batch.latents[:, k + 1]
             sigma, sigma_next = batch.sigmas[k], batch.sigmas[k + 1]
@@ -154,6 +157,15 @@ class PolicyGradientObjective:
                 loss = loss + self.beta * kl
                 metrics["loss/kl"] = kl.detach()
             yield LossOutput(loss=loss / len(steps), metrics=metrics)
+
+    def _step_weights(self, sampler: Sampler, batch: Trajectory, steps: list[int]) -> Tensor | None:
+        """Each trained step's policy-term weight (mean 1 over ``steps``), or None for ``step_weighting: none``."""
+        if self.step_weighting == "noise_level":
+            return noise_level_step_weights(transition_stds(sampler, batch, steps))
+        if self.step_weighting == "inverse_dt":
+            index = torch.tensor(steps)
+            return inverse_dt_step_weights(batch.sigmas.cpu()[index], batch.sigmas.cpu()[index + 1])
+        return None
 
     def _kl(self, pipeline, sampler, batch: Trajectory, k: int, mean: Tensor, std: Tensor, valid: Tensor | None) -> Tensor:
         x, sigma, sigma_next = batch.latents[:, k], batch.sigmas[k], batch.sigmas[k + 1]
