@@ -119,6 +119,28 @@ def _parser() -> argparse.ArgumentParser:
         "p_base(x) exp(lambda r(x)); one particle per item drawn by its final weight; writes the grid to --out",
     )
     e.add_argument(
+        "--noise-search",
+        type=int,
+        default=None,
+        metavar="ROUNDS",
+        help="zero-order search over each held-out item's start noise (ODE samples): ROUNDS rounds of --noise-neighbors "
+        "candidates sqrt(1 - s^2) e + s d around the best noise so far, 1 + ROUNDS x neighbours samples per item; "
+        "0 is the plain evaluation; writes the grid to --out",
+    )
+    e.add_argument("--noise-neighbors", type=int, default=None, metavar="K", help="(--noise-search) candidates per round (default 3)")
+    e.add_argument(
+        "--noise-step", type=float, default=None, metavar="S", help="(--noise-search) step size s in (0, 1] (default 0.5; 1: fresh noises)"
+    )
+    e.add_argument(
+        "--rbf",
+        type=int,
+        default=None,
+        metavar="M",
+        help="rollover budget forcing (FlowRBF): M candidates per step on average from the rollout sampler, the first "
+        "whose predicted-x0 reward beats the best so far taken at once and the step's unspent budget rolled over to "
+        "the next step; M = 1 is the plain SDE rollout; writes the grid to --out",
+    )
+    e.add_argument(
         "--smc-lambda",
         type=float,
         default=None,
@@ -248,7 +270,7 @@ def _check_arguments(args) -> None:
             from .visualize import image_format
 
             image_format(args.out)  # an --out extension that names no image format: one sentence, before any model loads
-    searching = args.command == "eval" and (args.best_of is not None or args.svdd is not None or args.smc is not None)
+    searching = args.command == "eval" and any(v is not None for v in (args.best_of, args.svdd, args.smc, args.noise_search, args.rbf))
     if searching:
         from .visualize import image_format
 
@@ -257,8 +279,17 @@ def _check_arguments(args) -> None:
         at_least_one("--best-of", args.best_of)
         at_least_one("--svdd", args.svdd)
         at_least_one("--smc", args.smc)
-        if sum(v is not None for v in (args.best_of, args.svdd, args.smc)) > 1:
-            raise FlowRLError("give only one of --best-of, --svdd and --smc.")
+        at_least_one("--rbf", args.rbf)
+        if args.noise_search is not None and args.noise_search < 0:
+            raise FlowRLError(f"--noise-search must be 0 or more rounds, got {args.noise_search}.")
+        if args.noise_neighbors is not None and args.noise_neighbors < 1:
+            raise FlowRLError(f"--noise-neighbors must be at least 1, got {args.noise_neighbors}.")
+        if args.noise_step is not None and not 0 < args.noise_step <= 1:
+            raise FlowRLError(f"--noise-step is a step size in (0, 1], got {args.noise_step}.")
+        if args.noise_search is None and (args.noise_neighbors is not None or args.noise_step is not None):
+            raise FlowRLError("--noise-neighbors and --noise-step set up --noise-search; give --noise-search ROUNDS too.")
+        if sum(v is not None for v in (args.best_of, args.svdd, args.smc, args.noise_search, args.rbf)) > 1:
+            raise FlowRLError("give only one of --best-of, --svdd, --smc, --noise-search and --rbf.")
         if args.smc_lambda is not None and not math.isfinite(args.smc_lambda):
             raise FlowRLError(f"--smc-lambda must be a finite number, got {args.smc_lambda}.")
         if args.smc_ess_threshold is not None and not 0 <= args.smc_ess_threshold <= 1:
@@ -356,9 +387,10 @@ def _eval(args) -> int:
 
     if args.spec is not None:
         searches = (args.best_of, args.stop_at, args.svdd, args.smc, args.smc_lambda, args.smc_ess_threshold, args.select)
+        searches += (args.noise_search, args.noise_neighbors, args.noise_step, args.rbf)
         if args.source is not None or args.overrides or any(v is not None for v in searches):
             raise FlowRLError(
-                "--spec re-runs the recorded evaluation as it was; give it alone (no source, overrides, --best-of, --svdd, --smc or --select)."
+                "--spec re-runs the recorded evaluation as it was; give it alone (no source, overrides or search flags such as --best-of or --select)."
             )
         return evaluate_again(args.spec, args.out)
     if args.source is None:
@@ -387,6 +419,12 @@ def _eval(args) -> int:
             "tempering": "linear",
             "resampling": "systematic",
         }
+    elif args.noise_search is not None:
+        neighbors = args.noise_neighbors if args.noise_neighbors is not None else 3
+        step = args.noise_step if args.noise_step is not None else 0.5
+        method = {"name": "noise_search", "rounds": args.noise_search, "neighbors": neighbors, "step": step}
+    elif args.rbf is not None:
+        method = {"name": "rbf", "m": args.rbf}
     else:
         method = {"name": "plain"}
     if config.pipeline.modality == "text" and method["name"] != "plain":

@@ -30,8 +30,15 @@ def run_evaluation(config, checkpoint: Path | None, method: dict, out: Path) -> 
         return (_text_svdd if text else _svdd)(config, checkpoint, method["m"], *([method.get("select")] if text else []), out)
     if name == "smc":
         return (_text_smc if text else _smc)(config, checkpoint, method, out)
+    if name in ("noise_search", "rbf"):
+        if text:
+            flag = "--noise-search" if name == "noise_search" else "--rbf"
+            raise FlowRLError(f"{flag} searches a flow or diffusion model's noise; for a diffusion LM use --best-of, --svdd or --smc.")
+        return _noise_search(config, checkpoint, method, out) if name == "noise_search" else _rbf(config, checkpoint, method["m"], out)
     if name != "plain":
-        raise FlowRLError(f"unknown evaluation method {name!r} in the spec; this flowrl knows plain, best_of, svdd and smc.")
+        raise FlowRLError(
+            f"unknown evaluation method {name!r} in the spec; this flowrl knows plain, best_of, svdd, smc, noise_search and rbf."
+        )
     from .checkpoint import read_weights
     from .trainer import Trainer
 
@@ -162,6 +169,24 @@ def _search_spec(
     )
 
 
+def _meter_images(parts, reward):
+    """A search's counted cost (inference/cost.py) and the metered model and reward it runs instead of the plain ones."""
+    from .inference.cost import SearchCost, metered
+
+    cost = SearchCost()
+    pipeline, verifier = metered(cost, pipeline=parts.pipeline, verifiers=[reward])
+    return cost, pipeline, verifier
+
+
+def _print_cost(cost, items: int) -> None:
+    c = cost.record(items)
+    print(
+        f"  cost per item: {c['denoiser_rows_per_item']:g} denoiser rows ({c['denoiser_seconds_per_item']:.3f} s), "
+        f"{c['verifier_rows_per_item']:g} verifier rows ({c['verifier_seconds_per_item']:.3f} s, decode included), "
+        f"wall {c['wall_seconds_per_item']:.3f} s"
+    )
+
+
 def _best_of_n(config, checkpoint: Path | None, n: int, out: Path, stop_at: float | None = None) -> dict:
     import torch
 
@@ -169,19 +194,21 @@ def _best_of_n(config, checkpoint: Path | None, n: int, out: Path, stop_at: floa
     from .visualize import save_grid
 
     parts, reward, held = image_model(config, checkpoint)
-    result = best_of_n(
-        parts.pipeline,
-        parts.eval_sampler,
-        reward,
-        held.prompts,
-        held.metadata,
-        n,
-        held.sigmas,
-        held.generator(),
-        held.guidance_scale,
-        config.eval.batch_size,
-        stop_at=stop_at,
-    )
+    cost, pipeline, verifier = _meter_images(parts, reward)
+    with cost:
+        result = best_of_n(
+            pipeline,
+            parts.eval_sampler,
+            verifier,
+            held.prompts,
+            held.metadata,
+            n,
+            held.sigmas,
+            held.generator(),
+            held.guidance_scale,
+            config.eval.batch_size,
+            stop_at=stop_at,
+        )
     curve = result.scaling_curve()
     print(f"best-of-N on {len(result.best)} held-out items ({config.eval.samples_per_prompt} per prompt):")
     for k, v in curve.items():
@@ -192,6 +219,7 @@ def _best_of_n(config, checkpoint: Path | None, n: int, out: Path, stop_at: floa
         print(
             f"  stopping at reward {stop_at:g}: {draws:.2f} candidates drawn per item ({draws * steps:.1f} denoiser rows, {draws:.2f} reward calls)"
         )
+    _print_cost(cost, len(held))
     save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
     exact = {
         **{f"eval/reward/mean@{k}": v for k, v in curve.items()},
@@ -212,7 +240,13 @@ def _best_of_n(config, checkpoint: Path | None, n: int, out: Path, stop_at: floa
         exact,
         tuple(result.samples.shape[1:]),
     )
-    return {**{k: round(v, 6) for k, v in exact.items()}, "grid": str(out), "settings": eval_settings(config), "spec": spec}
+    return {
+        **{k: round(v, 6) for k, v in exact.items()},
+        "cost": cost.record(len(held)),
+        "grid": str(out),
+        "settings": eval_settings(config),
+        "spec": spec,
+    }
 
 
 def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> dict:
@@ -225,19 +259,22 @@ def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> dict:
     parts, reward, held = image_model(config, checkpoint)
     gen = held.generator()
     noise = start_noise(parts.pipeline, len(held), gen)  # the plain evaluation's start noise
-    result = svdd_in_batches(
-        parts.pipeline,
-        parts.sampler,
-        reward,
-        held.prompts,
-        held.metadata,
-        m,
-        held.sigmas,
-        gen,
-        held.guidance_scale,
-        config.eval.batch_size,
-        noise,
-    )
+    cost, pipeline, verifier = _meter_images(parts, reward)
+    with cost:
+        result = svdd_in_batches(
+            pipeline,
+            parts.sampler,
+            verifier,
+            held.prompts,
+            held.metadata,
+            m,
+            held.sigmas,
+            gen,
+            held.guidance_scale,
+            config.eval.batch_size,
+            noise,
+        )
+    _print_cost(cost, len(held))
     save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
     finite = result.scores[torch.isfinite(result.scores)]
     exact = {
@@ -257,7 +294,134 @@ def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> dict:
         exact,
         tuple(result.samples.shape[1:]),
     )
-    return {**{k: round(v, 6) for k, v in exact.items()}, "grid": str(out), "settings": settings, "spec": spec}
+    return {
+        **{k: round(v, 6) for k, v in exact.items()},
+        "cost": cost.record(len(held)),
+        "grid": str(out),
+        "settings": settings,
+        "spec": spec,
+    }
+
+
+def _noise_search(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
+    import torch
+
+    from .inference.noise_search import zero_order_search
+    from .visualize import save_grid
+
+    rounds, neighbors, step = method["rounds"], method["neighbors"], float(method["step"])
+    parts, reward, held = image_model(config, checkpoint)
+    cost, pipeline, verifier = _meter_images(parts, reward)
+    with cost:  # ODE samples, as best-of-N: the plain evaluation's start noise is round 0's pivot
+        result = zero_order_search(
+            pipeline,
+            parts.eval_sampler,
+            verifier,
+            held.prompts,
+            held.metadata,
+            rounds,
+            neighbors,
+            step,
+            held.sigmas,
+            held.generator(),
+            held.guidance_scale,
+            config.eval.batch_size,
+        )
+    tag = f"noise{rounds}x{neighbors}"
+    history = [float(h[torch.isfinite(h)].mean()) for h in result.history]
+    print(f"zero-order noise search on {len(held)} held-out items, {neighbors} neighbours at step {step:g} per round:")
+    for r, v in enumerate(history):
+        print(f"  round {r:3d}   {1 + r * neighbors:4d} samples per item   eval reward {v:.4f}")
+    _print_cost(cost, len(held))
+    save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
+    exact = {
+        f"eval/reward/mean@{tag}": history[-1],
+        **{f"eval/reward/{k}@{tag}": float(v.nanmean()) for k, v in result.components.items()},
+        **{f"eval/{tag}/reward_after_round{r}": v for r, v in enumerate(history)},
+        f"eval/{tag}/samples_per_item": float(result.evaluations),
+    }
+    settings = {**eval_settings(config), "noise_search": {"rounds": rounds, "neighbors": neighbors, "step": step}}
+    spec = _search_spec(
+        config,
+        checkpoint,
+        {"name": "noise_search", "rounds": rounds, "neighbors": neighbors, "step": step},
+        [("", parts.pipeline.denoiser)],
+        {"name": parts.eval_sampler.name},
+        held.prompts,
+        held.metadata,
+        reward,
+        exact,
+        tuple(result.samples.shape[1:]),
+    )
+    return {
+        **{k: round(v, 6) for k, v in exact.items()},
+        "cost": cost.record(len(held)),
+        "grid": str(out),
+        "settings": settings,
+        "spec": spec,
+    }
+
+
+def _rbf(config, checkpoint: Path | None, m: int, out: Path) -> dict:
+    import torch
+
+    from .inference.rbf import rbf_in_batches
+    from .samplers.rollout import start_noise
+    from .visualize import save_grid
+
+    parts, reward, held = image_model(config, checkpoint)
+    gen = held.generator()
+    noise = start_noise(parts.pipeline, len(held), gen)  # the plain evaluation's start noise
+    cost, pipeline, verifier = _meter_images(parts, reward)
+    with cost:
+        result = rbf_in_batches(
+            pipeline,
+            parts.sampler,
+            verifier,
+            held.prompts,
+            held.metadata,
+            m,
+            held.sigmas,
+            gen,
+            held.guidance_scale,
+            config.eval.batch_size,
+            noise,
+        )
+    finite = result.scores[torch.isfinite(result.scores)]
+    per_step = result.candidates.double().mean(1)
+    print(
+        f"RBF, {m} candidates per step on average, {len(held)} held-out items: reward {float(finite.mean()):.4f}; "
+        f"candidates per step {' '.join(f'{c:.2f}' for c in per_step.tolist())}; "
+        f"{float(result.rolled_over.double().sum(0).mean()):.2f} early moves per item"
+    )
+    _print_cost(cost, len(held))
+    save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
+    exact = {
+        f"eval/reward/mean@rbf{m}": float(finite.mean()),
+        **{f"eval/reward/{k}@rbf{m}": float(v.nanmean()) for k, v in result.components.items()},
+        f"eval/rbf{m}/rollovers_per_item": float(result.rolled_over.double().sum(0).mean()),
+        **{f"eval/rbf{m}/candidates_at_step{k + 1}": float(c) for k, c in enumerate(per_step.tolist())},
+    }
+    settings = {**eval_settings(config), "sampler": parts.sampler.name, "rbf": m}
+    spec = _search_spec(
+        config,
+        checkpoint,
+        {"name": "rbf", "m": m},
+        [("", parts.pipeline.denoiser)],
+        {"name": parts.sampler.name, **config.sampler.model_dump(mode="json")},
+        held.prompts,
+        held.metadata,
+        reward,
+        exact,
+        tuple(result.samples.shape[1:]),
+    )
+    return {
+        **{k: round(v, 6) for k, v in exact.items()},
+        "cost": cost.record(len(held)),
+        "grid": str(out),
+        "settings": settings,
+        "spec": spec,
+    }
 
 
 def _smc_summary(n: int, lam: float, items: int, resamples: float, calls: tuple[int, int], measured: str) -> None:
@@ -276,22 +440,25 @@ def _smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
     n, lam, threshold = method["n"], float(method["lambda"]), float(method["ess_threshold"])
     tempering, resampling = method.get("tempering", "linear"), method.get("resampling", "systematic")
     parts, reward, held = image_model(config, checkpoint)
-    result = smc_in_batches(
-        parts.pipeline,
-        parts.sampler,
-        reward,
-        held.prompts,
-        held.metadata,
-        n,
-        held.sigmas,
-        held.generator(),  # item i's particles, resamplings and final draw all from item i's stream
-        held.guidance_scale,
-        config.eval.batch_size,
-        lam=lam,
-        ess_threshold=threshold,
-        tempering=tempering,
-        resampling=resampling,
-    )
+    cost, pipeline, verifier = _meter_images(parts, reward)
+    with cost:
+        result = smc_in_batches(
+            pipeline,
+            parts.sampler,
+            verifier,
+            held.prompts,
+            held.metadata,
+            n,
+            held.sigmas,
+            held.generator(),  # item i's particles, resamplings and final draw all from item i's stream
+            held.guidance_scale,
+            config.eval.batch_size,
+            lam=lam,
+            ess_threshold=threshold,
+            tempering=tempering,
+            resampling=resampling,
+        )
+    _print_cost(cost, len(held))
     save_grid(result.samples, out, ncol=config.eval.samples_per_prompt)
     finite = result.scores[torch.isfinite(result.scores)]
     weighted = result.weighted_reward()
@@ -323,6 +490,7 @@ def _smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
         **{k: round(v, 6) for k, v in exact.items()},
         "denoiser_calls_per_item": calls[0],
         "reward_calls_per_item": calls[1],
+        "cost": cost.record(len(held)),
         "grid": str(out),
         "settings": settings,
         "spec": spec,
@@ -368,6 +536,15 @@ def _text_modules(modality) -> list:
     return [("", modality.pipeline.model), *([("objective.", extra)] if extra is not None else [])]
 
 
+def _meter_text(modality, scorers) -> tuple:
+    """A diffusion-LM search's counted cost, its metered model and selection scores (the grader is not metered: it
+    measures, it never selects)."""
+    from .inference.cost import SearchCost, metered
+
+    cost = SearchCost()
+    return (cost, *metered(cost, lm=modality.pipeline, verifiers=scorers))
+
+
 def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None, out: Path) -> dict:
     import json
 
@@ -384,13 +561,14 @@ def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None,
     modality, grader = text_model(config, checkpoint)
     prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
     temperature = config.sampler.eval_temperature
-    with tqdm(total=n * len(prompts), desc=f"best-of-{n}", unit="completion", disable=None) as bar:
+    cost, lm, *metered_scorers = _meter_text(modality, scorers)
+    with cost, tqdm(total=n * len(prompts), desc=f"best-of-{n}", unit="completion", disable=None) as bar:
         result = text_best_of_n(
-            modality.pipeline,
+            lm,
             config.sampler,
             config.pipeline.prompt_length,
             grader,
-            scorers,
+            metered_scorers,
             prompts,
             metadata,
             n,
@@ -410,6 +588,7 @@ def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None,
         print("  " + f"{k:>4}" + "".join(f"{curves[r][k]:>14.4f}" for r in rules) + f"{curves[ORACLE][k]:>16.4f}")
     single = result.sample_accuracy()
     print(f"  single-sample accuracy over all {n * len(prompts)} candidates: {single:.4f}")
+    _print_cost(cost, len(prompts))
     save_scaling_plot(
         {f"{config.pipeline.pretrained}{' (' + checkpoint.name + ')' if checkpoint else ''}, T = {temperature:g}": curves},
         out,
@@ -440,6 +619,7 @@ def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None,
     spec = _search_spec(config, checkpoint, method, _text_modules(modality), sampler, prompts, metadata, grader, exact)
     return {
         **{k: round(v, 6) for k, v in exact.items()},
+        "cost": cost.record(len(prompts)),
         "plot": str(out),
         "completions": str(rows_path),
         "settings": {**eval_settings(config), "n": n, "select": rules},
@@ -471,9 +651,10 @@ def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out:
     from .inference.masked_svdd import masked_svdd_in_batches
 
     rules, scorer, modality, grader, prompts, metadata = _one_score_search(config, checkpoint, "--svdd", "values each candidate", m, select)
-    with tqdm(total=len(prompts), desc=f"svdd-{m}", unit="item", disable=None) as bar:
+    cost, lm, scorer = _meter_text(modality, [scorer])
+    with cost, tqdm(total=len(prompts), desc=f"svdd-{m}", unit="item", disable=None) as bar:
         result = masked_svdd_in_batches(
-            modality.pipeline,
+            lm,
             config.sampler,
             config.pipeline.prompt_length,
             scorer,
@@ -485,6 +666,7 @@ def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out:
             modality.position_scorer,
             progress=bar.update,
         )
+    _print_cost(cost, len(prompts))
     graded = grader(result.completions, prompts, metadata)
     rows_path = out.with_suffix(".jsonl")
     with atomic_path(rows_path) as tmp, open(tmp, "w") as f:
@@ -510,6 +692,7 @@ def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out:
     return {
         **{k: round(v, 6) for k, v in exact.items()},
         "denoiser_forwards_per_item": round(result.forwards / len(prompts), 3),
+        "cost": cost.record(len(prompts)),
         "completions": str(rows_path),
         "settings": {**eval_settings(config), "svdd": m, "select": rules[0]},
         "spec": spec,
@@ -528,9 +711,10 @@ def _text_smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
     n, lam, threshold, select = method["n"], float(method["lambda"]), float(method["ess_threshold"]), method.get("select")
     tempering, resampling = method.get("tempering", "linear"), method.get("resampling", "systematic")
     rules, scorer, modality, grader, prompts, metadata = _one_score_search(config, checkpoint, "--smc", "weights each particle", n, select)
-    with tqdm(total=len(prompts), desc=f"smc-{n}", unit="item", disable=None) as bar:
+    cost, lm, scorer = _meter_text(modality, [scorer])
+    with cost, tqdm(total=len(prompts), desc=f"smc-{n}", unit="item", disable=None) as bar:
         result = masked_smc_in_batches(
-            modality.pipeline,
+            lm,
             config.sampler,
             config.pipeline.prompt_length,
             scorer,
@@ -573,6 +757,7 @@ def _text_smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
     calls = (result.denoiser_calls, result.reward_calls)
     measured = f"run's reward of the drawn completions {exact[f'eval/reward/mean@smc{n}/{rules[0]}']:.4f}"
     _smc_summary(n, lam, len(prompts), exact[f"eval/smc{n}/resamples_per_item"], calls, measured)
+    _print_cost(cost, len(prompts))
     method = {
         "name": "smc",
         "n": n,
@@ -588,6 +773,7 @@ def _text_smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
         **{k: round(v, 6) for k, v in exact.items()},
         "denoiser_calls_per_item": calls[0],
         "reward_calls_per_item": calls[1],
+        "cost": cost.record(len(prompts)),
         "completions": str(rows_path),
         "settings": {**eval_settings(config), "smc": n, "lambda": lam, "ess_threshold": threshold, "select": rules[0]},
         "spec": spec,

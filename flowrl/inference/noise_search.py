@@ -10,7 +10,7 @@ the best candidate if it beats the pivot, repeat for ``rounds``. A candidate aro
 which keeps e' ~ N(0, I) whenever e is (the sampler is only ever given noise of the distribution it was
 trained on; a plain e + step d would inflate its norm round after round). With ``rounds = 1`` and
 ``step = 1`` every candidate is a fresh noise, and the search is exactly Best-of-(1 + neighbors) on the
-same draws (tested).
+same draws (tested); with ``rounds = 0`` only the start noise is sampled: the plain evaluation (tested).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class NoiseSearchResult:
     scores: Tensor  # (P,) their rewards
     history: Tensor  # (rounds + 1, P) the pivot's reward after each round (round 0: the start noise)
     evaluations: int  # samples generated and scored per item: 1 + rounds * neighbors
+    components: dict[str, Tensor]  # reward component -> (P,) its value for the final pivots' samples
 
 
 def _neighbors(pivot: Tensor, n: int, step: float, generator: torch.Generator | RowGenerators) -> Tensor:
@@ -64,27 +65,29 @@ def zero_order_search(
     initial_noise: Tensor | None = None,
 ) -> NoiseSearchResult:
     """Search the start noise of each prompt's sample with ``rounds`` x ``neighbors`` evaluations (see the module docstring)."""
-    if rounds < 1 or neighbors < 1 or not 0 < step <= 1:
-        raise ValueError(f"need rounds >= 1, neighbors >= 1 and 0 < step <= 1, got {rounds}, {neighbors}, {step}")
+    if rounds < 0 or neighbors < 1 or not 0 < step <= 1:
+        raise ValueError(f"need rounds >= 0, neighbors >= 1 and 0 < step <= 1, got {rounds}, {neighbors}, {step}")
     p = len(prompts)
 
-    def evaluate(noise: Tensor) -> tuple[Tensor, Tensor]:
-        samples, scores, _ = sample_and_score(
+    def evaluate(noise: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        samples, scores, extras = sample_and_score(
             pipeline, sampler, reward, prompts, metadata, noise, sigmas, generator, guidance_scale, batch_size
         )
-        return samples, torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
+        return samples, torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf"))), extras
 
     pivot = (initial_noise if initial_noise is not None else start_noise(pipeline, p, generator)).float()
-    best_samples, best_scores = evaluate(pivot)
+    best_samples, best_scores, components = evaluate(pivot)
     history = [best_scores.clone()]
     for _ in range(rounds):
         candidates = _neighbors(pivot, neighbors, step, generator)
         new_pivot = pivot.clone()
         for cand in candidates:  # each candidate set is one noise per prompt
-            samples, scores = evaluate(cand)
+            samples, scores, extras = evaluate(cand)
             better = scores > best_scores
             best_scores = torch.where(better, scores, best_scores)
             best_samples[better] = samples[better]
+            for key, v in extras.items():
+                components[key][better] = v[better]
             new_pivot[better.to(pivot.device)] = cand[better.to(pivot.device)]
         pivot = new_pivot
         history.append(best_scores.clone())
@@ -94,4 +97,5 @@ def zero_order_search(
         scores=torch.where(torch.isfinite(best_scores), best_scores, nan),
         history=torch.stack(history),
         evaluations=1 + rounds * neighbors,
+        components=components,
     )

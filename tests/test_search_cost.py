@@ -1,0 +1,211 @@
+"""Counted cost of every search (inference/cost.py): the denoiser and verifier rows and calls that the metered model
+and reward count equal each method's formula (best-of-N with and without early stopping, its padding included;
+SVDD; SMC; zero-order noise search; RBF; and the diffusion-LM best-of-N, SVDD and SMC), and the seconds add up."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import CONFIGS, fast_overrides
+
+from flowrl.config import load_config
+from flowrl.inference.cost import SearchCost, metered
+
+GRPO = CONFIGS / "digits" / "grpo.yaml"
+P = 4  # held-out items searched
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from flowrl.trainer import Trainer
+
+    return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("cost"), **{"eval.samples_per_prompt": 1})))
+
+
+def _setup(trainer):
+    held = trainer.modality.held_out
+    cost = SearchCost()
+    pipeline, reward = metered(cost, pipeline=trainer.pipeline, verifiers=[trainer.reward])
+    return cost, pipeline, reward, held.prompts[:P], held.metadata[:P], held.sigmas, held.guidance_scale
+
+
+def _seconds_add_up(cost: SearchCost) -> None:
+    assert cost.denoiser_seconds > 0 and cost.verifier_seconds > 0
+    assert cost.wall_seconds >= cost.denoiser_seconds + cost.verifier_seconds
+    record = cost.record(P)
+    assert record["denoiser_rows_per_item"] == cost.denoiser_rows / P and record["items"] == P
+
+
+def test_best_of_n_counts_n_rollouts_and_the_padding_of_early_stopped_rounds(trainer):
+    from flowrl.inference.best_of_n import best_of_n
+
+    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
+    k, n, batch = sigmas.numel() - 1, 3, 3
+    with cost:
+        best_of_n(
+            pipeline, trainer.modality.eval_sampler, reward, prompts, metadata, n, sigmas, torch.Generator().manual_seed(0), guidance, batch
+        )
+    batches = math.ceil(P / batch)  # 4 items in batches of 3: the second padded to 3 rows
+    assert (cost.denoiser_rows, cost.denoiser_calls) == (n * batches * batch * k, n * batches * k)
+    assert (cost.verifier_rows, cost.verifier_calls) == (n * P, n * batches)  # padding rows are never scored
+    _seconds_add_up(cost)
+
+    full = best_of_n(
+        trainer.pipeline,
+        trainer.modality.eval_sampler,
+        trainer.reward,
+        prompts,
+        metadata,
+        n,
+        sigmas,
+        torch.Generator().manual_seed(0),
+        guidance,
+        batch,
+    )
+    threshold = float(full.scores[:, 0].median())
+    cost, pipeline, reward, *_ = _setup(trainer)
+    with cost:
+        stopped = best_of_n(
+            pipeline,
+            trainer.modality.eval_sampler,
+            reward,
+            prompts,
+            metadata,
+            n,
+            sigmas,
+            torch.Generator().manual_seed(0),
+            guidance,
+            batch,
+            stop_at=threshold,
+        )
+    active = [int((stopped.draws > j).sum()) for j in range(n)]  # items still searching in round j
+    assert active[0] == P and active[-1] < P
+    assert cost.denoiser_rows == k * sum(math.ceil(a / batch) * batch for a in active)
+    assert cost.verifier_rows == int(stopped.draws.sum())
+
+
+def test_svdd_counts_one_plus_m_times_k_minus_one_forwards(trainer):
+    from flowrl.inference.svdd import svdd_sample
+
+    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
+    k, m = sigmas.numel() - 1, 3
+    with cost:
+        svdd_sample(pipeline, trainer.sampler, reward, prompts, metadata, m, sigmas, torch.Generator().manual_seed(0), guidance)
+    assert (cost.denoiser_rows, cost.denoiser_calls) == (P * (1 + m * (k - 1)), k)
+    assert (cost.verifier_rows, cost.verifier_calls) == (P * m * k, k)
+    _seconds_add_up(cost)
+
+
+def test_smc_counts_n_rollouts_and_n_k_reward_rows(trainer):
+    from flowrl.inference.smc import smc_sample
+
+    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
+    k, n = sigmas.numel() - 1, 3
+    with cost:
+        result = smc_sample(
+            pipeline, trainer.sampler, reward, prompts, metadata, n, sigmas, torch.Generator().manual_seed(0), guidance, lam=10.0
+        )
+    assert cost.denoiser_rows == P * n * k == P * result.denoiser_calls
+    assert cost.verifier_rows == P * n * k == P * result.reward_calls
+    _seconds_add_up(cost)
+
+
+def test_noise_search_counts_one_plus_rounds_times_neighbours_rollouts(trainer):
+    from flowrl.inference.noise_search import zero_order_search
+
+    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
+    k, rounds, neighbors = sigmas.numel() - 1, 2, 2
+    with cost:
+        result = zero_order_search(
+            pipeline,
+            trainer.modality.eval_sampler,
+            reward,
+            prompts,
+            metadata,
+            rounds,
+            neighbors,
+            0.5,
+            sigmas,
+            torch.Generator().manual_seed(0),
+            guidance,
+            P,
+        )
+    assert result.evaluations == 1 + rounds * neighbors
+    assert (cost.denoiser_rows, cost.denoiser_calls) == (result.evaluations * P * k, result.evaluations * k)
+    assert (cost.verifier_rows, cost.verifier_calls) == (result.evaluations * P, result.evaluations)
+    _seconds_add_up(cost)
+
+
+def test_rbf_spends_m_k_candidates_and_counts_its_look_aheads(trainer):
+    from flowrl.inference.rbf import rbf_sample
+
+    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
+    k, m = sigmas.numel() - 1, 3
+    with cost:
+        result = rbf_sample(pipeline, trainer.sampler, reward, prompts, metadata, m, sigmas, torch.Generator().manual_seed(0), guidance)
+    assert result.candidates.sum(0).eq(m * k).all()  # every item spends its whole budget
+    assert torch.equal(result.reward_rows, torch.full((P,), 1 + m * k))  # the start noise's x0_hat and every candidate
+    assert torch.equal(result.denoiser_rows, 1 + m * k - result.candidates[-1])  # the last step's candidates need no look-ahead
+    assert cost.verifier_rows == int(result.reward_rows.sum()) and cost.denoiser_rows == int(result.denoiser_rows.sum())
+    _seconds_add_up(cost)
+
+
+# ------------------------------------------------------------------ diffusion LMs: the model's forwards, the selection score's rows
+
+
+@pytest.fixture(scope="module")
+def text():
+    from flowrl.modalities.text import TextModality
+    from flowrl.reward_models import build_reward_from_config
+
+    config = load_config(
+        CONFIGS / "dllm" / "diffu_grpo.yaml", [f"prompts.eval_size={P}", "sampler.eval_temperature=1", f"rollout.batch_size={P}"]
+    )
+    modality = TextModality(config, torch.device("cpu"))
+    modality.pipeline.model.eval()
+    prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
+    return config, modality, build_reward_from_config(config.reward), prompts, metadata
+
+
+def _text_metered(modality):
+    from flowrl.inference.text_candidates import build_scorer
+
+    cost = SearchCost()
+    lm, scorer = metered(cost, lm=modality.pipeline, verifiers=[build_scorer("likelihood")])
+    return cost, lm, scorer
+
+
+def test_text_searches_count_their_forwards_and_scored_rows(text):
+    from flowrl.inference.masked_smc import masked_smc_in_batches
+    from flowrl.inference.masked_svdd import masked_svdd_in_batches
+    from flowrl.inference.text_best_of_n import text_best_of_n
+
+    config, modality, grader, prompts, metadata = text
+    sc, n = config.sampler, 2
+    cost, lm, scorer = _text_metered(modality)
+    with cost:
+        text_best_of_n(lm, sc, config.pipeline.prompt_length, grader, [scorer], prompts, metadata, n, 1.0, 0, P)
+    assert (cost.denoiser_rows, cost.denoiser_calls) == (n * P * sc.steps, n * sc.steps)  # one forward per unmasking step
+    assert (cost.verifier_rows, cost.verifier_calls) == (n * P, n)  # the grader measures; it is not counted
+
+    cost, lm, scorer = _text_metered(modality)
+    with cost:
+        svdd = masked_svdd_in_batches(lm, sc, config.pipeline.prompt_length, scorer, prompts, n, 1.0, 0, P)
+    assert cost.denoiser_rows == svdd.forwards == P * (1 + n * (sc.steps - 1))
+    assert cost.verifier_rows == P * n * sc.steps
+
+    cost, lm, scorer = _text_metered(modality)
+    with cost:
+        smc = masked_smc_in_batches(lm, sc, config.pipeline.prompt_length, scorer, prompts, n, 1.0, 0, P, lam=1.0)
+    assert cost.denoiser_rows == P * smc.denoiser_calls and cost.verifier_rows == P * smc.reward_calls == P * n * sc.steps
+    assert cost.denoiser_seconds > 0 and cost.wall_seconds >= cost.denoiser_seconds + cost.verifier_seconds
