@@ -52,6 +52,7 @@ from .determinism import enable_deterministic_mode
 from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
 from .errors import FlowRLError, Preempted
 from .modalities import build_modality
+from .modalities.reward_overlap import RolloutScoring
 from .prompts import prompts_for
 from .resume_check import check_resume_config
 from .reward_models import build_reward_from_config
@@ -247,12 +248,18 @@ class Trainer:
     def train_iteration(self, iteration: int) -> dict[str, float]:
         """collect -> score -> advantages -> update; logging, evaluation and checkpoints follow in fit()."""
         lr = self.config.train.learning_rate * self._set_learning_rate(iteration)
-        t0 = time.perf_counter()
-        fault_injection.reached("collect", iteration + 1)
-        batch = self.collect(iteration)
-        t1 = time.perf_counter()
-        fault_injection.reached("score", iteration + 1)
-        batch = self.score(batch)
+        # each finished rollout chunk is handed over here: decoded, and with rollout.overlap_reward also scored on a
+        # worker thread while the next chunk is generated (modalities/reward_overlap.py)
+        scoring = RolloutScoring(self.reward, self.config.rollout.overlap_reward)
+        try:
+            t0 = time.perf_counter()
+            fault_injection.reached("collect", iteration + 1)
+            batch = self.collect(iteration, scoring)
+            t1 = time.perf_counter()
+            fault_injection.reached("score", iteration + 1)
+            batch = self.score(batch, scoring)
+        finally:
+            scoring.close()  # after a failure or a stop mid-rollout: the chunks not started are dropped
         reward_metrics = self._reward_metrics(batch, iteration)  # of everything collected, before prepare() reorders or subsets
         self._check_learnable(iteration)  # before the update: a batch with nothing to learn from never reaches the optimizer
         t2 = time.perf_counter()
@@ -270,6 +277,9 @@ class Trainer:
             "perf/rollout_s": t1 - t0,
             "perf/score_s": t2 - t1,
             "perf/update_s": t3 - t2,
+            "perf/reward_wait_s": t2 - t1,  # the loop blocked on the reward: all of it when serial
+            "perf/reward_hidden_s": 0.0,
+            **scoring.perf(),  # decode_s; when overlapped the reward's own score_s and the part of it hidden
         }
 
     def _set_learning_rate(self, iteration: int) -> float:
@@ -280,16 +290,18 @@ class Trainer:
             group["lr"] = base * factor
         return factor
 
-    def collect(self, iteration: int):
-        """This process's batch for ``iteration``: what the objective trains on (rollouts or offline pairs)."""
-        return self.modality.collect(iteration, self.rank, self.world)
+    def collect(self, iteration: int, scoring: RolloutScoring | None = None):
+        """This process's batch for ``iteration``: what the objective trains on (rollouts or offline pairs).
+        ``scoring``: where the rollout chunks are decoded (and, overlapped, scored); ``score`` then takes the same one."""
+        return self.modality.collect(iteration, self.rank, self.world, scoring)
 
-    def score(self, batch):
+    def score(self, batch, scoring: RolloutScoring | None = None):
         """Attach rewards (and, for objectives that train on reward gradients, their gradients); non-finite
         rewards stay NaN and are left out of the update (and counted). A reward that fails for good (a
-        server that stayed down) raises; fit() then stops the run with the last completed iteration on disk."""
+        server that stayed down) raises; fit() then stops the run with the last completed iteration on disk.
+        With an overlapped ``scoring`` the rewards were computed during collect and are joined here."""
         with_gradient = self.objective.trains_on == "reward_gradient_rollouts"
-        out, grads = self.modality.score(batch, self.reward, with_gradient)
+        out, grads = self.modality.score(batch, self.reward, with_gradient, scoring)
         scores = out.scores.float()  # on the reward's device: the samples' for images, the CPU for text
         bad = ~torch.isfinite(scores)
         if bad.any():

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from ..types import Reward, RewardOutput
+from .reward_overlap import RolloutScoring
 
 
 class Modality(Protocol):
@@ -26,13 +27,18 @@ class Modality(Protocol):
         """Refuse, in one sentence, an objective / sampler / batch combination this modality cannot train."""
         ...
 
-    def collect(self, iteration: int, rank: int, world: int) -> Any:
+    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Any:
         """This process's training batch for ``iteration``: what ``objective.trains_on`` names, keyed by
-        (seed, iteration, rank) so a resumed run collects exactly what the uninterrupted one did."""
+        (seed, iteration, rank) so a resumed run collects exactly what the uninterrupted one did. ``scoring``
+        (``reward_overlap.py``): where finished rollout chunks are handed over to be decoded, and with
+        rollout.overlap_reward scored on a worker thread while generation goes on."""
         ...
 
-    def score(self, batch: Any, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, torch.Tensor | None]:
-        """The reward of the batch's samples, and with ``with_gradient`` its gradient w.r.t. the final state."""
+    def score(
+        self, batch: Any, reward: Reward, with_gradient: bool, scoring: RolloutScoring | None = None
+    ) -> tuple[RewardOutput, torch.Tensor | None]:
+        """The reward of the batch's samples, and with ``with_gradient`` its gradient w.r.t. the final state; with an
+        overlapped ``scoring``, the rewards its worker computed during collect, joined in order."""
         ...
 
     def for_update(self, batch: Any) -> Any:

@@ -30,6 +30,7 @@ from ..samplers.branching import branched_rollout, trained_steps
 from ..samplers.rollout import keyed_noise, padded_rows, rollout, sample, sde_window, start_noise
 from ..types import PAIRED_ROWS, Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..visualize import save_grid, save_points, save_videos
+from .reward_overlap import RolloutScoring
 
 
 @dataclass
@@ -86,10 +87,32 @@ class ImageModality:
                 f"objective '{objective.name}' trains pairs of samples: train.num_generations ({tc.num_generations}) "
                 f"and train.batch_size ({tc.batch_size}) must be multiples of {unit}."
             )
+        if self.config.rollout.overlap_reward:
+            self._check_overlap()
+
+    def _check_overlap(self) -> None:
+        """rollout.overlap_reward scores plain rollout chunks, without gradient, on a worker thread."""
+        objective = self.objective
+        why = None
+        if objective.trains_on == "reward_gradient_rollouts":
+            why = (
+                f"objective '{objective.name}' trains on the reward's gradient through the decoder, a graph built on the "
+                "loop's own thread after the rollout"
+            )
+        elif objective.trains_on != "rollouts":
+            why = f"objective '{objective.name}' trains on {objective.trains_on.replace('_', ' ')}, which are not rolled out in chunks"
+        elif self.config.rollout.branching is not None:
+            why = "rollout.branching rolls out a shared prefix and then its branches, not chunk after chunk"
+        if why:
+            raise FlowRLError(
+                f"rollout.overlap_reward scores each rollout chunk on a worker thread while the next one is generated, but {why}; "
+                "set rollout.overlap_reward=false."
+            )
 
     # -- collect ------------------------------------------------------------------------------------
-    def collect(self, iteration: int, rank: int, world: int) -> Trajectory:
-        """On-policy rollouts of this process's prompt groups, or (offline objectives) the iteration's pairs."""
+    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Trajectory:
+        """On-policy rollouts of this process's prompt groups, or (offline objectives) the iteration's pairs.
+        ``scoring``: where each finished rollout chunk is decoded (and, with rollout.overlap_reward, scored)."""
         if self.winners is not None:  # SePPO: dataset winners beside a previous checkpoint's samples
             rc = self.config.rollout
             return reference_pair_batch(
@@ -106,7 +129,7 @@ class ImageModality:
                 guidance_scale=rc.guidance_scale,
                 chunk=rc.batch_size,
             )
-        return self._pair_batch(iteration, rank, world) if self.pairs is not None else self._rollouts(iteration, rank, world)
+        return self._pair_batch(iteration, rank, world) if self.pairs is not None else self._rollouts(iteration, rank, world, scoring)
 
     def for_update(self, batch: Trajectory) -> Trajectory:
         """The batch as training re-scores it: with the rollout's guidance scale, except 1 in ``cfg_rollout_only``."""
@@ -114,7 +137,7 @@ class ImageModality:
         return batch
 
     @torch.no_grad()
-    def _rollouts(self, iteration: int, rank: int, world: int) -> Trajectory:
+    def _rollouts(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Trajectory:
         cfg, tc, seed = self.config.rollout, self.config.train, self.config.seed
         groups = tc.prompts_per_iteration // world
         # Every draw is made for the whole world and keyed by global indices (seeding.global_draw,
@@ -138,20 +161,27 @@ class ImageModality:
         chunks = []
         for start in range(0, len(prompts), cfg.batch_size):
             sl = slice(start, start + cfg.batch_size)
-            chunks.append(
-                rollout(
-                    self.pipeline,
-                    self.sampler,
-                    prompts[sl],
-                    metadata[sl],
-                    group_ids[sl],
-                    sigmas,
-                    gen[sl],
-                    cfg.guidance_scale,
-                    window,
-                    initial_noise=noise[sl],
-                )
+            chunk = rollout(
+                self.pipeline,
+                self.sampler,
+                prompts[sl],
+                metadata[sl],
+                group_ids[sl],
+                sigmas,
+                gen[sl],
+                cfg.guidance_scale,
+                window,
+                initial_noise=noise[sl],
+                decode=scoring is None,  # else the hand-over decodes it (timed; on the reward's worker when overlapped)
             )
+            if scoring is not None:
+                final = chunk.samples  # undecoded: the final states, the very tensor rollout() decodes
+                decoded = scoring.chunk(lambda final=final: self.pipeline.decode(final), chunk.prompts, chunk.metadata)
+                if decoded is not None:  # else overlapped: the samples come back from the worker at join (score)
+                    chunk.samples = decoded
+            chunks.append(chunk)
+        if scoring is not None:
+            scoring.generated()
         return Trajectory.cat(chunks)
 
     def _branched_rollouts(self, iteration: int, prompts, metadata, group_ids, gen, noise) -> Trajectory:
@@ -260,9 +290,16 @@ class ImageModality:
         )
 
     # -- score --------------------------------------------------------------------------------------
-    def score(self, batch: Trajectory, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, torch.Tensor | None]:
+    def score(
+        self, batch: Trajectory, reward: Reward, with_gradient: bool, scoring: RolloutScoring | None = None
+    ) -> tuple[RewardOutput, torch.Tensor | None]:
         """The reward of the decoded samples; with ``with_gradient`` also d reward / d final latents, through
-        the decoder (the VAE of latent models), ``rollout.batch_size`` samples per graph."""
+        the decoder (the VAE of latent models), ``rollout.batch_size`` samples per graph. With an overlapped
+        ``scoring`` the chunks were decoded and scored on its worker during collect: joined here, in order."""
+        if scoring is not None and scoring.overlap:
+            samples, out = scoring.join()
+            batch.samples = torch.cat(samples)
+            return out, None
         if with_gradient:
             return reward_and_gradient(
                 reward, self.pipeline.decode, batch.latents[:, -1], batch.prompts, batch.metadata, chunk_size=self.config.rollout.batch_size

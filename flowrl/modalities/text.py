@@ -23,6 +23,7 @@ from ..pipelines import build_pipeline
 from ..prompts import prompts_for, sample_prompts
 from ..run_logger import nanmean
 from ..types import Reward, RewardOutput, TokenTrajectory
+from .reward_overlap import RolloutScoring
 
 NUM_EVAL_SAMPLES_SHOWN = 12
 
@@ -73,7 +74,10 @@ class TextModality:
         )
 
     @torch.no_grad()
-    def collect(self, iteration: int, rank: int, world: int) -> TokenTrajectory:
+    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> TokenTrajectory:
+        """This process's completions, recorded with the rollout policy's log-likelihood estimates. With an overlapped
+        ``scoring`` (rollout.overlap_reward) the reward scores the decoded completions on its worker while those
+        estimates are computed: the whole batch in one call, as the serial loop scores it."""
         tc, seed = self.config.train, self.config.seed
         groups, n = tc.prompts_per_iteration // world, tc.num_generations
         # Every draw is made for the whole world and keyed by global indices, as for images (seeding.RowGenerators):
@@ -92,17 +96,25 @@ class TextModality:
         traj.mask_seeds = draw_mask_seeds(
             groups * world, n, oc.num_mask_seeds, oc.group_shared_masks, seeding.torch_generator(seed, iteration, 0, "rollout")
         )[rows]
+        if scoring is not None and scoring.overlap:
+            scoring.chunk(lambda: traj.completions, traj.prompts, traj.metadata)
         # The rollout policy's log-likelihood estimates (and the reference's) are part of the record, computed
         # with the weights that generated it, before any update: the first ratio is exactly 1.
         self.objective.old_and_ref(self.pipeline, traj)
+        if scoring is not None:
+            scoring.generated()
         return traj
 
     def for_update(self, batch: TokenTrajectory) -> TokenTrajectory:
         return batch  # training re-scores exactly what was generated
 
-    def score(self, batch: TokenTrajectory, reward: Reward, with_gradient: bool) -> tuple[RewardOutput, None]:
+    def score(
+        self, batch: TokenTrajectory, reward: Reward, with_gradient: bool, scoring: RolloutScoring | None = None
+    ) -> tuple[RewardOutput, None]:
         if with_gradient:
             raise FlowRLError("text rewards have no gradient; the dLLM objectives train on rollouts.")
+        if scoring is not None and scoring.overlap:  # scored on the worker during collect
+            return scoring.join()[1], None
         return reward(batch.completions, batch.prompts, batch.metadata), None
 
     # -- sample (flowrl.Trainer.sample) ----------------------------------------------------------
