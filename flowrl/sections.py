@@ -71,6 +71,7 @@ class BuildContext:
     sampler: Any  # the run's sampler section
     pipeline: Any  # the built model (``Pipeline``, or ``MaskedLM`` for text)
     run_dir: Any = None  # the run's output_dir (SePPO writes its previous checkpoints there); None outside a run
+    group_size: int = 1  # samples per prompt group (train.num_generations): DGPO keeps whole groups in a minibatch
 
 
 class ObjectiveSection(PartSection):

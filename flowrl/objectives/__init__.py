@@ -25,6 +25,7 @@ OBJECTIVES = Registry(
         "diffusion_nft": "flowrl.objectives.diffusion_nft:DiffusionNFTConfig",
         "flow_dppo": "flowrl.objectives.flow_dppo:FlowDPPOConfig",
         "awm": "flowrl.objectives.awm:AWMConfig",
+        "dgpo": "flowrl.objectives.dgpo:DGPOConfig",
         # diffusion language models (modality "text")
         "diffu_grpo": "flowrl.objectives.dllm.policy:DiffuGRPOConfig",
         "unigrpo": "flowrl.objectives.dllm.policy:UniGRPOConfig",
