@@ -27,6 +27,7 @@ from flowrl.sections import BuildContext, PartSection
 
 DDPM_LIKE = SimpleNamespace(schedule=DiscreteSchedule.from_betas(torch.linspace(1e-4, 0.02, 1000)), prediction_type="epsilon")
 FLOW_LIKE = SimpleNamespace(prediction_type="flow")
+TOKENS_LIKE = SimpleNamespace(prediction_type="masked_tokens", mask_token_id=0, schedule=SimpleNamespace(masking="cosine"))
 CONTEXT = BuildContext(
     reward_weights={"ink": 1.0, "digit_classifier": 1.0}, sampler=SAMPLERS.section("masked")(), pipeline=SimpleNamespace(mask_token_id=0)
 )
@@ -61,7 +62,10 @@ def duplicated_defaults(section: type, runtime: type) -> list[str]:
 def built(kind: str, name: str):
     section = {"sampler": SAMPLERS, "objective": OBJECTIVES}[kind].section(name)()
     if kind == "sampler":
-        return section, section.build(FLOW_LIKE if "flow" in section.prediction_types else DDPM_LIKE)
+        like = (
+            FLOW_LIKE if "flow" in section.prediction_types else TOKENS_LIKE if "masked_tokens" in section.prediction_types else DDPM_LIKE
+        )
+        return section, section.build(like)
     return section, section.build(CONTEXT)
 
 

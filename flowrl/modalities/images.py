@@ -47,7 +47,11 @@ def build_image_components(config: Config, device: torch.device | str, loaded: A
     """``loaded``: a diffusers pipeline already in memory, whose components the model uses (flowrl.Trainer(pipeline=...))."""
     pipeline = build_pipeline(config.pipeline, device, loaded)
     pipeline.guidance_mode = config.rollout.guidance_mode
-    return ImageComponents(pipeline, build_sampler(config.sampler, pipeline), build_sampler(ODEConfig(), pipeline))
+    sampler = build_sampler(config.sampler, pipeline)
+    # a masked-token model (amused) starts from the all-masked state, so its randomness is all in the steps: it is
+    # evaluated with its own sampler on the per-item keyed streams (greedy decoding would give every seed one image)
+    eval_sampler = sampler if pipeline.prediction_type == "masked_tokens" else build_sampler(ODEConfig(), pipeline)
+    return ImageComponents(pipeline, sampler, eval_sampler)
 
 
 class ImageModality:

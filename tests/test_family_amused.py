@@ -1,0 +1,186 @@
+"""aMUSEd (masked-token images) through flowrl: the real diffusers / transformers classes (VQModel, UVit2DModel,
+CLIPTextModelWithProjection, AmusedScheduler) at tiny size, saved as an AmusedPipeline with ``save_pretrained`` and
+loaded through ``pipeline.name=amused, pipeline.pretrained=<dir>``; oracle checks against ``AmusedPipeline.__call__``
+with its defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.tiny_components import family_config, rescoring_ratio_is_one, two_iterations_change_every_parameter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CODEBOOK = 16
+
+
+def build_tiny_amused(directory):
+    """An AmusedPipeline at tiny size: 8x8 pixels, a VQModel without downsampling (an 8x8 grid of 64 tokens, so the
+    cosine schedule commits 1 to 8 tokens a step over aMUSEd's 12 default steps), random weights."""
+    from diffusers import AmusedPipeline, VQModel
+
+    from flowrl.data.digits import build_tokenizer
+    from flowrl.pipelines.embedded.masked_digits_models import build_scheduler, build_text_encoder, build_transformer
+
+    torch.manual_seed(0)
+    vqvae = VQModel(
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=(8,),
+        layers_per_block=1,
+        latent_channels=4,
+        sample_size=8,
+        num_vq_embeddings=CODEBOOK,
+        norm_num_groups=4,
+        mid_block_add_attention=False,
+        lookup_from_codebook=True,
+    )
+    transformer = build_transformer(CODEBOOK, hidden=16, layers=1, text_dim=16)
+    transformer.register_to_config(sample_size=8)
+    pipe = AmusedPipeline(
+        vqvae=vqvae,
+        tokenizer=build_tokenizer(),
+        text_encoder=build_text_encoder(16),
+        transformer=transformer,
+        scheduler=build_scheduler(CODEBOOK),
+    )
+    pipe.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def amused_dir(tmp_path_factory):
+    return build_tiny_amused(tmp_path_factory.mktemp("tiny_amused"))
+
+
+@pytest.fixture(scope="module")
+def adapter(amused_dir):
+    from flowrl.pipelines import build_pipeline
+    from flowrl.pipelines.amused import AmusedConfig
+
+    return build_pipeline(AmusedConfig(pretrained=str(amused_dir), device="cpu"), "cpu")
+
+
+@pytest.fixture(scope="module")
+def sampler(adapter):
+    from flowrl.samplers.masked_image import MaskedImageConfig
+
+    return MaskedImageConfig().build(adapter)
+
+
+def flowrl_rollout(adapter, sampler, prompts, steps, guidance, generator):
+    from flowrl.samplers.rollout import rollout
+
+    return rollout(
+        adapter,
+        sampler,
+        prompts,
+        [{} for _ in prompts],
+        torch.arange(len(prompts)),
+        adapter.schedule.sigmas(steps),
+        generator,
+        guidance,
+        initial_noise=adapter.initial_noise(len(prompts), None),
+    )
+
+
+def test_sampler_is_amused_pipeline_with_default_arguments(amused_dir, adapter, sampler):
+    """End to end: AmusedPipeline.__call__ with its defaults (12 steps, guidance 10, cosine schedule, choice
+    temperature 2 -> 0, the empty negative prompt) and a seeded generator gives exactly flowrl's tokens and images
+    from a generator with the same seed: the same random draws, in the same order, to the bit."""
+    from diffusers import AmusedPipeline
+
+    pipe = AmusedPipeline.from_pretrained(amused_dir)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = ["a handwritten seven", "digit 3", "the digit zero"]
+    tokens = pipe(prompts, generator=torch.Generator().manual_seed(1), output_type="latent").images
+    images = pipe(prompts, generator=torch.Generator().manual_seed(1), output_type="pt").images
+    traj = flowrl_rollout(adapter, sampler, prompts, 12, 10.0, torch.Generator().manual_seed(1))
+    assert torch.equal(traj.latents[:, -1].long().view(3, 8, 8), tokens)
+    assert torch.equal(traj.samples, images)
+    assert len(torch.unique(tokens)) > 3  # not a degenerate sample
+    # the cosine schedule's masked counts after each step: floor(64 cos(pi/2 (i+1)/12)) in float32 (AmusedScheduler's
+    # arithmetic: after step 8, 64 cos(pi/3) = 31.99999 leaves 31 masked, not 32), at least 1, then 0 after the last
+    masked = (traj.latents == adapter.mask_token_id).sum(-1)
+    cosine = [math.floor(64 * float(torch.cos(torch.tensor((i + 1) / 12) * math.pi / 2))) for i in range(11)]
+    assert cosine[7] == 31
+    assert masked.tolist() == [[64] + [max(1, c) for c in cosine] + [0]] * 3
+
+
+def test_step_log_prob_is_the_committed_tokens_log_softmax(adapter, sampler):
+    """A step's log-prob, derived by hand: the sum over exactly the positions it unmasked of log softmax(logits)
+    at the committed token; re-scoring every recorded step at unchanged weights gives it back (ratio 1)."""
+    traj = flowrl_rollout(adapter, sampler, ["digit 5", "a handwritten two"], 4, 3.0, torch.Generator().manual_seed(2))
+    assert traj.stochastic.all() and torch.isfinite(traj.log_probs).all()
+    mask = adapter.mask_token_id
+    with torch.no_grad():
+        for k in range(4):
+            x, x_next = traj.latents[:, k], traj.latents[:, k + 1]
+            logits = adapter.predict(x, traj.sigmas[k], traj.cond, 3.0)
+            committed = (x == mask) & (x_next != mask)
+            by_hand = torch.stack(
+                [torch.log_softmax(logits[b].double(), -1)[committed[b], x_next[b][committed[b]].long()].sum() for b in range(2)]
+            )
+            assert torch.allclose(traj.log_probs[:, k].double(), by_hand, atol=1e-5)
+            rescored = sampler.step(logits, x, traj.sigmas[k], traj.sigmas[k + 1], x_next=x_next).log_prob
+            assert torch.equal(rescored, traj.log_probs[:, k])
+            assert (x_next[x != mask] == x[x != mask]).all()  # committed tokens are never re-masked or changed
+
+
+def test_two_grpo_iterations_full_finetune(amused_dir, tmp_path):
+    """Two GRPO iterations through the decoder-read ink reward change every transformer weight; the first ratio is 1."""
+    trainer = two_iterations_change_every_parameter(
+        family_config(
+            "amused",
+            amused_dir,
+            tmp_path / "run",
+            sampler="masked_image",
+            **{"rollout.guidance_scale": 3.0, "objective.clip_range": 10.0},
+        )
+    )
+    assert trainer.pipeline.prediction_type == "masked_tokens"
+    assert rescoring_ratio_is_one(trainer, atol=0.0) == 0.0
+
+
+def test_two_grpo_iterations_lora(amused_dir, tmp_path):
+    """LoRA on the transformer's attention: every adapter tensor moves, the base stays, and the checkpoint's
+    diffusers-format adapter loads back into a fresh UVit2DModel with load_lora_adapter."""
+    pytest.importorskip("peft")
+    from diffusers import UVit2DModel
+
+    trainer = two_iterations_change_every_parameter(
+        family_config(
+            "amused",
+            amused_dir,
+            tmp_path / "run",
+            sampler="masked_image",
+            **{"rollout.guidance_scale": 3.0, "objective.clip_range": 10.0, "pipeline.lora": "{r: 4, alpha: 4}", "log.checkpoint_every": 2},
+        )
+    )
+    trained = {n: p for n, p in trainer.module.named_parameters() if p.requires_grad}
+    assert trained and all("lora" in n for n in trained)
+    fresh = UVit2DModel.from_pretrained(amused_dir, subfolder="transformer")
+    fresh.load_lora_adapter(
+        str(tmp_path / "run" / "checkpoints" / "step_000002"), prefix=None, weight_name="pytorch_lora_weights.safetensors"
+    )
+    (loaded_name,) = fresh.peft_config  # the adapter's name in the fresh model
+    state = fresh.state_dict()
+    for name, p in trained.items():
+        assert torch.equal(state[name.replace(".default.", f".{loaded_name}.")], p.detach()), name
+
+
+def test_config_refuses_what_token_steps_cannot_train(amused_dir, adapter, tmp_path):
+    from flowrl.config import load_config
+    from flowrl.errors import FlowRLError
+    from flowrl.samplers import FlowSDEConfig, build_sampler
+
+    base = family_config("amused", amused_dir, tmp_path / "run", sampler="masked_image")
+    with pytest.raises((FlowRLError, ValueError), match="grpo or ddpo"):
+        load_config(None, [o for o in base if not o.startswith("objective.")] + ["objective.name=diffusion_nft"])
+    with pytest.raises((FlowRLError, ValueError), match="objective.beta=0"):
+        load_config(None, base + ["objective.beta=0.1"])
+    with pytest.raises(FlowRLError, match="masked_image"):
+        build_sampler(FlowSDEConfig(), adapter)  # a Gaussian step cannot step token logits
