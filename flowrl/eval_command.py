@@ -97,17 +97,13 @@ def eval_settings(config) -> dict:
     """The settings an evaluation number depends on, printed with it (block length alone moves a dLLM's
     accuracy by points; steps, guidance and seed move an image reward)."""
     if config.pipeline.modality == "text":
-        sc = config.sampler
+        from .evaluation.spec import text_generation_settings
+
         return {
             "model": config.pipeline.pretrained,
             "dataset": config.prompts.dataset,
             "eval_size": config.prompts.eval_size,
-            "gen_length": sc.gen_length,
-            "steps": sc.steps,
-            "block_length": sc.block_length,
-            "temperature": sc.eval_temperature,
-            "remasking": sc.remasking,
-            "threshold": sc.threshold,
+            **text_generation_settings(config.sampler),
         }
     from .config import eval_steps_and_guidance
 

@@ -395,6 +395,10 @@ class TokenTrajectory:
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
+    def log_likelihood(self) -> Tensor:
+        """(B,) float64: the sum of the committed tokens' log-probs at their commit steps (best-of-N's likelihood rule)."""
+        return self.token_log_probs.double().sum(1)
+
     def state_at(self, step: int, mask_token_id: int) -> Tensor:
         """Completion tokens (B, G) as they were *before* denoising step ``step`` (masked if not yet unmasked)."""
         return torch.where(self.unmask_step < step, self.completion_ids, torch.full_like(self.completion_ids, mask_token_id))
@@ -415,3 +419,72 @@ class TokenTrajectory:
             else:
                 out[f.name] = v[index]
         return TokenTrajectory(**out)
+
+
+@dataclass
+class CanvasTrajectory:
+    """One uniform-noise block-diffusion generation per row (DiffusionGemma's entropy-bound sampler,
+    ``samplers/entropy_bound.py``), recorded so re-scoring replays every step. Tokens can be re-noised, so unlike
+    :class:`TokenTrajectory` the final tokens do not replay the states: every step's input canvas is stored.
+
+    prompt_ids, prompt_mask: (B, P) as in TokenTrajectory (left padding).
+    completion_ids: (B, G) the output, canvas by canvas (each canvas's last-step argmax; padding after the end token
+                    and for canvases never run); G = canvases x canvas_length.
+    canvases:       (B, S, L) int64, the canvas each step read (S = canvases x steps per canvas); the kept tokens of
+                    step s are canvases[:, s + 1] at the kept positions.
+    kept:           (B, S, L) bool, the positions step s kept (its entropy-bound selection).
+    frozen:         (B, S) bool, the row was stopped (or the step never ran) before step s: nothing was drawn for it.
+    counted:        (B, S) bool, the steps whose kept tokens reach the output: the policy's actions.
+    step_log_probs: (B, S) float64, the sum over kept positions of log softmax(logits / T)[token] at sampling time.
+    settings:       the resolved sampler settings (samplers/entropy_bound.py::EntropyBoundSettings).
+    The rest as in TokenTrajectory; old_log_probs / ref_log_probs are (B, S).
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    canvases: Tensor
+    kept: Tensor
+    frozen: Tensor
+    counted: Tensor
+    step_log_probs: Tensor
+    settings: Any
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    group_ids: Tensor
+    completions: list[str] = field(default_factory=list)
+    rewards: Tensor | None = None
+    reward_components: dict[str, Tensor] = field(default_factory=dict)
+    advantages: Tensor | None = None
+    mask_seeds: Tensor | None = None  # unused: the log-probs are exact, no estimator masks
+    old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None
+    inner_epoch: int = 0
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.canvases.shape[1]
+
+    def log_likelihood(self) -> Tensor:
+        """(B,) float64: the policy's log-probability of its own choices (the counted steps' kept tokens)."""
+        return (self.step_log_probs * self.counted).sum(1)
+
+    def __getitem__(self, index: Tensor | slice | list[int]) -> CanvasTrajectory:
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long)
+        idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(self)))[index]
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("settings", "inner_epoch") or v is None:
+                out[f.name] = v
+            elif f.name == "reward_components":
+                out[f.name] = {k: c[index] for k, c in v.items()}
+            elif f.name in ("prompts", "metadata", "completions"):
+                out[f.name] = [v[i] for i in idx_list] if v else v
+            else:
+                out[f.name] = v[index]
+        return CanvasTrajectory(**out)

@@ -88,6 +88,25 @@ def reward_description(reward) -> dict[str, Any] | None:
     }
 
 
+def text_generation_settings(sc) -> dict[str, Any]:
+    """The generation settings a diffusion LM's evaluation number depends on: the masked sampler's length, steps, block
+    layout, temperature and remasking; another sampler's own section (DiffusionGemma's entropy_bound: None is the
+    checkpoint's generation config) with its evaluation temperature."""
+    if sc.name != "masked":
+        return {
+            **{k: v for k, v in sc.model_dump(mode="json").items() if k not in ("name", "temperature", "eval_temperature")},
+            "temperature": sc.eval_temperature,
+        }
+    return {
+        "gen_length": sc.gen_length,
+        "steps": sc.steps,
+        "block_length": sc.block_length,
+        "temperature": sc.eval_temperature,
+        "remasking": sc.remasking,
+        "threshold": sc.threshold,
+    }
+
+
 def build_spec(
     config,
     *,
@@ -109,15 +128,7 @@ def build_spec(
 
     text = config.pipeline.modality == "text"
     if text:
-        sc = config.sampler
-        generation = {
-            "gen_length": sc.gen_length,
-            "steps": sc.steps,
-            "block_length": sc.block_length,
-            "temperature": sc.eval_temperature,
-            "remasking": sc.remasking,
-            "threshold": sc.threshold,
-        }
+        generation = text_generation_settings(config.sampler)
     else:
         steps, guidance = eval_steps_and_guidance(config)
         pc = config.pipeline.model_dump(mode="json")

@@ -136,7 +136,7 @@ def text_best_of_n(
             # per-item streams, as the plain evaluation draws: candidate 0 is its completion
             streams = candidate_streams(seed, batch_prompts, j)
             traj = generate_texts(lm, batch_prompts, sampler, prompt_length, temperature, streams, position_scorer)
-            ll = traj.token_log_probs.double().sum(1).cpu()
+            ll = traj.log_likelihood().cpu()
             for i, text in zip(idx, traj.completions):
                 completions[i].append(text)
             out = grader(traj.completions, batch_prompts, batch_meta)

@@ -22,8 +22,10 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..samplers import entropy_bound
+from ..samplers.entropy_bound import EntropyBoundSamplerConfig, resolve_settings
 from ..samplers.masked import MaskedSamplerConfig, decode_completions, generate
-from ..types import MaskedLM, TokenTrajectory
+from ..types import CanvasTrajectory, MaskedLM, TokenTrajectory
 
 MAJORITY, LIKELIHOOD = "majority", "likelihood"
 # Rewards that score a completion against the item's reference answer or solution: selecting with them
@@ -49,15 +51,21 @@ def encode_prompts(lm: MaskedLM, prompts: Sequence[str], prompt_length: int | No
 def generate_texts(
     lm: MaskedLM,
     prompts: Sequence[str],
-    sampler: MaskedSamplerConfig,
+    sampler: MaskedSamplerConfig | EntropyBoundSamplerConfig,
     prompt_length: int | None,
     temperature: float,
     generator: torch.Generator,
     position_scorer=None,
-) -> TokenTrajectory:
+) -> TokenTrajectory | CanvasTrajectory:
     """Generate one completion per prompt with the sampler settings at ``temperature``, decoded into
-    ``.completions``. The training rollout, the held-out evaluation and best-of-N all call this."""
+    ``.completions``. The training rollout, the held-out evaluation and best-of-N all call this. DiffusionGemma's
+    entropy-bound sampler returns a CanvasTrajectory (``temperature`` scales its schedule)."""
     ids, mask = encode_prompts(lm, prompts, prompt_length)
+    if isinstance(sampler, EntropyBoundSamplerConfig):
+        settings = resolve_settings(lm, sampler, temperature)
+        canvas_traj = entropy_bound.generate(lm, ids, mask, settings, generator)
+        canvas_traj.completions = entropy_bound.decode_completions(lm.tokenizer, canvas_traj.completion_ids, settings.eos_token_ids)
+        return canvas_traj
     traj = generate(
         lm,
         ids,

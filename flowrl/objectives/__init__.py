@@ -31,6 +31,7 @@ OBJECTIVES = Registry(
         "unigrpo": "flowrl.objectives.dllm.policy:UniGRPOConfig",
         "dcolt": "flowrl.objectives.dllm.policy:DCoLTConfig",
         "bgpo": "flowrl.objectives.dllm.policy:BGPOConfig",
+        "step_grpo": "flowrl.objectives.dllm.step_grpo:StepGRPOConfig",  # uniform-noise block diffusion (DiffusionGemma)
     },
     base=ObjectiveSection,
 )

@@ -55,6 +55,7 @@ FAMILIES = Registry(
         "cogvideox": "flowrl.pipelines.cogvideox:CogVideoXConfig",
         "toy2d": "flowrl.pipelines.toy2d:Toy2DConfig",
         "dllm": "flowrl.pipelines.dllm:DLLMPipelineConfig",
+        "diffusion_gemma": "flowrl.pipelines.diffusion_gemma:DiffusionGemmaPipelineConfig",
         "amused": "flowrl.pipelines.amused:AmusedConfig",
     },
     base=PipelineSection,

@@ -44,6 +44,7 @@ SAMPLERS = Registry(
         "ddim": "flowrl.samplers.ddim:DDIMConfig",
         "ode": "flowrl.samplers.ode:ODEConfig",
         "masked": "flowrl.samplers.masked:MaskedSamplerConfig",
+        "entropy_bound": "flowrl.samplers.entropy_bound:EntropyBoundSamplerConfig",  # DiffusionGemma
         "masked_image": "flowrl.samplers.masked_image:MaskedImageConfig",
     },
     base=SamplerSection,
