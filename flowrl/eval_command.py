@@ -115,7 +115,8 @@ def eval_settings(config) -> dict:
         "seed": config.eval.seed,
         "steps": steps,
         "guidance_scale": guidance,
-        "sampler": "ode",
+        # a masked-token model (amused) is evaluated with its own sampler: the ODE has nothing to say about tokens
+        "sampler": config.sampler.name if "masked_tokens" in type(config.sampler).prediction_types else "ode",
     }
 
 

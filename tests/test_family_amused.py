@@ -6,6 +6,7 @@ with its defaults."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,3 +185,97 @@ def test_config_refuses_what_token_steps_cannot_train(amused_dir, adapter, tmp_p
         load_config(None, base + ["objective.beta=0.1"])
     with pytest.raises(FlowRLError, match="masked_image"):
         build_sampler(FlowSDEConfig(), adapter)  # a Gaussian step cannot step token logits
+
+
+PRESET = Path(__file__).resolve().parents[1] / "flowrl" / "configs" / "digits" / "masked_grpo.yaml"
+
+
+def preset_overrides(amused_dir, output_dir) -> list[str]:
+    """The shipped preset on the tiny random model: 20 held-out items, 4 steps."""
+    return [f"pipeline.pretrained={amused_dir}", f"output_dir={output_dir}", "eval.samples_per_prompt=1", "rollout.num_inference_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def trainer(amused_dir, tmp_path_factory):
+    from accelerate.state import AcceleratorState
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    AcceleratorState._reset_state(True)
+    return Trainer(load_config(PRESET, preset_overrides(amused_dir, tmp_path_factory.mktemp("amused_eval"))))
+
+
+def test_best_of_one_is_the_plain_evaluation(trainer):
+    """flowrl eval --best-of on a masked-token model: candidate 0 of every item is the plain evaluation's sample (its
+    per-item stream, drawn in the same order), so best-of-1 is the evaluation; further candidates continue the
+    item's stream and differ (the all-masked start holds no randomness: the steps' draws make the candidates)."""
+    from flowrl.inference.best_of_n import best_of_n
+
+    metrics, grid = trainer.evaluate(return_samples=True)
+    held = trainer.modality.held_out
+    assert trainer.modality.eval_sampler is trainer.sampler
+
+    def best(n):
+        return best_of_n(
+            trainer.pipeline,
+            trainer.modality.eval_sampler,
+            trainer.reward,
+            held.prompts,
+            held.metadata,
+            n,
+            held.sigmas,
+            held.generator(),
+            held.guidance_scale,
+            trainer.config.eval.batch_size,
+        )
+
+    one, three = best(1), best(3)
+    assert one.scaling_curve()[1] == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
+    assert torch.equal(one.samples[: len(grid)], grid)
+    assert torch.equal(three.scores[:, 0], one.scores[:, 0])
+    assert (three.scores[:, 1] != three.scores[:, 0]).any()
+    assert three.scaling_curve()[3] > three.scaling_curve()[1]
+
+
+def test_svdd_with_one_candidate_is_a_plain_rollout(trainer):
+    """SVDD on image tokens: M = 1 is exactly the stochastic rollout with the same generator (the look-ahead is the
+    greedy fill of every masked token, which selects nothing at M = 1); with M = 3 the kept final candidate is each
+    item's best and its reward is that of the returned samples."""
+    from flowrl.inference.svdd import svdd_sample
+    from flowrl.samplers.rollout import rollout
+
+    held = trainer.modality.held_out
+    prompts, metadata = held.prompts[:4], held.metadata[:4]
+    pipeline, sampler, reward = trainer.pipeline, trainer.sampler, trainer.reward
+    ours = svdd_sample(pipeline, sampler, reward, prompts, metadata, 1, held.sigmas, torch.Generator().manual_seed(7), held.guidance_scale)
+    plain = rollout(
+        pipeline,
+        sampler,
+        prompts,
+        metadata,
+        torch.arange(4),
+        held.sigmas,
+        torch.Generator().manual_seed(7),
+        held.guidance_scale,
+        initial_noise=pipeline.initial_noise(4, None),
+    )
+    assert torch.equal(ours.samples, plain.samples)
+    three = svdd_sample(pipeline, sampler, reward, prompts, metadata, 3, held.sigmas, torch.Generator().manual_seed(7), held.guidance_scale)
+    assert torch.equal(three.scores, three.step_scores[-1].max(1).values)
+    torch.testing.assert_close(reward(three.samples, prompts, metadata).scores.float(), three.scores, atol=1e-6, rtol=0)
+
+
+def test_cli_best_of_and_svdd(amused_dir, tmp_path, capsys):
+    """flowrl eval --best-of / --svdd on the preset: the JSON line names the masked-token sampler."""
+    import json
+
+    from flowrl.cli import main
+
+    overrides = preset_overrides(amused_dir, tmp_path / "run")
+    assert main(["eval", str(PRESET), *overrides, "--best-of", "2", "--out", str(tmp_path / "b.png")]) == 0
+    best = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert best["settings"]["sampler"] == "masked_image" and "eval/reward/mean@2" in best
+    assert main(["eval", str(PRESET), *overrides, "--svdd", "2", "--out", str(tmp_path / "s.png")]) == 0
+    svdd = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert svdd["settings"]["sampler"] == "masked_image"
