@@ -93,3 +93,30 @@ def test_neighbour_proposal_keeps_the_standard_normal():
     assert cand.var(0).sub(1).abs().max() < 0.05 and cand.mean(0).abs().max() < 4 / math.sqrt(20000)
     corr = torch.corrcoef(torch.stack([pivot[:, 0], cand[:, 0]]))[0, 1]
     assert corr.item() == pytest.approx(math.sqrt(1 - 0.25), abs=0.02)  # a local move: correlation sqrt(1 - step^2)
+
+
+def test_cli_noise_search_prints_its_cost_and_a_spec_that_reruns_bit_for_bit(tmp_path, capsys):
+    import json
+
+    from flowrl.cli import main
+
+    config = str(CONFIGS / "digits" / "grpo.yaml")
+    overrides = ["eval.samples_per_prompt=1", "eval.num_inference_steps=4", f"output_dir={tmp_path / 'run'}"]
+    assert main(["eval", config, *overrides, "--noise-search", "1", "--noise-neighbors", "2", "--out", str(tmp_path / "ns.png")]) == 0
+    printed = capsys.readouterr().out
+    line = json.loads(printed.strip().splitlines()[-1])
+    assert line["spec"]["method"] == {"name": "noise_search", "rounds": 1, "neighbors": 2, "step": 0.5}
+    # round 0 (what --noise-search 0 returns) is the plain evaluation's samples (test above)
+    assert line["eval/noise1x2/reward_after_round1"] >= line["eval/noise1x2/reward_after_round0"]
+    assert line["cost"]["verifier_rows_per_item"] == 3 and line["cost"]["denoiser_rows_per_item"] >= 3 * 4 and "cost per item" in printed
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(line))
+    assert main(["eval", "--spec", str(spec), "--out", str(tmp_path / "again.png")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["reproduction"]["bit_for_bit"]
+    for bad in (
+        ["--noise-search", "-1"],
+        ["--noise-search", "1", "--noise-step", "1.5"],
+        ["--noise-neighbors", "2"],
+        ["--noise-search", "1", "--rbf", "2"],
+    ):
+        assert main(["eval", config, *bad]) == 2

@@ -105,7 +105,8 @@ def test_cli_rbf_prints_its_cost_and_a_spec_that_reruns_bit_for_bit(tmp_path, ca
     from flowrl.cli import main
 
     out = tmp_path / "rbf.png"
-    assert main(["eval", str(GRPO), "eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}", "--rbf", "2", "--out", str(out)]) == 0
+    overrides = ["eval.samples_per_prompt=1", "eval.num_inference_steps=4", f"output_dir={tmp_path / 'run'}"]
+    assert main(["eval", str(GRPO), *overrides, "--rbf", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     line = json.loads(printed.strip().splitlines()[-1])
     assert out.is_file() and "RBF, 2 candidates per step" in printed and line["spec"]["method"] == {"name": "rbf", "m": 2}

@@ -1,0 +1,273 @@
+"""Held-out reward against counted cost for every inference-time search, measured through ``flowrl eval``'s own code
+(eval_command.run_evaluation: the same searches, specs and cost records as the command line).
+
+Each point is one search at one budget B (candidates per item: best-of-N's N, SVDD's and RBF's M per step, SMC's
+particles, noise search's 1 + rounds samples); its x values are the search's counted cost per item (inference/cost.py):
+denoiser rows, verifier rows, and wall seconds (denoiser + verifier + the rest, the whole search).
+
+    # digits flow model, cheap verifier (the README reward: ink + digit classifier)
+    python bench/search_cost_curves.py images --json runs/isc/digits_base_cheap.json
+    # the same with a slow verifier: a CLIP ViT-B/32 at real size (random weights, built from transformers classes,
+    # save_pretrained, loaded by flowrl's clip_score reward) scored on every candidate with weight 0, so the
+    # selection and the reward numbers are the README reward's and only the verifier's time changes
+    python bench/search_cost_curves.py images --verifier clip --json runs/isc/digits_base_clip.json
+    # after GRPO
+    python bench/search_cost_curves.py images --checkpoint runs/digits_grpo/checkpoints/step_000030 --json ...
+    # arithmetic diffusion LM (selection score: the model's likelihood; graded by the run's math reward)
+    python bench/search_cost_curves.py text [--checkpoint runs/dllm_diffu_grpo/checkpoints/step_000060] --json ...
+    # tables (equal-wall-time winners) and the plot
+    python bench/search_cost_curves.py report runs/isc/*.json --out docs/images/search_cost_digits.png
+
+Every measurement is appended to --json as it finishes (a killed run keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flowrl.config import load_config  # noqa: E402
+from flowrl.eval_command import run_evaluation  # noqa: E402
+
+IMAGE_METHODS = ("best_of", "best_of_stop", "noise_search", "svdd", "smc", "rbf")
+TEXT_METHODS = ("best_of", "svdd", "smc")
+
+
+def build_clip_vit_b32(directory: Path) -> Path:
+    """CLIP ViT-B/32 at its released size (CLIPConfig's defaults: vision 768 x 12 layers, patch 32, 224 px; text
+    512 x 12 layers), random weights, with a real CLIP image processor and a byte-level BPE tokenizer, saved with
+    save_pretrained. Its score means nothing (random weights); its cost is a real CLIP's."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    if (directory / "config.json").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    # the GPT-2 / CLIP byte-level alphabet: printable bytes map to themselves, the rest to U+0100 onwards
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    chars = [chr(c) for c in printable] + [chr(256 + i) for i in range(len(rest))]
+    vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"])}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer.from_pretrained(str(directory))
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig()).save_pretrained(str(directory))
+    try:  # transformers 5.x without torchvision: the PIL image processor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as ImageProcessor
+    except ImportError:
+        ImageProcessor = CLIPImageProcessor
+    CLIPProcessor(image_processor=ImageProcessor(), tokenizer=tokenizer).save_pretrained(str(directory))
+    return directory
+
+
+def image_method(name: str, b: int, stop_at: float) -> dict:
+    if name == "best_of":
+        return {"name": "best_of", "n": b}
+    if name == "best_of_stop":
+        return {"name": "best_of", "n": b, "stop_at": stop_at}
+    if name == "noise_search":  # a (1 + 1) hill climb: B samples per item
+        return {"name": "noise_search", "rounds": b - 1, "neighbors": 1, "step": 0.5}
+    if name == "svdd":
+        return {"name": "svdd", "m": b}
+    if name == "smc":
+        return {"name": "smc", "n": b, "lambda": 100.0, "ess_threshold": 0.5, "tempering": "linear", "resampling": "systematic"}
+    return {"name": "rbf", "m": b}
+
+
+def reward_of(record: dict, method: dict) -> float:
+    """The held-out reward (images) or accuracy (text) of a record ``flowrl eval`` printed."""
+    means = [v for k, v in record.items() if k.startswith("eval/reward/mean@")]
+    name = method["name"]
+    if name == "best_of":
+        key = f"eval/reward/mean@{method['n']}"
+        return record[key] if key in record else record[f"{key}/{method['select']}"]
+    tag = {"svdd": f"svdd{method.get('m')}", "smc": f"smc{method.get('n')}", "rbf": f"rbf{method.get('m')}"}.get(name)
+    if name == "noise_search":
+        tag = f"noise{method['rounds']}x{method['neighbors']}"
+    hits = [k for k in record if k.startswith(f"eval/reward/mean@{tag}")]
+    assert len(hits) == 1, (hits, means)
+    return record[hits[0]]
+
+
+def measure(config, checkpoint, method, label: dict, out_json: Path, tmp: Path) -> dict:
+    start = time.perf_counter()
+    record = run_evaluation(config, checkpoint, dict(method), tmp / "grid.png")
+    row = {**label, "method": method, "reward": reward_of(record, method), **record["cost"], "process_seconds": time.perf_counter() - start}
+    with open(out_json, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    c = record["cost"]
+    print(
+        f"{label['model']:>8} {label['verifier']:>6} {json.dumps(method):<110} reward {row['reward']:.4f}  "
+        f"den {c['denoiser_rows_per_item']:7.1f} rows {c['denoiser_seconds_per_item']:.4f} s  "
+        f"ver {c['verifier_rows_per_item']:6.1f} rows {c['verifier_seconds_per_item']:.4f} s  wall {c['wall_seconds_per_item']:.4f} s/item",
+        flush=True,
+    )
+    return row
+
+
+def run_images(args) -> None:
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        items = 20 * args.samples_per_prompt  # one batch: no padding rows in the counts
+        overrides = [
+            f"output_dir={tmp / 'run'}",
+            "log.progress=false",
+            f"eval.samples_per_prompt={args.samples_per_prompt}",
+            f"eval.batch_size={items}",
+        ]
+        if args.verifier == "clip":
+            clip = build_clip_vit_b32(Path(args.clip_dir))
+            overrides += [
+                "reward.components={ink: 1.0, digit_classifier: 1.0, clip_score: 0.0}",
+                f"reward.kwargs={{clip_score: {{pretrained: '{clip}'}}}}",
+            ]
+        checkpoint = Path(args.checkpoint) if args.checkpoint else None
+        config = load_config(REPO / "configs" / "digits" / "grpo.yaml", overrides + args.overrides)
+        label = {"model": args.label, "verifier": args.verifier}
+        if args.no_baseline:  # measured by an earlier call into the same file
+            rows = [json.loads(line) for line in open(args.json) if line.strip()]
+            plain = next(
+                r for r in rows if (r["model"], r["verifier"], r["budget"]) == (args.label, args.verifier, 1) and not r.get("note")
+            )
+        else:
+            plain = measure(config, checkpoint, {"name": "best_of", "n": 1}, {**label, "budget": 1}, Path(args.json), tmp)
+            measure(config, checkpoint, {"name": "svdd", "m": 1}, {**label, "budget": 1, "note": "plain SDE"}, Path(args.json), tmp)
+        stop_at = args.stop_at if args.stop_at is not None else round(plain["reward"] + 0.05, 3)
+        for b in args.budgets:
+            for name in args.methods:
+                measure(config, checkpoint, image_method(name, b, stop_at), {**label, "budget": b}, Path(args.json), tmp)
+
+
+def run_text(args) -> None:
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        overrides = [f"output_dir={tmp / 'run'}", "log.progress=false", f"prompts.eval_size={args.eval_size}", "sampler.eval_temperature=1"]
+        overrides += [f"rollout.batch_size={min(args.eval_size, 128)}"]
+        config = load_config(REPO / "configs" / "dllm" / "diffu_grpo.yaml", overrides + args.overrides)
+        checkpoint = Path(args.checkpoint) if args.checkpoint else None
+        label = {"model": args.label, "verifier": "likelihood"}
+        measure(config, checkpoint, {"name": "best_of", "n": 1, "select": "likelihood"}, {**label, "budget": 1}, Path(args.json), tmp)
+        for b in args.budgets:
+            for name in TEXT_METHODS:
+                method = {
+                    "best_of": {"name": "best_of", "n": b},
+                    "svdd": {"name": "svdd", "m": b},
+                    "smc": {"name": "smc", "n": b, "lambda": 1.0, "ess_threshold": 0.5, "tempering": "linear", "resampling": "systematic"},
+                }[name]
+                measure(config, checkpoint, {**method, "select": "likelihood"}, {**label, "budget": b}, Path(args.json), tmp)
+
+
+def method_label(m: dict) -> str:
+    name = m["name"]
+    if name == "best_of":
+        return "best-of-N + stop" if "stop_at" in m else "best-of-N"
+    return {"svdd": "SVDD", "smc": "SMC", "rbf": "RBF", "noise_search": "noise search"}[name]
+
+
+def report(args) -> None:
+    rows = [json.loads(line) for path in args.files for line in open(path) if line.strip()]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["verifier"]), []).append(r)
+    for (model, verifier), rs in groups.items():
+        print(f"\n### {model}, verifier {verifier}\n")
+        print(
+            "| method | B | reward | denoiser rows / item | verifier rows / item | denoiser s / item | verifier s / item | wall s / item |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rs:
+            lab = method_label(r["method"]) + (" (plain SDE)" if r.get("note") else "")
+            print(
+                f"| {lab} | {r['budget']} | {r['reward']:.4f} | {r['denoiser_rows_per_item']:.1f} | {r['verifier_rows_per_item']:.1f} | "
+                f"{r['denoiser_seconds_per_item'] * 1e3:.1f} ms | {r['verifier_seconds_per_item'] * 1e3:.1f} ms | {r['wall_seconds_per_item'] * 1e3:.1f} ms |"
+            )
+        # at equal wall time: for every point, the best reward any method reaches within that point's wall time
+        print("\nbest reward within a wall-time budget (s / item), and which method reaches it:")
+        for limit in sorted({r["wall_seconds_per_item"] for r in rs}):
+            within = [r for r in rs if r["wall_seconds_per_item"] <= limit * 1.0000001]
+            top = max(within, key=lambda r: r["reward"])
+            print(f"  <= {limit * 1e3:8.1f} ms: {top['reward']:.4f} {method_label(top['method'])} B={top['budget']}")
+    if args.out:
+        plot(groups, Path(args.out))
+
+
+def plot(groups: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = (
+        ("denoiser_rows_per_item", "denoiser rows / item"),
+        ("verifier_rows_per_item", "verifier rows / item"),
+        ("wall_seconds_per_item", "wall s / item (denoiser + verifier + rest)"),
+    )
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.6 * len(groups)), squeeze=False)
+    for row, ((model, verifier), rs) in enumerate(groups.items()):
+        by_method: dict[str, list[dict]] = {}
+        for r in rs:
+            if r.get("note"):
+                continue
+            by_method.setdefault(method_label(r["method"]), []).append(r)
+        base = [r for r in rs if r["budget"] == 1 and not r.get("note")]
+        for col, (key, name) in enumerate(xs):
+            ax = axes[row][col]
+            for lab, pts in by_method.items():
+                pts = sorted(pts + (base if lab.startswith("best-of") or lab == "noise search" else []), key=lambda r: r["budget"])
+                ax.plot([p[key] for p in pts], [p["reward"] for p in pts], marker="o", label=lab)
+            ax.set_xscale("log")
+            ax.set_xlabel(name)
+            ax.set_ylabel("held-out reward")
+            ax.set_title(f"{model}, verifier: {verifier}", fontsize=9)
+            ax.grid(alpha=0.3)
+        axes[row][0].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("images")
+    i.add_argument("--checkpoint", default=None)
+    i.add_argument("--label", default="base")
+    i.add_argument("--verifier", choices=("cheap", "clip"), default="cheap")
+    i.add_argument("--clip-dir", default="/tmp/flowrl_clip_vit_b32")
+    i.add_argument("--budgets", type=int, nargs="+", default=[2, 4, 8])
+    i.add_argument("--methods", nargs="+", default=list(IMAGE_METHODS), choices=IMAGE_METHODS)
+    i.add_argument("--samples-per-prompt", type=int, default=2, help="held-out items = 20 prompts x this")
+    i.add_argument("--stop-at", type=float, default=None, help="best-of-N + stop threshold (default: the plain reward + 0.05)")
+    i.add_argument("--no-baseline", action="store_true", help="the B = 1 points are already in --json")
+    i.add_argument("--threads", type=int, default=1)
+    i.add_argument("--json", required=True)
+    i.add_argument("overrides", nargs="*")
+    t = sub.add_parser("text")
+    t.add_argument("--checkpoint", default=None)
+    t.add_argument("--label", default="base")
+    t.add_argument("--budgets", type=int, nargs="+", default=[2, 4, 8])
+    t.add_argument("--eval-size", type=int, default=256, help="held-out problems (a multiple of 128 / budget: no padding)")
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--json", required=True)
+    t.add_argument("overrides", nargs="*")
+    r = sub.add_parser("report")
+    r.add_argument("files", nargs="+")
+    r.add_argument("--out", default=None)
+    args = p.parse_args()
+    {"images": run_images, "text": run_text, "report": report}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
