@@ -645,12 +645,14 @@ def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out:
     from tqdm import tqdm
 
     from .checkpoint import atomic_path
+    from .inference.canvas_svdd import canvas_svdd_in_batches
     from .inference.masked_svdd import masked_svdd_in_batches
 
     rules, scorer, modality, grader, prompts, metadata = _one_score_search(config, checkpoint, "--svdd", "values each candidate", m, select)
+    svdd_in_batches = canvas_svdd_in_batches if config.sampler.name == "entropy_bound" else masked_svdd_in_batches  # DiffusionGemma's
     cost, lm, scorer = _meter_text(modality, [scorer])
     with cost, tqdm(total=len(prompts), desc=f"svdd-{m}", unit="item", disable=None) as bar:
-        result = masked_svdd_in_batches(
+        result = svdd_in_batches(
             lm,
             config.sampler,
             config.pipeline.prompt_length,
@@ -705,6 +707,8 @@ def _text_smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
     from .inference.masked_smc import masked_smc_in_batches
     from .inference.smc import _weighted_mean
 
+    if config.sampler.name == "entropy_bound":
+        raise FlowRLError("--smc is not implemented for DiffusionGemma's entropy-bound sampler; use --best-of or --svdd.")
     n, lam, threshold, select = method["n"], float(method["lambda"]), float(method["ess_threshold"]), method.get("select")
     tempering, resampling = method.get("tempering", "linear"), method.get("resampling", "systematic")
     rules, scorer, modality, grader, prompts, metadata = _one_score_search(config, checkpoint, "--smc", "weights each particle", n, select)

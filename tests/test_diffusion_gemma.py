@@ -151,3 +151,34 @@ def test_wrong_sampler_or_objective_is_one_sentence():
     with pytest.raises(FlowRLError, match="not diffusion_gemma"):
         load_diffusion_gemma(str(write_tiny_random.__globals__["EMBEDDED_LMS"]["arith_mdlm"]))
     assert TINY_RANDOM == "diffusion_gemma_tiny_random"
+
+
+def test_best_of_n_and_svdd_through_flowrl_eval(lm, tmp_path):
+    """flowrl eval --best-of and --svdd on DiffusionGemma: candidate 0 of best-of-N and SVDD with M = 1 are exactly the
+    plain evaluation's completions (same per-item streams); SVDD with M = 2 runs M rows per executed look-ahead."""
+    import json
+
+    from flowrl.config import load_config
+    from flowrl.eval_command import run_evaluation
+    from flowrl.inference.text_best_of_n import candidate_streams, text_best_of_n
+    from flowrl.inference.text_candidates import LikelihoodScorer, generate_texts
+    from flowrl.prompts import prompts_for
+    from flowrl.reward_models import build_reward
+
+    config = load_config(PRESET, ["prompts.eval_size=3", "rollout.batch_size=4", f"output_dir={tmp_path}"])
+    prompts = [p for p, _ in prompts_for(config.prompts, "eval")]
+    plain = generate_texts(lm, prompts, config.sampler, config.pipeline.prompt_length, 1.0, candidate_streams(config.eval.seed, prompts, 0))
+    best = run_evaluation(config, None, {"name": "best_of", "n": 2, "select": "majority,likelihood"}, tmp_path / "best.png")
+    assert best["eval/reward/mean@1/majority"] == best["eval/reward/mean@1/likelihood"]  # N = 1: both keep candidate 0
+    grader = build_reward("format")
+    direct = text_best_of_n(
+        lm, config.sampler, config.pipeline.prompt_length, grader, [LikelihoodScorer()], prompts, [{}] * 3, 2, 1.0, config.eval.seed, 4
+    )
+    assert [row[0] for row in direct.completions] == plain.completions
+    assert torch.allclose(direct.scores["likelihood"][:, 0], plain.log_likelihood())
+    one = run_evaluation(config, None, {"name": "svdd", "m": 1, "select": "likelihood"}, tmp_path / "svdd1.png")
+    assert [json.loads(line)["completion"] for line in open(one["completions"])] == plain.completions
+    two = run_evaluation(config, None, {"name": "svdd", "m": 2, "select": "likelihood"}, tmp_path / "svdd2.png")
+    assert len([json.loads(line) for line in open(two["completions"])]) == 3
+    with pytest.raises(FlowRLError, match="--smc"):
+        run_evaluation(config, None, {"name": "smc", "n": 2, "lambda": 1.0, "ess_threshold": 0.5}, tmp_path / "smc.png")
