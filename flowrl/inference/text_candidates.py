@@ -79,6 +79,7 @@ def generate_texts(
         position_scorer=position_scorer,
         logit_shift=sampler.logit_shift,
         generator=generator,
+        kv_cache=sampler.kv_cache,
     )
     traj.completions = decode_completions(lm.tokenizer, traj.completion_ids, lm.eos_token_id)
     return traj

@@ -17,6 +17,12 @@ classes and wraps it in ``MaskedDiffusionLM``, which implements the ``MaskedLM``
   plain transformers model (``AutoModelForMaskedLM`` for ``*ForMaskedLM`` architectures, else
   ``AutoModelForCausalLM``) whose 2-D attention mask is passed through unchanged.
 
+Block-diffusion models (BD3-LM / SDAR style; the embedded ``arith_bd3lm``) declare ``diffusion_block_length`` in
+their config: the adapter then runs them with block-causal attention (``block_attention.py``: each block attends to
+itself and the blocks before it) on every forward, sampling and scoring alike, and ``cached_logits`` runs the current
+block alone against a key-value cache of the prompt and the finished blocks, which is exact for such attention (the
+sampler's ``kv_cache: exact``). Such a model is a decoder class (``*ForCausalLM``) whose attention takes a 4-D mask.
+
 Remote code runs only when ``trust_remote_code=True``: a checkpoint whose ``config.json`` has an
 ``auto_map`` is refused otherwise, with one sentence naming ``pipeline.trust_remote_code=true``.
 
@@ -46,11 +52,18 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..sections import PipelineSection
+from .block_attention import (
+    block_causal_mask,
+    block_diffusion_training_mask,
+    block_diffusion_training_positions,
+    position_ids,
+)
 from .common import DTYPES, DeviceSpec, Dtype, LoraConfig
 
 DLLMFamily = Literal["auto", "llada", "mmada", "dream"]
 FAMILIES: tuple[str, ...] = get_args(DLLMFamily)
-EMBEDDED_LMS = {"arith_mdlm": Path(__file__).resolve().parents[1] / "assets" / "arith_mdlm"}  # shipped models by name
+_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+EMBEDDED_LMS = {name: _ASSETS / name for name in ("arith_mdlm", "arith_bd3lm")}  # shipped models by name
 LLADA_MASK_TOKEN_ID = 126336  # "<|mdm_mask|>" in the LLaDA / MMaDA tokenizer
 LLADA_EOS_TOKEN_ID = 126081  # "<|endoftext|>" (LLaDA's config eos/pad); "<|eot_id|>" is 126348
 
@@ -81,6 +94,10 @@ class MaskedDiffusionLM:
     ``attention``: how a 2-D padding mask reaches the model -- ``"2d"`` passes it as ``attention_mask``
     (BERT, LLaDA, MMaDA); ``"dream"`` builds Dream's 4-D boolean mask and position ids. Logits come back
     in float32 (the log-softmax of a bf16 model is too coarse for ratios).
+
+    ``block_length``: set for a block-diffusion model (config ``diffusion_block_length``): every forward is
+    block-causal (``block_attention.block_causal_mask``, positions counting real tokens), and ``cached_logits``
+    runs a few tokens against a key-value cache. None: the model's own (bidirectional) attention.
     """
 
     def __init__(
@@ -92,9 +109,14 @@ class MaskedDiffusionLM:
         shift_logits: bool = False,
         attention: str = "2d",
         family: str = "auto",
+        block_length: int | None = None,
     ):
         if attention not in ("2d", "dream"):
             raise FlowRLError(f"attention must be '2d' or 'dream', not '{attention}'.")
+        if block_length is not None and (attention != "2d" or shift_logits or block_length < 1):
+            raise FlowRLError(
+                "a block-causal model (diffusion_block_length) needs a positive block length, unshifted logits and 2-D padding masks."
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.mask_token_id = int(mask_token_id)
@@ -102,6 +124,7 @@ class MaskedDiffusionLM:
         self.shift_logits = bool(shift_logits)
         self.attention = attention
         self.family = family
+        self.block_length = block_length
         self._reference: torch.nn.Module | None = None
         self._use_reference = False
 
@@ -119,7 +142,11 @@ class MaskedDiffusionLM:
         """The model's own output (no shift), in the model's dtype."""
         model = self.model if model is None else model
         kwargs: dict[str, Any] = {"input_ids": input_ids}
-        if self.attention == "dream":
+        if self.block_length is not None:
+            keys = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            kwargs["attention_mask"] = block_causal_mask(keys, self.block_length, _float_dtype(model))
+            kwargs["position_ids"] = position_ids(keys)
+        elif self.attention == "dream":
             mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
             # keys only: every query (padding included) sees the real tokens of its row
             kwargs["attention_mask"] = mask[:, None, None, :].expand(-1, 1, input_ids.shape[1], -1)
@@ -132,20 +159,73 @@ class MaskedDiffusionLM:
             raise FlowRLError(f"the model class {type(_base(model)).__name__} returns no .logits; load a model with an LM head.")
         return logits
 
+    def _active(self) -> torch.nn.Module:
+        return self._reference if self._use_reference and self._reference is not None else self.model
+
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """(B, L, V) float32 logits where position i predicts token i (shifted for AR-adapted models)."""
-        model = self._reference if self._use_reference and self._reference is not None else self.model
-        out = self.raw_logits(input_ids, attention_mask, model=model).float()
+        out = self.raw_logits(input_ids, attention_mask, model=self._active()).float()
         if self.shift_logits:
             out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
         return out
 
+    # -- key-value cache (block-causal models) --------------------------------------------------
+    @property
+    def supports_cache(self) -> bool:
+        """Whether ``cached_logits`` is exact: a block-causal model whose forward takes a key-value cache."""
+        return self.block_length is not None and _cache_argument(self.model) is not None
+
+    def new_cache(self) -> Any:
+        """An empty transformers ``DynamicCache`` for ``cached_logits``."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=_base(self._active()).config)
+
+    def cached_logits(self, input_ids: Tensor, attention_mask: Tensor, cache: Any) -> Tensor:
+        """(B, n, V) float32 logits of the ``n`` tokens ``input_ids`` that follow the ones held in ``cache``.
+
+        ``attention_mask``: (B, cached + n), 1 = real token, for the cached tokens and these ones. The forward is
+        block-causal exactly as ``logits`` on the whole sequence (same blocks, same positions), and appends these
+        tokens' keys and values to ``cache``; drop them with ``drop_from_cache`` to keep the cache as it was.
+        """
+        n = input_ids.shape[1]
+        model = self._active()
+        out = model(
+            input_ids=input_ids,
+            attention_mask=block_causal_mask(attention_mask, self.block_length, _float_dtype(model), queries=n),
+            position_ids=position_ids(attention_mask)[:, -n:],
+            use_cache=True,
+            **{_cache_argument(model): cache},
+        )
+        return out.logits.float()
+
+    def block_diffusion_logits(self, prompt_ids: Tensor, prompt_mask: Tensor, noised: Tensor, clean: Tensor) -> Tensor:
+        """(B, G, V) float32 logits of a partly masked completion ``noised`` (B, G) in which each block is predicted
+        given the CLEAN blocks before it (``clean`` (B, G), the completion as generated) and its own noised tokens:
+        BD3-LM's likelihood factorisation, one forward of ``[prompt ; noised ; clean]`` with the training mask
+        (``block_attention.block_diffusion_training_mask``). When the blocks before each masked position are already
+        clean in ``noised`` (a sampling state), this equals ``logits`` on ``[prompt ; noised]``."""
+        model, G, P = self._active(), noised.shape[1], prompt_ids.shape[1]
+        out = model(
+            input_ids=torch.cat([prompt_ids, noised, clean], 1),
+            attention_mask=block_diffusion_training_mask(prompt_mask, G, self.block_length, _float_dtype(model)),
+            position_ids=block_diffusion_training_positions(prompt_mask, G),
+        )
+        return out.logits[:, P : P + G].float()
+
+    @staticmethod
+    def drop_from_cache(cache: Any, n: int) -> None:
+        """Remove the last ``n`` tokens' keys and values from ``cache`` (a negative crop: the number removed)."""
+        if n:
+            cache.crop(-n)
+
     @torch.no_grad()
     def attends_bidirectionally(self) -> bool:
-        """Probe: does the output at position 0 depend on the last token? (False for causal attention.)"""
+        """Probe: does the output at position 0 depend on the last token? (False for causal attention.) A block-causal
+        model is probed within one block: it attends bidirectionally inside a block, which is what masked diffusion needs."""
         base = _base(self.model)
         vocab = _vocab_size(base)
-        ids = (torch.arange(8, device=self.device) % max(vocab - 1, 1)).unsqueeze(0)
+        ids = (torch.arange(self.block_length or 8, device=self.device) % max(vocab - 1, 1)).unsqueeze(0)
         ids = torch.cat([ids, ids.clone()])
         ids[1, -1] = (ids[0, -1] + 1) % vocab
         was_training = self.model.training
@@ -272,6 +352,7 @@ def load_masked_lm(
         shift_logits=family == "dream",
         attention="dream" if family == "dream" else "2d",
         family=family,
+        block_length=getattr(model.config, "diffusion_block_length", None),
     )
     if require_bidirectional and not adapter.attends_bidirectionally():
         raise FlowRLError(
@@ -361,6 +442,19 @@ def _config_dict(pretrained: str) -> dict[str, Any]:
     return config
 
 
+def _float_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype an additive attention mask must have for ``model`` (its floating-point weights')."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _cache_argument(model: torch.nn.Module) -> str | None:
+    """The forward's key-value cache keyword (transformers 5.24 renamed ``past_key_values`` to ``cache``), or None."""
+    import inspect
+
+    params = inspect.signature(_base(model).forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "module", module)  # DDP / accelerate wrappers
 
@@ -408,7 +502,8 @@ def _first_line(e: BaseException | None) -> str:
 
 
 class DLLMPipelineConfig(PipelineSection):
-    """``pipeline.name: dllm``: a masked-diffusion language model (LLaDA, MMaDA, Dream, or the embedded arith_mdlm)."""
+    """``pipeline.name: dllm``: a masked-diffusion language model (LLaDA, MMaDA, Dream, or the embedded arith_mdlm /
+    arith_bd3lm)."""
 
     name: str = "dllm"
     pretrained: str = "arith_mdlm"  # embedded name, local directory, or hub id

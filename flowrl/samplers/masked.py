@@ -7,6 +7,13 @@ decoding, Fast-dLLM), or a Plackett-Luce sample from a learned position scorer (
 temperature 0 its top-k, greedy in positions as in tokens).
 Committed tokens are never re-masked, so the record (final tokens + the step and order in which each
 position was committed) replays every intermediate state exactly (``TokenTrajectory.state_at``).
+
+``kv_cache``: ``none`` runs the whole sequence at every step (LLaDA). ``exact``, for a block-diffusion model (block-causal
+attention, ``MaskedDiffusionLM.block_length``; BD3-LM / SDAR), keeps the prompt and the finished blocks in a key-value
+cache and runs only the current block: the recorded log-probs are those of the full-sequence block-causal forward, so
+every scoring path (which runs the full sequence) re-scores the rollout's own policy. A bidirectional model's prefix
+cannot be cached exactly (its keys change when a later block changes; Fast-dLLM's prefix cache is an approximation),
+so ``exact`` refuses one.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ..seeding import RowGenerators
 from ..types import MaskedLM, TokenTrajectory
 
 Remasking = Literal["low_confidence", "random", "policy"]
+KVCache = Literal["none", "exact"]
 # (logits (B, G, V), completion state (B, G)) -> position scores (B, G); higher = unmask sooner.
 PositionScorer = Callable[[Tensor, Tensor], Tensor]
 
@@ -222,6 +230,25 @@ def _check_args(gen_length: int, steps: int, block_length: int, remasking: str, 
     return num_blocks
 
 
+def check_kv_cache(lm: MaskedLM, block_length: int, kv_cache: str, remasking: str, logit_shift: bool) -> None:
+    """Refuse, in one sentence, a cache setting or block length the model's attention does not allow."""
+    model_block = getattr(lm, "block_length", None)
+    if model_block is not None and block_length != model_block:
+        raise FlowRLError(
+            f"sampler.block_length ({block_length}) must equal the model's block length ({model_block}): it attends block-causally (config diffusion_block_length)."
+        )
+    if kv_cache == "none":
+        return
+    if kv_cache != "exact":
+        raise FlowRLError(f"unknown kv_cache '{kv_cache}'; use none or exact.")
+    if model_block is None or not getattr(lm, "supports_cache", False):
+        raise FlowRLError(
+            "sampler.kv_cache=exact needs a block-diffusion model (block-causal attention, config diffusion_block_length, e.g. arith_bd3lm); this one attends bidirectionally, so a cached prefix would only approximate it."
+        )
+    if remasking == "policy" or logit_shift:
+        raise FlowRLError("sampler.kv_cache=exact works with remasking low_confidence or random and unshifted logits.")
+
+
 @torch.no_grad()
 def generate(
     lm: MaskedLM,
@@ -236,6 +263,7 @@ def generate(
     position_scorer: PositionScorer | None = None,
     logit_shift: bool = False,
     generator: torch.Generator | RowGenerators | None = None,
+    kv_cache: KVCache = "none",
 ) -> TokenTrajectory:
     """Generate completions (B, gen_length) for prompts (B, P) by masked diffusion and record the trajectory.
 
@@ -256,8 +284,16 @@ def generate(
     model's distribution at temperature 1, whatever temperature was used to sample (the raw softmax, the
     same quantity a trainer recomputes; the mask token, never sampled, keeps its share of the normaliser).
     ``prompts``, ``metadata`` and ``group_ids`` are placeholders the caller overwrites.
+
+    ``kv_cache="exact"`` (block-causal models only, :func:`check_kv_cache`): the same steps, but each forward runs the
+    current block alone against a cache of the prompt and the finished blocks (:func:`_generate_cached`); its
+    random draws cover the current block only, so at a temperature its samples differ from ``none``'s, while the
+    greedy tokens and every recorded log-prob are those of the full-sequence block-causal forward.
     """
     num_blocks = _check_args(gen_length, steps, block_length, remasking, threshold, position_scorer)
+    check_kv_cache(lm, block_length, kv_cache, remasking, logit_shift)
+    if kv_cache == "exact":
+        return _generate_cached(lm, prompt_ids, prompt_mask, gen_length, steps, block_length, temperature, remasking, threshold, generator)
     steps_per_block = steps // num_blocks
     schedule = transfer_schedule(block_length, steps_per_block)
     rec = _Recorder.start(prompt_ids, gen_length, lm.mask_token_id)
@@ -281,6 +317,64 @@ def generate(
     return rec.trajectory(prompt_ids, prompt_mask, steps)
 
 
+def _generate_cached(
+    lm: MaskedLM,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    gen_length: int,
+    steps: int,
+    block_length: int,
+    temperature: float,
+    remasking: Remasking,
+    threshold: float | None,
+    generator: torch.Generator | RowGenerators | None,
+) -> TokenTrajectory:
+    """:func:`generate` with the prompt and finished blocks in a key-value cache (block-causal models).
+
+    One forward puts the prompt in the cache. Each step then runs only the current block's tokens; the first step of
+    a block also runs the block just finished (clean), which appends its keys and values to the cache, so finishing a
+    block costs no extra forward. After each step the current block's own keys and values are dropped again, since
+    its tokens change. Block-causal attention makes every kept key and value exactly what the full sequence gives.
+    """
+    num_blocks, P = gen_length // block_length, prompt_ids.shape[1]
+    steps_per_block = steps // num_blocks
+    schedule = transfer_schedule(block_length, steps_per_block)
+    rec = _Recorder.start(prompt_ids, gen_length, lm.mask_token_id)
+    keys = torch.cat([prompt_mask, torch.ones_like(rec.completion, dtype=prompt_mask.dtype)], dim=1)
+    cache = lm.new_cache()
+    lm.cached_logits(prompt_ids, keys[:, :P], cache)
+    finished = 0  # completion positions whose keys and values are in the cache
+    for block in range(num_blocks):
+        lo, hi = block * block_length, (block + 1) * block_length
+        for s in range(steps_per_block):
+            eligible = rec.unmask_step[:, lo:hi] < 0
+            if not eligible.any() or (threshold is None and schedule[s] == 0):
+                continue
+            logits = lm.cached_logits(rec.completion[:, finished:hi], keys[:, : P + hi], cache)[:, -block_length:]
+            lm.drop_from_cache(cache, block_length)  # keep the finished block just run, drop the current one
+            finished = lo
+            x0 = gumbel_sample(logits, temperature, generator, exclude=lm.mask_token_id)
+            log_p = _token_log_probs(logits, x0)
+            scores = _scores(logits, log_p, rec.completion[:, lo:hi], remasking, None, generator, temperature)
+            scores = scores.masked_fill(~eligible, float("-inf"))
+            k = _num_to_unmask(scores, eligible, schedule[s], threshold, s == steps_per_block - 1)
+            rec.commit(
+                _widen(x0, lo, gen_length, 0),
+                _widen(log_p, lo, gen_length, 0.0),
+                _widen(scores, lo, gen_length, float("-inf")),
+                k,
+                block * steps_per_block + s,
+            )
+    return rec.trajectory(prompt_ids, prompt_mask, steps)
+
+
+def _widen(block_values: Tensor, start: int, length: int, fill: float) -> Tensor:
+    """(B, length) holding ``block_values`` (B, n) at [start, start + n) and ``fill`` elsewhere."""
+    out = block_values.new_full((block_values.shape[0], length), fill)
+    out[:, start : start + block_values.shape[1]] = block_values
+    return out
+
+
 def decode_completions(tokenizer, completion_ids: Tensor, eos_token_id: int | None) -> list[str]:
     """Decode completions (B, G) to text, cutting each row at its first EOS and skipping special tokens.
 
@@ -295,7 +389,7 @@ def decode_completions(tokenizer, completion_ids: Tensor, eos_token_id: int | No
     return texts
 
 
-__all__: Sequence[str] = ["decode_completions", "generate", "gumbel_sample", "shift_logits", "transfer_schedule"]
+__all__: Sequence[str] = ["check_kv_cache", "decode_completions", "generate", "gumbel_sample", "shift_logits", "transfer_schedule"]
 
 
 class MaskedSamplerConfig(SamplerSection):
@@ -311,6 +405,8 @@ class MaskedSamplerConfig(SamplerSection):
     remasking: Remasking = "low_confidence"
     threshold: float | None = Field(None, gt=0, lt=1)  # dynamic confidence-threshold decoding
     logit_shift: bool = False
+    # exact: prompt + finished blocks in a key-value cache, only the current block runs (block-diffusion models only)
+    kv_cache: KVCache = "none"
     modality: ClassVar[str] = "text"
     prediction_types: ClassVar[tuple[str, ...]] = ("masked",)
 

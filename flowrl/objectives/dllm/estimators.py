@@ -82,8 +82,15 @@ def completion_logits(lm: MaskedLM, traj: TokenTrajectory, completion: Tensor, p
 
     ``prompt`` defaults to the unmasked ``traj.prompt_ids``; the attention mask is the prompt mask followed
     by ones (completion tokens, EOS filler included, are always attended, as during sampling).
+
+    A block-diffusion model (block-causal attention, ``lm.block_length`` set; pipelines/block_attention.py) predicts
+    each block from the clean blocks before it, as it generates: its logits come from ``lm.block_diffusion_logits``
+    with the recorded completion as that clean context (BD3-LM's likelihood), whatever the estimator masked before
+    the block. On a sampling state (the replay) that is the same forward the sampler ran.
     """
     prompt = traj.prompt_ids if prompt is None else prompt
+    if getattr(lm, "block_length", None) is not None:
+        return lm.block_diffusion_logits(prompt, traj.prompt_mask, completion.to(prompt.device), traj.completion_ids)
     ids = torch.cat([prompt, completion.to(prompt.device)], dim=1)
     attn = torch.cat([traj.prompt_mask.long(), torch.ones_like(completion, dtype=torch.long)], dim=1)
     return lm.logits(ids, attn)[:, prompt.shape[1] :]
