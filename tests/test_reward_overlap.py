@@ -130,3 +130,19 @@ def test_what_cannot_overlap_is_refused_in_one_sentence(tmp_path, preset, extra,
     with pytest.raises(FlowRLError, match=reason) as caught:
         Trainer(load_config(CONFIGS / "digits" / f"{preset}.yaml", overrides))
     assert "set rollout.overlap_reward=false" in str(caught.value)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_text_overlap_scores_while_the_log_likelihoods_are_computed_with_the_same_bits(tmp_path):
+    """A diffusion LM generates the whole batch at once; the reward of its completions runs while the rollout
+    policy's log-likelihood estimates are computed, on the whole batch, so the bits cannot move."""
+    results = {}
+    for overlap in (False, True):
+        overrides = [f"output_dir={tmp_path / str(overlap)}", "train.prompts_per_iteration=2", "train.num_generations=4"]
+        overrides += ["train.batch_size=4", "prompts.eval_size=4", "log.progress=false", f"rollout.overlap_reward={overlap}"]
+        trainer = Trainer(load_config(CONFIGS / "dllm" / "diffu_grpo.yaml", overrides))
+        metrics = trainer.train_iteration(0)
+        assert {"perf/reward_wait_s", "perf/reward_hidden_s"} <= metrics.keys()
+        results[overlap] = ({k: v for k, v in metrics.items() if not k.startswith("perf/")}, trainer.module.state_dict())
+    assert results[False][0] == results[True][0] and "reward/mean" in results[True][0]
+    assert all(torch.equal(results[False][1][k], results[True][1][k]) for k in results[False][1])
