@@ -184,6 +184,7 @@ def main() -> None:
     p.add_argument(
         "--quick", action="store_true", help="grpo_clip at 1 epoch, 2 iterations on 3 steps, 2 groups of 4, 1 seed per held-out prompt"
     )
+    p.add_argument("--merge", type=Path, nargs="+", default=None, help="train nothing: report the runs of these --json files together")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="reward and judge against KL, PNG")
     a = p.parse_args()
@@ -209,7 +210,12 @@ def main() -> None:
             "eval.samples_per_prompt": 1,
         }
     started, runs = time.perf_counter(), []
-    for e in epochs:  # epoch-major: the methods of one epoch count run next to each other
+    if a.merge:  # runs trained by several processes (e.g. one per epoch count), reported as one
+        shares = [json.loads(path.read_text()) for path in a.merge]
+        runs = [r for share in shares for r in share["runs"]]
+        a.seed, a.iterations = shares[0]["seed"], shares[0]["iterations"]
+        a.eval_every = runs[0]["curve"][1]["iteration"] if len(runs[0]["curve"]) > 1 else a.eval_every
+    for e in [] if a.merge else epochs:  # epoch-major: the methods of one epoch count run next to each other
         for m in methods:
             r = run(m, e, a.seed, a.iterations, a.eval_every, overrides)
             runs.append(r)
@@ -219,7 +225,7 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    total_s = time.perf_counter() - started
+    total_s = max(share["total_s"] for share in shares) if a.merge else time.perf_counter() - started
     print(f"digits_flow, seed {a.seed}, {a.iterations} iterations, {torch.get_num_threads()} thread(s); total {total_s:.0f} s")
     print(f"{'method':<12}{'epochs':>7}{'iter':>6}{'reward':>9}{'judge':>9}{'KL nats':>10}{'diversity':>11}")
     for r in runs:

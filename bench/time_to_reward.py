@@ -10,9 +10,13 @@ digits flow model with the README's reward (ink + digit_classifier), trained thr
     fast_window     Flow-GRPO-Fast style: steps 0-1 stochastic and trained, the rest ODE
     tempflow        full_sde with TempFlow-GRPO's noise-level step credit (objective.step_weighting=noise_level)
     diffusion_nft   configs/digits/diffusion_nft.yaml (ODE rollouts, flow matching on the clean samples)
+    flow_dppo       configs/digits/flow_dppo.yaml (Flow-GRPO's SDE, no ratio clip, the exact-KL trust region)
+    flow_dppo_window  flow_dppo with fast_window's 2-step SDE window, both steps trained
+    awm             configs/digits/awm.yaml (Advantage Weighted Matching: ODE rollouts, advantage-weighted flow matching)
 
 Each run evaluates the held-out set (20 unseen prompt phrasings x ``--eval-samples`` fixed seeds, 10-step ODE,
-``Trainer.evaluate``, no judge) every ``--eval-every`` iterations and stops at the first evaluation whose reward
+``Trainer.evaluate``, with the judge ``digit_realism``: never trained on, reported at the target so that a method that
+reaches it by hacking the reward shows it) every ``--eval-every`` iterations and stops at the first evaluation whose reward
 is >= ``--target`` (or after ``--max-iterations``). Time to target = the summed wall time of
 ``Trainer.train_iteration`` (rollout + reward + advantages + update) up to that evaluation; evaluations are not
 counted. Denoiser work is counted with hooks on the denoiser module: forward calls and rows (samples through the
@@ -21,6 +25,8 @@ Runs are interleaved seed-major (for seed: for method), so drifting load on a sh
 
     python bench/time_to_reward.py [--seeds 3] [--target 1.45] [--threads 1] [--json OUT] [--plot PNG]
     python bench/time_to_reward.py --quick        # tiny: 1 seed, 2 methods, 2 iterations (the test's)
+    # split over processes, one seed each, then reported together:
+    python bench/time_to_reward.py --seed-list 1 --runs-out runs1.json ...; python bench/time_to_reward.py --merge runs*.json
 
 Prints a table; the last line is one JSON object with ``speedup_vs_full_sde`` (the baseline's median time to
 target / the fastest method's, among methods that reached the target in every seed) and every method's numbers.
@@ -83,6 +89,8 @@ def method_config(method: str, seed: int, output_dir: str, overrides: dict[str, 
     preset, changes = METHODS[method]
     tree = read_yaml_mapping(REPO / "configs" / "digits" / preset, "config file")
     settings = {
+        # the held-out evaluation keeps the preset's 10 steps when a method's rollout takes fewer
+        "eval.num_inference_steps": tree["rollout"]["num_inference_steps"],
         "seed": seed,
         "output_dir": output_dir,
         # the held-out judge (never trained on): a method that reaches the target by hacking the reward shows it
@@ -270,6 +278,26 @@ def plot(runs: list[dict[str, Any]], methods: list[str], target: float, path: Pa
     plt.close(fig)
 
 
+def train_runs(
+    methods: list[str], seeds: list[int], target: float, max_iterations: int, eval_every: int, overrides: dict[str, Any]
+) -> tuple[list[dict[str, Any]], float]:
+    """Every (seed, method) run, seed-major (every method sees the same stretch of machine load); and the wall time."""
+    runs = []
+    started = time.perf_counter()
+    for seed in seeds:
+        for m in methods:
+            r = run_method(m, seed, target, max_iterations, eval_every, overrides)
+            runs.append(r)
+            last = r["reached"] or r["curve"][-1]
+            print(
+                f"seed {seed} {m:<15} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
+                f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}  judge {last['judge']:.4f} (start {r['curve'][0]['judge']:.4f})",
+                file=sys.stderr,
+                flush=True,
+            )
+    return runs, time.perf_counter() - started
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
@@ -287,6 +315,9 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="change a config key of every method's run (YAML value), e.g. --set train.learning_rate=1e-3; repeatable",
     )
+    p.add_argument("--seed-list", default=None, help="comma-separated seeds to run instead of 0 .. --seeds - 1 (one share of a split run)")
+    p.add_argument("--runs-out", type=Path, default=None, help="write every run (its whole curve) to this JSON, for --merge")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, help="train nothing: report the runs of these --runs-out files together")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="reward-vs-time PNG")
     a = p.parse_args()
@@ -307,32 +338,30 @@ def main() -> None:
         overrides.update(
             {
                 "rollout.num_inference_steps": 3,
+                "eval.num_inference_steps": 3,
                 "train.prompts_per_iteration": 2,
                 "train.num_generations": 4,
                 "train.batch_size": 8,
                 "eval.samples_per_prompt": 1,
             }
         )
-    seeds = list(range(a.seeds))
-    runs = []
-    started = time.perf_counter()
-    for seed in seeds:  # seed-major: every method sees the same stretch of machine load
-        for m in methods:
-            r = run_method(m, seed, a.target, a.max_iterations, a.eval_every, overrides)
-            runs.append(r)
-            last = r["reached"] or r["curve"][-1]
-            print(
-                f"seed {seed} {m:<15} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
-                f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}  judge {last['judge']:.4f} (start {r['curve'][0]['judge']:.4f})",
-                file=sys.stderr,
-                flush=True,
-            )
-    total_s = time.perf_counter() - started
+    seeds = [int(x) for x in a.seed_list.split(",")] if a.seed_list else list(range(a.seeds))
+    if a.merge:  # runs trained by several processes (each a --seed-list share), reported as one
+        shares = [json.loads(path.read_text()) for path in a.merge]
+        runs = [r for share in shares for r in share["runs"]]
+        methods = list(dict.fromkeys(r["method"] for r in runs))
+        seeds = sorted({r["seed"] for r in runs})
+        a.target, total_s = shares[0]["target"], max(share["total_s"] for share in shares)
+    else:
+        runs, total_s = train_runs(methods, seeds, a.target, a.max_iterations, a.eval_every, overrides)
+        if a.runs_out:
+            a.runs_out.write_text(json.dumps({"target": a.target, "total_s": round(total_s, 1), "runs": runs}) + "\n")
     summary = summarise(runs, methods, seeds)
     ratio, best = speedup(summary)
     print(
         f"digits_flow, target held-out reward {a.target:g} (20 prompts x {overrides['eval.samples_per_prompt']} seeds, ODE); "
         f"{torch.get_num_threads()} thread(s); median of {len(seeds)} seed(s); training time only; total {total_s:.0f} s"
+        + (f" (the longest of {len(a.merge)} processes)" if a.merge else "")
     )
     print(f"{'method':<18}{'reached':>8}{'time s':>9}{'iters':>7}{'fwd rows':>10}{'bwd rows':>10}{'judge@tgt':>11}{'final rew':>11}")
     for m, s in summary.items():

@@ -110,6 +110,7 @@ def test_bench_counts_denoiser_work_by_hand(one_thread):
     bench = _bench()
     tiny = {
         "rollout.num_inference_steps": 3,
+        "eval.num_inference_steps": 3,
         "train.prompts_per_iteration": 2,
         "train.num_generations": 2,
         "train.batch_size": 4,
