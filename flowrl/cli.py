@@ -18,6 +18,7 @@ EPILOG = """examples:
   flowrl eval runs/digits_grpo/checkpoints/step_000030
   flowrl eval configs/digits/grpo.yaml --best-of 16      (or --svdd 16: inference-time scaling)
   flowrl eval configs/digits/grpo.yaml --smc 16 --smc-lambda 30   (particles toward p_base exp(lambda r))
+  flowrl eval configs/digits/grpo.yaml --rbf 4       (or --noise-search 5: rollover budget forcing, noise search)
   flowrl eval configs/dllm/diffu_grpo.yaml sampler.eval_temperature=1 --best-of 16 --select majority,likelihood
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
   flowrl export runs/sd_lora/checkpoints/step_000100 my_lora --lora-only --push-to-hub me/my-lora
