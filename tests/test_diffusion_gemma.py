@@ -15,6 +15,7 @@ from flowrl.samplers.entropy_bound import EntropyBoundSamplerConfig, generate, r
 from flowrl.seeding import RowGenerators
 
 PRESET = "dllm/diffusion_gemma_step_grpo"
+pytestmark = pytest.mark.usefixtures("one_thread")  # a tiny model: more threads only spin
 
 
 @pytest.fixture(scope="module")
