@@ -9,17 +9,20 @@ so that they share the machine's load alike:
 - ``serial``: the default loop (rollout, then decode + reward of the whole batch), 1 intra-op thread;
 - ``overlap``: rollout.overlap_reward=true, 1 intra-op thread for the rollout and 1 for the reward's worker.
 
-Prints each iteration's perf/* split and the median seconds per iteration of each run (evaluation excluded), the
-ratio, and whether the runs' final weights are bit-identical (and if not, by how much they differ).
+Prints each iteration's perf/* split, its wall time (evaluation excluded) and the process's CPU time over all its
+threads (the same work either way: the overlap can only shorten the wall time when a core is free), the median
+seconds per iteration of each run, the ratio, and whether the runs' final weights are bit-identical (and if not, by how much they differ).
 
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/reward_overlap.py [--iterations 4] [--chunk 16]
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/reward_overlap.py [--iterations 4] [--chunk 8] [--steps 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -49,8 +52,9 @@ def build_clip(directory: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=4, help="measured iterations per run (after one warm-up)")
-    parser.add_argument("--chunk", type=int, default=16, help="rollout.batch_size: samples per rollout chunk")
+    parser.add_argument("--chunk", type=int, default=8, help="rollout.batch_size: samples per rollout chunk")
     parser.add_argument("--prompts", type=int, default=4, help="train.prompts_per_iteration (8 samples each)")
+    parser.add_argument("--steps", type=int, default=10, help="rollout.num_inference_steps (the preset's 10)")
     args = parser.parse_args()
 
     from flowrl import Trainer, load_config
@@ -67,6 +71,7 @@ def main() -> None:
             f"train.iterations={args.iterations + 1}",
             f"train.prompts_per_iteration={args.prompts}",
             f"rollout.batch_size={args.chunk}",
+            f"rollout.num_inference_steps={args.steps}",
             f"rollout.overlap_reward={str(overlap).lower()}",
             "eval.every=0",
             "log.checkpoint_every=0",
@@ -75,16 +80,21 @@ def main() -> None:
         trainers[name] = Trainer(load_config("digits/grpo", overrides), reward={"clip_score": reward})
     totals: dict[str, list[float]] = {name: [] for name in runs}
     samples = args.prompts * 8
-    print(f"# {samples} samples per iteration in chunks of {args.chunk}; reward: clip_score on CLIP ViT-B/32 (real size, random)")
-    print("run        it  " + "  ".join(k.removeprefix("perf/") for k in KEYS) + "  total_s")
+    print(
+        f"# {samples} samples per iteration in chunks of {args.chunk}, {args.steps} steps; "
+        f"reward: clip_score on CLIP ViT-B/32 (real size, random); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
+    print("run        it  " + "  ".join(k.removeprefix("perf/") for k in KEYS) + "  total_s  cpu_s")
     for iteration in range(args.iterations + 1):
         for name, (_, threads) in runs.items():
             torch.set_num_threads(threads)
+            cpu = time.process_time()
             m = trainers[name].train_iteration(iteration)
+            cpu = time.process_time() - cpu  # every thread of the process: the work, however it was spread
             total = m["perf/rollout_s"] + m["perf/reward_wait_s"] + m["perf/update_s"]
             if iteration:  # the first iteration loads the reward model (shared) and warms up
                 totals[name].append(total)
-            print(f"{name:<10} {iteration:>2}  " + "  ".join(f"{m[k]:>{len(k) - 5}.2f}" for k in KEYS) + f"  {total:7.2f}")
+            print(f"{name:<10} {iteration:>2}  " + "  ".join(f"{m[k]:>{len(k) - 5}.2f}" for k in KEYS) + f"  {total:7.2f}  {cpu:5.2f}")
     base = statistics.median(totals["serial"])
     for name in runs:
         med = statistics.median(totals[name])

@@ -302,7 +302,7 @@ class ImageModality:
         """The reward of the decoded samples; with ``with_gradient`` also d reward / d final latents, through
         the decoder (the VAE of latent models), ``rollout.batch_size`` samples per graph. With an overlapped
         ``scoring`` the chunks were decoded and scored on its worker during collect: joined here, in order."""
-        if scoring is not None and scoring.overlap:
+        if scoring is not None and scoring.scored_on_worker:
             samples, out = scoring.join()
             batch.samples = torch.cat(samples)
             return out, None

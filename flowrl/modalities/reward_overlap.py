@@ -73,6 +73,11 @@ class RolloutScoring:
         self._futures.append(self._executor.submit(self._decode_and_score, decode, list(prompts), [dict(m) for m in metadata]))
         return None
 
+    @property
+    def scored_on_worker(self) -> bool:
+        """Whether collect handed chunks to the worker to be scored: then the modality's score joins them."""
+        return self.overlap and self.chunks > 0
+
     def generated(self) -> None:
         """The rollout has made its last chunk: reward work after this moment is waited for, not hidden."""
         self._generated_at = time.perf_counter()

@@ -113,7 +113,7 @@ class TextModality:
     ) -> tuple[RewardOutput, None]:
         if with_gradient:
             raise FlowRLError("text rewards have no gradient; the dLLM objectives train on rollouts.")
-        if scoring is not None and scoring.overlap:  # scored on the worker during collect
+        if scoring is not None and scoring.scored_on_worker:  # scored on the worker during collect
             return scoring.join()[1], None
         return reward(batch.completions, batch.prompts, batch.metadata), None
 
