@@ -179,6 +179,8 @@ def test_best_of_n_and_svdd_through_flowrl_eval(lm, tmp_path):
     assert torch.allclose(direct.scores["likelihood"][:, 0], plain.log_likelihood())
     one = run_evaluation(config, None, {"name": "svdd", "m": 1, "select": "likelihood"}, tmp_path / "svdd1.png")
     assert [json.loads(line)["completion"] for line in open(one["completions"])] == plain.completions
+    executed = int((~plain.frozen.all(0)).sum())  # decoder passes of the plain batch of 3 (the encoder's are not counted)
+    assert one["cost"]["denoiser_rows"] == 3 * executed == round(3 * one["denoiser_forwards_per_item"])
     two = run_evaluation(config, None, {"name": "svdd", "m": 2, "select": "likelihood"}, tmp_path / "svdd2.png")
     assert len([json.loads(line) for line in open(two["completions"])]) == 3
     with pytest.raises(FlowRLError, match="--smc"):

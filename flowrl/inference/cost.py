@@ -127,6 +127,23 @@ class MeteredLM(_Proxy):
         self._cost.denoiser_rows += ids.shape[0]
         return out
 
+    def session(self, *args, **kwargs):
+        """DiffusionGemma's block loop (pipelines/diffusion_gemma.py): its decoder calls on a canvas are the denoiser
+        work (one row = one canvas through the decoder once); the encoder's pass per finished canvas is in other_seconds."""
+        return _MeteredSession(self._inner.session(*args, **kwargs), self._cost)
+
+
+class _MeteredSession(_Proxy):
+    def denoise(self, canvas, *args, **kwargs):
+        _sync(canvas)
+        t0 = time.perf_counter()
+        out = self._inner.denoise(canvas, *args, **kwargs)
+        _sync(out)
+        self._cost.denoiser_seconds += time.perf_counter() - t0
+        self._cost.denoiser_calls += 1
+        self._cost.denoiser_rows += canvas.shape[0]
+        return out
+
 
 class MeteredVerifier(_Proxy):
     """A reward or a selection score: each call is verifier work, its rows the candidates it scored (the first argument)."""
