@@ -185,3 +185,30 @@ def test_best_of_n_and_svdd_through_flowrl_eval(lm, tmp_path):
     assert len([json.loads(line) for line in open(two["completions"])]) == 3
     with pytest.raises(FlowRLError, match="--smc"):
         run_evaluation(config, None, {"name": "smc", "n": 2, "lambda": 1.0, "ess_threshold": 0.5}, tmp_path / "smc.png")
+
+
+def test_step_grpo_loss_and_gradient_by_hand(lm):
+    """On policy every counted ratio is exactly 1, so the clipped surrogate of a row is -A and the loss -mean_b A_b;
+    its gradient is the policy gradient -mean_b A_b mean_{s counted} grad log p_s, flowing into the self-conditioning
+    block (the replay recomputes the self-conditioning chain) and the shared layers through the prompt's KV cache."""
+    from flowrl.objectives.dllm.step_grpo import StepGRPOConfig
+
+    objective = StepGRPOConfig().build()
+    settings = resolve_settings(lm, EntropyBoundSamplerConfig(gen_length=16, steps=3))
+    ids, mask = _prompts()
+    traj = generate(lm, ids[:4], mask[:4], settings, torch.Generator().manual_seed(2))
+    traj.rewards, traj.group_ids = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.tensor([0, 0, 1, 1])
+    objective.prepare(traj)
+    objective.old_and_ref(lm, traj)
+    params = dict(lm.model.named_parameters())
+    out = next(objective.losses(lm, None, traj, None))
+    assert out.metrics["policy/ratio_mean"] == 1.0
+    adv = traj.advantages
+    assert torch.allclose(out.loss, -adv.double().mean(), atol=1e-12)
+    counted = traj.counted
+    by_hand = -(adv * (step_log_probs(lm, traj) * counted).sum(1) / counted.sum(1)).mean()
+    names = ["model.decoder.self_conditioning.gate_proj.weight", "model.encoder.language_model.layers.0.self_attn.k_proj.weight"]
+    got = torch.autograd.grad(out.loss, [params[n] for n in names])
+    want = torch.autograd.grad(by_hand, [params[n] for n in names])
+    for g, w in zip(got, want):
+        assert g.abs().max() > 0 and torch.allclose(g, w, atol=1e-10, rtol=1e-6)
