@@ -44,6 +44,7 @@ def _seconds_add_up(cost: SearchCost) -> None:
     assert cost.wall_seconds >= cost.denoiser_seconds + cost.verifier_seconds
     record = cost.record(P)
     assert record["denoiser_rows_per_item"] == cost.denoiser_rows / P and record["items"] == P
+    assert cost.cpu_seconds >= cost.denoiser_cpu_seconds > 0 and cost.verifier_cpu_seconds > 0  # this process's own CPU time
 
 
 def test_best_of_n_counts_n_rollouts_and_the_padding_of_early_stopped_rounds(trainer):

@@ -16,6 +16,9 @@ What is counted where:
   A diffusion LM's held-out grader (which reads the gold answer) measures, it never selects, so it is not counted.
 * wall: the whole search, measured around it; ``other_seconds`` = wall - denoiser - verifier (sampler steps,
   noise, bookkeeping).
+* CPU seconds (``time.process_time``, this process's CPU time, every thread) beside each wall time: on a CPU shared
+  with other jobs the wall clock also counts the time others held the cores, the CPU time only this search's work
+  (on a GPU the wall times are the ones to read).
 
 Rows include the padding rows a search runs to keep its batch shapes fixed (what was paid). On a GPU the clock is
 read after a ``torch.cuda.synchronize`` so that asynchronous kernels land in the part that launched them.
@@ -45,16 +48,25 @@ class SearchCost:
     denoiser_seconds: float = 0.0
     verifier_seconds: float = 0.0
     wall_seconds: float = 0.0
-    _start: float | None = field(default=None, repr=False)
+    denoiser_cpu_seconds: float = 0.0
+    verifier_cpu_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    _start: tuple[float, float] | None = field(default=None, repr=False)
 
     def __enter__(self) -> SearchCost:
-        self._start = time.perf_counter()
+        self._start = (time.perf_counter(), time.process_time())
         return self
 
     def __exit__(self, *exc) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.wall_seconds += time.perf_counter() - self._start
+        self.wall_seconds += time.perf_counter() - self._start[0]
+        self.cpu_seconds += time.process_time() - self._start[1]
+
+    def add(self, part: str, wall: float, cpu: float) -> None:
+        """Time spent in the denoiser or the verifier (``part``)."""
+        setattr(self, f"{part}_seconds", getattr(self, f"{part}_seconds") + wall)
+        setattr(self, f"{part}_cpu_seconds", getattr(self, f"{part}_cpu_seconds") + cpu)
 
     def record(self, items: int) -> dict:
         """Per item (mean over the ``items`` searched) and totals. Counts are exact integers of this run; seconds
@@ -75,6 +87,9 @@ class SearchCost:
             "verifier_seconds": round(self.verifier_seconds, 6),
             "other_seconds": round(other, 6),
             "wall_seconds": round(self.wall_seconds, 6),
+            "denoiser_cpu_seconds_per_item": round(self.denoiser_cpu_seconds / items, 6),
+            "verifier_cpu_seconds_per_item": round(self.verifier_cpu_seconds / items, 6),
+            "cpu_seconds_per_item": round(self.cpu_seconds / items, 6),
         }
 
 
@@ -84,6 +99,15 @@ class _Proxy:
     def __init__(self, inner, cost: SearchCost) -> None:
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_cost", cost)
+
+    def _timed(self, part: str, fn, first, *args, **kwargs):
+        """``fn(first, *args, **kwargs)``, its wall and CPU time added to ``part`` (GPU work finished on both sides)."""
+        _sync(first)
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = fn(first, *args, **kwargs)
+        _sync(getattr(out, "scores", out))
+        self._cost.add(part, time.perf_counter() - wall, time.process_time() - cpu)
+        return out
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -96,36 +120,21 @@ class MeteredPipeline(_Proxy):
     """An image / video pipeline whose ``predict`` is denoiser work and whose ``decode`` is verifier work."""
 
     def predict(self, x, *args, **kwargs):
-        _sync(x)
-        t0 = time.perf_counter()
-        out = self._inner.predict(x, *args, **kwargs)
-        _sync(out)
-        self._cost.denoiser_seconds += time.perf_counter() - t0
         self._cost.denoiser_calls += 1
         self._cost.denoiser_rows += x.shape[0]
-        return out
+        return self._timed("denoiser", self._inner.predict, x, *args, **kwargs)
 
     def decode(self, x):
-        _sync(x)
-        t0 = time.perf_counter()
-        out = self._inner.decode(x)
-        _sync(out)
-        self._cost.verifier_seconds += time.perf_counter() - t0
-        return out
+        return self._timed("verifier", self._inner.decode, x)
 
 
 class MeteredLM(_Proxy):
     """A masked diffusion LM whose ``logits`` forward is denoiser work."""
 
     def logits(self, ids, *args, **kwargs):
-        _sync(ids)
-        t0 = time.perf_counter()
-        out = self._inner.logits(ids, *args, **kwargs)
-        _sync(out)
-        self._cost.denoiser_seconds += time.perf_counter() - t0
         self._cost.denoiser_calls += 1
         self._cost.denoiser_rows += ids.shape[0]
-        return out
+        return self._timed("denoiser", self._inner.logits, ids, *args, **kwargs)
 
     def session(self, *args, **kwargs):
         """DiffusionGemma's block loop (pipelines/diffusion_gemma.py): its decoder calls on a canvas are the denoiser
@@ -135,27 +144,18 @@ class MeteredLM(_Proxy):
 
 class _MeteredSession(_Proxy):
     def denoise(self, canvas, *args, **kwargs):
-        _sync(canvas)
-        t0 = time.perf_counter()
-        out = self._inner.denoise(canvas, *args, **kwargs)
-        _sync(out)
-        self._cost.denoiser_seconds += time.perf_counter() - t0
         self._cost.denoiser_calls += 1
         self._cost.denoiser_rows += canvas.shape[0]
-        return out
+        return self._timed("denoiser", self._inner.denoise, canvas, *args, **kwargs)
 
 
 class MeteredVerifier(_Proxy):
     """A reward or a selection score: each call is verifier work, its rows the candidates it scored (the first argument)."""
 
     def __call__(self, candidates, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self._inner(candidates, *args, **kwargs)
-        _sync(getattr(out, "scores", out))
-        self._cost.verifier_seconds += time.perf_counter() - t0
         self._cost.verifier_calls += 1
         self._cost.verifier_rows += len(candidates)
-        return out
+        return self._timed("verifier", self._inner, candidates, *args, **kwargs)
 
 
 def metered(cost: SearchCost, pipeline=None, lm=None, verifiers=()) -> tuple:
