@@ -182,7 +182,7 @@ def build_model_card(
     base_text = (
         f"[`{p.pretrained}`](https://huggingface.co/{p.pretrained})"
         if hub_base
-        else f"`{p.pretrained}` ({'embedded in flowrl' if p.name in EMBEDDED or p.pretrained == 'arith_mdlm' else 'a local model directory'})"
+        else f"`{p.pretrained}` ({'embedded in flowrl' if p.name in EMBEDDED or p.pretrained in ('arith_mdlm', 'arith_bd3lm') else 'a local model directory'})"
     )
     tc = config.train
     lines = [

@@ -1,5 +1,5 @@
 """Block diffusion with an exact key-value cache (sampler.kv_cache=exact): block-causal attention through transformers'
-own Qwen2 at a tiny size, saved and loaded back through load_masked_lm; the cached generation against the
+own Llama at a tiny size, saved and loaded back through load_masked_lm; the cached generation against the
 full-sequence one, the rollout's recorded log-probs against the objectives' full-sequence scoring paths, the training
 mask against the sampling-time context, and the refusals."""
 
@@ -27,7 +27,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def bd_lm(tmp_path_factory):
-    """The shipped architecture (Qwen2ForCausalLM, diffusion_block_length 4) at random weights, through load_masked_lm."""
+    """The shipped architecture (LlamaForCausalLM, diffusion_block_length 4) at random weights, through load_masked_lm."""
     path = tmp_path_factory.mktemp("bd3lm")
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -50,6 +50,8 @@ def test_loaded_model_is_block_causal(bd_lm):
     """Within a block every position sees every other; no position sees a later block (so the load-time probe, which
     tests inside one block, accepts it as a masked-diffusion model)."""
     assert bd_lm.block_length == BLOCK and bd_lm.supports_cache
+    # the saved word-level tokenizer comes back (transformers 5 swaps in Qwen2's own for a Qwen2 config)
+    assert bd_lm.tokenizer.tokenize("ann has 20 apples") == ["ann", "has", "20", "apples"]
     ids = torch.randint(4, 70, (1, 12), generator=torch.Generator().manual_seed(0))
     changed = ids.clone()
     changed[0, 9] = (changed[0, 9] + 1) % 70  # in the last block (positions 8..11, blocks aligned to the end)
@@ -155,3 +157,25 @@ def test_refusals(bd_lm, prompts):
         )
     with pytest.raises(ValueError, match="kv_cache"):
         MaskedSamplerConfig(kv_cache="prefix")
+
+
+def test_shipped_arith_bd3lm_generates_the_same_with_and_without_the_cache():
+    """The embedded block-diffusion model loads by name through the pipeline section (block length 4, its word-level
+    tokenizer), and greedy decoding of held-out problems is the same with the cache as without; its answers are the
+    task's answers (the accuracy itself is measured in bench/block_cache.py)."""
+    from flowrl.inference.text_candidates import generate_texts
+    from flowrl.pipelines.dllm import DLLMPipelineConfig
+    from flowrl.reward_models import build_reward
+
+    lm = DLLMPipelineConfig(pretrained="arith_bd3lm").build("cpu")
+    assert lm.block_length == 4 and lm.tokenizer.tokenize("ann has 20 apples") == ["ann", "has", "20", "apples"]
+    items = problems("eval", 16, seed=0)
+    prompts = [p for p, _ in items]
+    runs = {}
+    for kv_cache in ("none", "exact"):
+        sampler = MaskedSamplerConfig(gen_length=16, steps=16, block_length=4, kv_cache=kv_cache)
+        runs[kv_cache] = generate_texts(lm, prompts, sampler, PROMPT_LEN, 0.0, torch.Generator())
+    assert torch.equal(runs["none"].completion_ids, runs["exact"].completion_ids)
+    assert all("<answer>" in text for text in runs["exact"].completions)
+    scores = build_reward("math_answer")(runs["exact"].completions, prompts, [m for _, m in items]).scores
+    assert 0 < float(scores.mean()) < 1

@@ -4,8 +4,9 @@
 
 The same task and SFT data as arith_mdlm (``train_arith.py``: the arithmetic problems, 30% of the solutions with an
 answer one off), but the model is a block-diffusion LM (BD3-LM / SDAR style) so that generation can keep the prompt
-and the finished blocks in an exact key-value cache: a tiny ``transformers.Qwen2ForCausalLM`` (a decoder class, so
-its attention takes a cache and a custom 4-D mask) trained with block-causal attention
+and the finished blocks in an exact key-value cache: a tiny ``transformers.LlamaForCausalLM`` (a decoder class, so
+its attention takes a cache and a custom 4-D mask; not Qwen2, for which transformers 5's AutoTokenizer replaces the
+saved word-level tokenizer by Qwen2's own) trained with block-causal attention
 (``pipelines/block_attention.py``): each block of ``block_length`` tokens attends to itself fully and to the blocks
 before it, never to a later one. The config records ``diffusion_block_length``, which is how ``load_masked_lm``
 knows to apply that attention.
@@ -36,10 +37,10 @@ from .train_arith import encode
 
 
 def build_model(block_length: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(vocabulary()),
         hidden_size=96,
         intermediate_size=192,
@@ -54,7 +55,7 @@ def build_model(block_length: int):
     )
     config.diffusion_block_length = block_length  # read by flowrl's load_masked_lm: block-causal attention
     config.mask_token_id = tokenizer.mask_token_id
-    return Qwen2ForCausalLM(config)
+    return LlamaForCausalLM(config)
 
 
 def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int, flaw_rate: float, block_length: int) -> None:
