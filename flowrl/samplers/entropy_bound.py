@@ -165,12 +165,13 @@ def _sample_tokens(probs: Tensor, generator: Generator, rows: Tensor) -> Tensor:
     row stream, the inverse CDF at one uniform per position (the same distribution, one draw per token)."""
     batch, length, vocab = probs.shape
     if isinstance(generator, RowGenerators):
-        u = torch.zeros((batch, length), dtype=torch.float64)
-        for b in torch.nonzero(rows.cpu()).flatten().tolist():
-            u[b] = 1.0 - torch.rand((length,), generator=generator.generators[b], dtype=torch.float64)  # (0, 1]
-        cdf = probs.to(torch.float64).cumsum(-1)
-        target = u.to(probs.device)[..., None] * cdf[..., -1:]
-        return torch.searchsorted(cdf, target).squeeze(-1).clamp_max(vocab - 1)
+        out = torch.zeros((batch, length), dtype=torch.long, device=probs.device)  # a row that does not draw: unused
+        for b in torch.nonzero(rows.cpu()).flatten().tolist():  # one row's float64 CDF at a time (L x V, not B x L x V)
+            u = 1.0 - torch.rand((length,), generator=generator.generators[b], dtype=torch.float64)  # (0, 1]
+            cdf = probs[b].to(torch.float64).cumsum(-1)
+            target = u.to(probs.device)[:, None] * cdf[:, -1:]
+            out[b] = torch.searchsorted(cdf, target).squeeze(-1).clamp_max(vocab - 1)
+        return out
     flat = probs.view(-1, vocab)
     if generator is not None and generator.device != probs.device:
         return torch.multinomial(flat.to(generator.device), 1, generator=generator).to(probs.device).view(batch, length)
