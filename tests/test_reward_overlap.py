@@ -146,3 +146,12 @@ def test_text_overlap_scores_while_the_log_likelihoods_are_computed_with_the_sam
         results[overlap] = ({k: v for k, v in metrics.items() if not k.startswith("perf/")}, trainer.module.state_dict())
     assert results[False][0] == results[True][0] and "reward/mean" in results[True][0]
     assert all(torch.equal(results[False][1][k], results[True][1][k]) for k in results[False][1])
+
+
+def test_a_one_sample_chunk_is_warned_about_once():
+    scoring = RolloutScoring(lambda samples, prompts, metadata: RewardOutput(samples.sum(1), {}), overlap=True)
+    with pytest.warns(UserWarning, match="holds one sample") as caught:
+        scoring.chunk(lambda: torch.ones(1, 3), ["a"], [{}])
+        scoring.chunk(lambda: torch.ones(1, 3), ["b"], [{}])
+    assert len([w for w in caught if "holds one sample" in str(w.message)]) == 1
+    assert scoring.join()[1].scores.tolist() == [3.0, 3.0]
