@@ -89,17 +89,22 @@ class GroupAdvantages:
 
 class MultiRewardOption(Section):
     """The ``multi_reward`` option, shared by every group-based objective's section (GRPO, DiffusionNFT, AWM,
-    Flow-DPPO, DGPO); the section's own ``std`` and ``std_eps`` give the group statistics."""
+    Flow-DPPO, DGPO, the diffusion-LM objectives); the section's own ``std`` and ``std_eps`` give the group statistics."""
 
     # how several reward components become one advantage: weighted_sum (normalise the combined reward), per_reward
     # (normalise each component in its group, then weight and sum), gdpo (per_reward, then normalise over the batch)
     multi_reward: MultiReward = "weighted_sum"
 
-    def group_advantages(self, context: BuildContext | None, multi_reward: MultiReward | None = None) -> GroupAdvantages:
-        """The estimator for this section (``multi_reward`` overrides the field: GRPO's alias)."""
+    def multi_reward_kwargs(self, context: BuildContext | None, multi_reward: MultiReward | None = None) -> dict[str, Any]:
+        """``component_weights`` and ``batch_normalise`` of the estimator (``multi_reward`` overrides the field: GRPO's
+        alias); {} for the weighted sum."""
         mode = multi_reward or self.multi_reward
         if mode == "weighted_sum":
-            return GroupAdvantages(self.std, self.std_eps)
+            return {}
         if context is None or not context.reward_weights:
             raise FlowRLError(f"objective.multi_reward={mode} needs the run's reward components (reward.components).")
-        return GroupAdvantages(self.std, self.std_eps, dict(context.reward_weights), batch_normalise=mode == "gdpo")
+        return {"component_weights": dict(context.reward_weights), "batch_normalise": mode == "gdpo"}
+
+    def group_advantages(self, context: BuildContext | None, multi_reward: MultiReward | None = None) -> GroupAdvantages:
+        """The estimator for this section, with its ``std`` and ``std_eps``."""
+        return GroupAdvantages(self.std, self.std_eps, **self.multi_reward_kwargs(context, multi_reward))

@@ -16,7 +16,8 @@ of a group sum to zero, so the pull of the group's mean sample cancels. The pape
 gradient with the noisy single-step target replaced by the clean pretraining target (lower variance).
 
 Choices, as flowrl makes them (docs/objectives/awm.md compares them with the authors' code):
-- Advantages: group mean, std over the whole batch + 1e-4 (``std: global``, the authors'), clipped to +-adv_clip_max.
+- Advantages: group mean, std over the whole batch + 1e-4 (``std: global``, the authors'), clipped to +-adv_clip_max;
+  several rewards combine as ``multi_reward`` says (objectives/advantages.py).
 - Times: ``uniform``: the model's training times (flow: sigma ~ U(0, 1]); ``grid``: the rollout's own interior grid
   times sigma_1 .. sigma_{K-1} (neither pure noise nor data), a random subset per sample.
 - Weighting: ``uniform`` (w = l), ``t`` (w = sigma l) or ``ghuber`` (the authors' default:
@@ -38,8 +39,9 @@ from torch import Tensor
 
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from .advantages import GroupAdvantages, MultiRewardOption
 from .diffusion_dpo import noised_and_target, training_sigmas
-from .functional import StdConvention, group_advantages, masked_mean
+from .functional import StdConvention, masked_mean
 
 TimeSampling = Literal["uniform", "grid"]
 Weighting = Literal["uniform", "t", "ghuber"]
@@ -65,8 +67,7 @@ def awm_loss(pred: Tensor, target: Tensor, advantages: Tensor, sigma: Tensor, we
 
 @dataclass
 class AWMObjective:
-    std: StdConvention
-    std_eps: float
+    advantage_estimator: GroupAdvantages
     adv_clip_max: float | None
     num_times: int
     time_sampling: TimeSampling
@@ -85,7 +86,7 @@ class AWMObjective:
         return "initial" if self.beta > 0 else "none"
 
     def prepare(self, batch: Trajectory) -> Trajectory:
-        batch.advantages = group_advantages(batch.rewards, batch.group_ids, self.std, self.std_eps)
+        batch.advantages = self.advantage_estimator(batch)
         if self.adv_clip_max is not None:
             batch.advantages = batch.advantages.clamp(-self.adv_clip_max, self.adv_clip_max)
         return batch
@@ -133,7 +134,7 @@ class AWMObjective:
         pass
 
 
-class AWMConfig(ObjectiveSection):
+class AWMConfig(ObjectiveSection, MultiRewardOption):
     """Advantage Weighted Matching: the denoising (flow-matching) loss on the rollouts' clean samples, weighted by the advantage."""
 
     name: str = "awm"
@@ -147,4 +148,5 @@ class AWMConfig(ObjectiveSection):
     beta: float = Field(0.0, ge=0)  # weight of the velocity MSE to the frozen initial model (the authors: 1e-3 to 3e-3)
 
     def build(self, context: BuildContext | None = None) -> AWMObjective:
-        return AWMObjective(**self.target_kwargs())
+        kwargs = {k: v for k, v in self.target_kwargs().items() if k not in ("std", "std_eps", "multi_reward")}
+        return AWMObjective(advantage_estimator=self.group_advantages(context), **kwargs)

@@ -21,8 +21,8 @@ Sampling afterwards uses v_theta alone, so there is no guidance term to train (C
 Choices the paper leaves open or states only in its code, as flowrl makes them:
 - Optimality probability: ``r = clip(1/2 + A / (2 A_max), 0, 1)`` with A the group advantage of the reward
   (``std="global"``: (R - mean of the prompt's group) / (std over the whole batch + eps), the authors'
-  setting; other conventions as GRPO's) and A_max = ``adv_clip_max`` (5). Samples with a non-finite reward
-  are left out of the loss.
+  setting; other conventions as GRPO's) and A_max = ``adv_clip_max`` (5); several rewards combine as
+  ``multi_reward`` says (objectives/advantages.py). Samples with a non-finite reward are left out of the loss.
 - beta = 1 by default (the authors' GenEval / PickScore / HPSv2 setting; 0.1 for OCR).
 - Times: each sample is trained at ``timestep_fraction`` (0.99 -> 9 of 10) of the rollout's own time grid
   points sigma_0..sigma_{K-1} (sigma = 0 excluded), a random subset per sample, with fresh noise eps per
@@ -57,8 +57,9 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from .advantages import GroupAdvantages, MultiRewardOption
 from .diffusion_dpo import noised_and_target
-from .functional import StdConvention, group_advantages, masked_mean
+from .functional import StdConvention, masked_mean
 
 
 def optimality_probability(advantages: Tensor, adv_clip_max: float) -> Tensor:
@@ -109,8 +110,7 @@ def swapped_weights(params: list[torch.nn.Parameter], values: list[Tensor]):
 @dataclass
 class DiffusionNFTObjective:
     beta: float
-    std: StdConvention
-    std_eps: float
+    advantage_estimator: GroupAdvantages
     adv_clip_max: float
     timestep_fraction: float
     old_decay_rate: float
@@ -129,7 +129,7 @@ class DiffusionNFTObjective:
         self.optimizer_steps = 0
 
     def prepare(self, batch: Trajectory) -> Trajectory:
-        adv = group_advantages(batch.rewards, batch.group_ids, self.std, self.std_eps)
+        adv = self.advantage_estimator(batch)
         batch.advantages = optimality_probability(adv, self.adv_clip_max)
         self._refresh = True  # a new rollout: the next losses() soft-updates the old policy first
         return batch
@@ -190,7 +190,7 @@ class DiffusionNFTObjective:
         self._old, self._refresh = None, True
 
 
-class DiffusionNFTConfig(ObjectiveSection):
+class DiffusionNFTConfig(ObjectiveSection, MultiRewardOption):
     """DiffusionNFT: flow matching of implicit positive / negative policies on the rollouts' clean samples (no log-probs)."""
 
     name: str = "diffusion_nft"
@@ -203,4 +203,5 @@ class DiffusionNFTConfig(ObjectiveSection):
     old_decay_max: float = Field(0.5, ge=0, lt=1)
 
     def build(self, context: BuildContext | None = None) -> DiffusionNFTObjective:
-        return DiffusionNFTObjective(**self.target_kwargs())
+        kwargs = {k: v for k, v in self.target_kwargs().items() if k not in ("std", "std_eps", "multi_reward")}
+        return DiffusionNFTObjective(advantage_estimator=self.group_advantages(context), **kwargs)

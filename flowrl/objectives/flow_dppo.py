@@ -39,9 +39,9 @@ from torch import Tensor
 
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from .advantages import GroupAdvantages, MultiRewardOption
 from .diffusion_nft import swapped_weights
 from .functional import StdConvention, gaussian_kl, masked_mean
-from .grpo import GroupAdvantages
 from .policy_gradient import TimestepOrder, choose_train_steps, step_ratio_stats
 
 
@@ -149,7 +149,7 @@ class FlowDPPOObjective:
         self._old, self._refresh = None, True
 
 
-class FlowDPPOConfig(ObjectiveSection):
+class FlowDPPOConfig(ObjectiveSection, MultiRewardOption):
     """Flow-DPPO: GRPO's per-step ratio surrogate, no clip, with an exact-KL trust-region mask (docs/objectives/flow_dppo.md)."""
 
     name: str = "flow_dppo"
@@ -165,7 +165,7 @@ class FlowDPPOConfig(ObjectiveSection):
 
     def build(self, context: BuildContext | None = None) -> FlowDPPOObjective:
         return FlowDPPOObjective(
-            advantage_estimator=GroupAdvantages(self.std, self.std_eps),
+            advantage_estimator=self.group_advantages(context),
             kl_threshold=self.kl_threshold,
             adv_clip_max=self.adv_clip_max,
             beta=self.beta,

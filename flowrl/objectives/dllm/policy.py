@@ -40,7 +40,8 @@ from torch import Tensor, nn
 
 from ...sections import BuildContext, ObjectiveSection
 from ...types import LossOutput, ReferenceModel, TokenTrajectory, TrainingData
-from ..functional import StdConvention, clipped_surrogate_terms, group_advantages, k3_kl, masked_mean
+from ..advantages import GroupAdvantages, MultiRewardOption
+from ..functional import StdConvention, clipped_surrogate_terms, k3_kl, masked_mean
 from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
 from .plackett_luce import DCoLTStepLogProb, dcolt_log_probs
 
@@ -68,6 +69,8 @@ class _DLLMBase:
     std: StdConvention
     std_eps: float
     extra_lr_scale: float = 1.0  # only DCoLT has an extra module (its unmasking-policy head)
+    component_weights: dict[str, float] | None = field(default=None, kw_only=True)  # multi_reward per_reward / gdpo
+    batch_normalise: bool = field(default=False, kw_only=True)  # multi_reward gdpo
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
     minibatch_unit: int = field(default=1, init=False)
@@ -86,7 +89,7 @@ class _DLLMBase:
         return None
 
     def advantages(self, batch: TokenTrajectory) -> Tensor:
-        return group_advantages(batch.rewards, batch.group_ids, self.std, self.std_eps)
+        return GroupAdvantages(self.std, self.std_eps, self.component_weights, self.batch_normalise)(batch)
 
     def _valid(self, batch: TokenTrajectory) -> Tensor:
         return torch.isfinite(batch.rewards).float().to(batch.completion_ids.device)
@@ -277,7 +280,7 @@ class DCoLTObjective(_DLLMBase):
 
 
 # -- config sections (objective.name) -------------------------------------------------------------------------
-class DLLMObjectiveConfig(ObjectiveSection):
+class DLLMObjectiveConfig(ObjectiveSection, MultiRewardOption):
     """What the diffusion-LM objectives share: PPO clipping, the k3 KL and the estimator's stored mask seeds."""
 
     clip_range: float = Field(0.2, gt=0)
@@ -287,8 +290,9 @@ class DLLMObjectiveConfig(ObjectiveSection):
     group_shared_masks: bool = True
     modality: ClassVar[str] = "text"
 
-    def _common(self) -> dict[str, Any]:
-        return dict(name=self.name, clip_range=self.clip_range, beta=self.beta, num_mask_seeds=self.num_mask_seeds, std=self.std)
+    def _common(self, context: BuildContext | None = None) -> dict[str, Any]:
+        common = dict(name=self.name, clip_range=self.clip_range, beta=self.beta, num_mask_seeds=self.num_mask_seeds, std=self.std)
+        return common | self.multi_reward_kwargs(context)
 
 
 class DiffuGRPOConfig(DLLMObjectiveConfig):
@@ -304,7 +308,7 @@ class DiffuGRPOConfig(DLLMObjectiveConfig):
 
     def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
         return TokenPolicyObjective(
-            **self._common(),
+            **self._common(context),
             std_eps=1e-8,
             estimator=OneStepEstimator(self.prompt_mask_prob),
             loss_aggregation=self.loss_aggregation,
@@ -324,7 +328,7 @@ class UniGRPOConfig(DLLMObjectiveConfig):
 
     def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
         return TokenPolicyObjective(
-            **self._common(),
+            **self._common(context),
             std_eps=1e-8,
             estimator=AnswerMaskEstimator(self.mask_low, self.mask_high),
             loss_aggregation=self.loss_aggregation,
@@ -350,7 +354,7 @@ class DCoLTConfig(DLLMObjectiveConfig):
         block_length = context.sampler.block_length if context is not None else None
         mask_token_id = context.pipeline.mask_token_id if context is not None and context.pipeline is not None else None
         return DCoLTObjective(
-            **self._common(),
+            **self._common(context),
             std_eps=self.std_eps,
             block_length=block_length,
             mask_token_id=mask_token_id,
@@ -370,4 +374,4 @@ class BGPOConfig(DLLMObjectiveConfig):
     naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
 
     def build(self, context: BuildContext | None = None) -> BGPOObjective:
-        return BGPOObjective(**self._common(), std_eps=1e-4, num_mc_samples=self.num_mc_samples, naive=self.naive)
+        return BGPOObjective(**self._common(context), std_eps=1e-4, num_mc_samples=self.num_mc_samples, naive=self.naive)
