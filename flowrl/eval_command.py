@@ -180,7 +180,7 @@ def _print_cost(cost, items: int) -> None:
     print(
         f"  cost per item: {c['denoiser_rows_per_item']:g} denoiser rows ({c['denoiser_seconds_per_item']:.3f} s), "
         f"{c['verifier_rows_per_item']:g} verifier rows ({c['verifier_seconds_per_item']:.3f} s, decode included), "
-        f"wall {c['wall_seconds_per_item']:.3f} s"
+        f"wall {c['wall_seconds_per_item']:.3f} s (CPU {c['cpu_seconds_per_item']:.3f} s)"
     )
 
 
