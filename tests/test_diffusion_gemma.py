@@ -63,8 +63,11 @@ def test_sampler_equals_generate_token_for_token(lm, name):
     if name == "stopping":  # rows froze at different steps: the frozen-row logic was exercised
         stopped_at = traj.frozen.view(6, 3, 8).float().argmax(-1)
         assert traj.frozen.any() and len(set(stopped_at.flatten().tolist())) > 1
-    else:  # an end token finished a row early: its later canvases are padding and not counted
-        assert not traj.counted.all(1).all()
+    else:  # an end token (3) finished a row early: its later canvases are padding (0) and none of their steps count
+        idle = ~traj.counted.view(6, 3, 4).any(-1)  # (row, canvas): no step counted
+        assert idle.any()
+        row, canvas = map(int, torch.nonzero(idle)[0])
+        assert (traj.completion_ids[row, : canvas * 8] == 3).any() and (traj.completion_ids[row, canvas * 8 :] == 0).all()
     rescored = step_log_probs(lm, traj)
     assert torch.equal(rescored, traj.step_log_probs * traj.counted)
     part = step_log_probs(lm, traj[[4, 1]])  # re-scored in another batch
