@@ -222,8 +222,11 @@ def load_diffusion_gemma(
             raise FlowRLError(
                 f"the model '{pretrained}' is a '{config.get('model_type')}' model, not diffusion_gemma (DiffusionGemmaForBlockDiffusion)."
             )
+        kwargs: dict[str, Any] = {"dtype": torch_dtype}
+        if device.type != "cpu":
+            kwargs["device_map"] = {"": str(device)}  # straight onto the accelerator, not through host memory
         try:
-            model = DiffusionGemmaForBlockDiffusion.from_pretrained(pretrained, dtype=torch_dtype)
+            model = DiffusionGemmaForBlockDiffusion.from_pretrained(pretrained, **kwargs)
         except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
             raise FlowRLError(f"could not load the DiffusionGemma model in '{pretrained}': {_first_line(e)}") from None
     elif not isinstance(_base(model), DiffusionGemmaForBlockDiffusion):
