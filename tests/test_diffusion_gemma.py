@@ -237,3 +237,21 @@ def test_step_grpo_loss_and_gradient_by_hand(lm):
     want = torch.autograd.grad(by_hand, [params[n] for n in names])
     for g, w in zip(got, want):
         assert g.abs().max() > 0 and torch.allclose(g, w, atol=1e-10, rtol=1e-6)
+
+
+def test_step_grpo_kl_to_the_initial_weights(lm):
+    """beta > 0: the reference is a frozen copy of the initial weights (full fine-tuning); at those weights its per-step
+    log-probs are the policy's, so the k3 KL is exactly 0."""
+    from flowrl.objectives.dllm.step_grpo import StepGRPOConfig
+
+    objective = StepGRPOConfig(beta=0.04).build()
+    assert objective.reference == "initial"
+    settings = resolve_settings(lm, EntropyBoundSamplerConfig(gen_length=8, steps=3))
+    ids, mask = _prompts()
+    traj = generate(lm, ids[:2], mask[:2], settings, torch.Generator().manual_seed(4))
+    traj.rewards, traj.group_ids = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    objective.prepare(traj)
+    objective.old_and_ref(lm, traj)
+    assert torch.equal(traj.ref_log_probs, traj.old_log_probs)
+    out = next(objective.losses(lm, None, traj, None))
+    assert out.metrics["loss/kl"] == 0.0
