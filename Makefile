@@ -52,8 +52,9 @@ train: install
 bench: install-test
 	$(BIN)/python bench/overhead.py
 
-# Re-create the shipped weights (about 20 minutes per generator on one core).
+# Re-create the shipped weights (about 20 minutes per generator on one core; the masked-token one about 30).
 assets: install-test
 	$(BIN)/python -m flowrl.reward_models.train_digit_classifier
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind flow
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind ddpm
+	$(BIN)/python -m flowrl.pipelines.embedded.train_masked_digits
