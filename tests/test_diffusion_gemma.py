@@ -174,6 +174,8 @@ def test_wrong_sampler_or_objective_is_one_sentence():
         load_config(PRESET, ["sampler.name=masked"])
     with pytest.raises(FlowRLError, match="step_grpo"):
         load_config(PRESET, ["objective.name=diffu_grpo"])
+    with pytest.raises(FlowRLError, match="t_max"):
+        load_config(PRESET, ["sampler.t_min=0.9", "sampler.t_max=0.5"])
     with pytest.raises(FlowRLError, match="not diffusion_gemma"):
         load_diffusion_gemma(str(write_tiny_random.__globals__["EMBEDDED_LMS"]["arith_mdlm"]))
     assert TINY_RANDOM == "diffusion_gemma_tiny_random"

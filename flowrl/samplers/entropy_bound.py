@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from ..sections import SamplerSection
@@ -376,6 +376,12 @@ class EntropyBoundSamplerConfig(SamplerSection):
     eval_temperature: float = Field(1.0, gt=0)
     remasking: ClassVar[str] = "entropy_bound"  # what decides the kept tokens (read where the masked sampler's rule is)
     modality: ClassVar[str] = "text"
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        if self.t_min is not None and self.t_max is not None and self.t_max <= self.t_min:
+            raise ValueError(f"t_max ({self.t_max}) must be above t_min ({self.t_min}): the temperature falls from t_max to t_min")
+        return self
 
     def check_run(self, config: Any) -> None:
         if config.pipeline.name != "diffusion_gemma":
