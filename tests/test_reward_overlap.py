@@ -86,6 +86,7 @@ def test_the_first_chunk_is_scored_while_the_next_is_generated(tmp_path):
     assert metrics["perf/reward_hidden_s"] > 0  # all of the first chunk's reward ran before the rollout ended
 
 
+@pytest.mark.filterwarnings("ignore:rollout.overlap_reward scores each rollout chunk by itself")
 def test_a_failed_chunk_stops_the_rollout_with_the_rewards_error():
     failures = []
 
@@ -148,10 +149,10 @@ def test_text_overlap_scores_while_the_log_likelihoods_are_computed_with_the_sam
     assert all(torch.equal(results[False][1][k], results[True][1][k]) for k in results[False][1])
 
 
-def test_a_one_sample_chunk_is_warned_about_once():
+def test_a_small_chunk_is_warned_about_once():
     scoring = RolloutScoring(lambda samples, prompts, metadata: RewardOutput(samples.sum(1), {}), overlap=True)
-    with pytest.warns(UserWarning, match="holds one sample") as caught:
+    with pytest.warns(UserWarning, match="holds 1 sample") as caught:
         scoring.chunk(lambda: torch.ones(1, 3), ["a"], [{}])
         scoring.chunk(lambda: torch.ones(1, 3), ["b"], [{}])
-    assert len([w for w in caught if "holds one sample" in str(w.message)]) == 1
+    assert len([w for w in caught if "sample(s)" in str(w.message)]) == 1
     assert scoring.join()[1].scores.tolist() == [3.0, 3.0]

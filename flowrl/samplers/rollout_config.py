@@ -26,8 +26,8 @@ class RolloutConfig(Section):
     sde_window_slide_every: int = Field(0, ge=0)  # iterations between one-step slides (MixGRPO); 0 = fixed
     batch_size: int = Field(64, ge=1)  # samples per denoiser call during rollout
     # decode and score each finished chunk of batch_size samples on a worker thread while the next chunk is generated
-    # (docs/rewards.md "Overlapping the reward"); the same batch, so the same bits when the reward scores a row the same
-    # in any batch of two or more rows
+    # (docs/rewards.md "Overlapping the reward with the rollout"); the same batch, so the same bits when the reward scores
+    # a row the same in its chunk as in the whole batch
     overlap_reward: bool = False
     branching: BranchingConfig | None = None  # B2-DiffuRL: shared prefix, branches, backward progressive window
 
