@@ -11,6 +11,7 @@ import torch
 
 from flowrl.errors import FlowRLError
 from flowrl.pipelines.diffusion_gemma import TINY_RANDOM, load_diffusion_gemma, write_tiny_random
+from flowrl.pipelines.dllm import EMBEDDED_LMS
 from flowrl.samplers.entropy_bound import EntropyBoundSamplerConfig, generate, resolve_settings, step_log_probs
 from flowrl.seeding import RowGenerators
 
@@ -176,9 +177,9 @@ def test_wrong_sampler_or_objective_is_one_sentence():
         load_config(PRESET, ["objective.name=diffu_grpo"])
     with pytest.raises(FlowRLError, match="t_max"):
         load_config(PRESET, ["sampler.t_min=0.9", "sampler.t_max=0.5"])
-    with pytest.raises(FlowRLError, match="not diffusion_gemma"):
-        load_diffusion_gemma(str(write_tiny_random.__globals__["EMBEDDED_LMS"]["arith_mdlm"]))
-    assert TINY_RANDOM == "diffusion_gemma_tiny_random"
+    with pytest.raises(FlowRLError, match="not diffusion_gemma"):  # a checkpoint of another model type
+        load_diffusion_gemma(str(EMBEDDED_LMS["arith_mdlm"]))
+    assert load_config(PRESET).pipeline.pretrained == TINY_RANDOM  # the preset's model is the random plumbing one
 
 
 def test_best_of_n_and_svdd_through_flowrl_eval(lm, tmp_path):
