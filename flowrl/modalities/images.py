@@ -62,7 +62,11 @@ class ImageModality:
         parts = build_image_components(config, device, loaded)
         self.pipeline, self.sampler, self.eval_sampler = parts.pipeline, parts.sampler, parts.eval_sampler
         context = BuildContext(
-            dict(config.reward.components), config.sampler, self.pipeline, run_dir=config.output_dir, group_size=config.train.num_generations
+            dict(config.reward.components),
+            config.sampler,
+            self.pipeline,
+            run_dir=config.output_dir,
+            group_size=config.train.num_generations,
         )
         self.objective = objective if objective is not None else build_objective(config.objective, context)
         self.train_pool = prompts_for(config.prompts, "train")
