@@ -57,10 +57,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="rollout.num_inference_steps (the preset's 10)")
     args = parser.parse_args()
 
+    with tempfile.TemporaryDirectory(prefix="flowrl_overlap_") as directory:  # the CLIP weights: about 0.5 GB
+        run(args, Path(directory))
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
     from flowrl import Trainer, load_config
     from flowrl.reward_models.clip_score import ClipScoreReward
 
-    tmp = Path(tempfile.mkdtemp(prefix="flowrl_overlap_"))
     build_clip(tmp / "clip")
     reward = ClipScoreReward(pretrained=str(tmp / "clip"))  # one model, shared by the runs (they take turns)
     runs = {"serial": (False, 1), "overlap": (True, 1)}
