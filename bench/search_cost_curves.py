@@ -205,6 +205,16 @@ def report(args) -> None:
                 f"| {lab} | {r['budget']} | {r['reward']:.4f} | {r['denoiser_rows_per_item']:.1f} | {r['verifier_rows_per_item']:.1f} | "
                 f"{cpu[0]:.0f} | {cpu[1]:.0f} | {cpu[2]:.0f} | {r['wall_seconds_per_item'] * 1e3:.0f} |"
             )
+        budgets = sorted({r["budget"] for r in rs})
+        print("\nreward (CPU ms / item) by budget B:\n")
+        print("| method | " + " | ".join(f"B = {b}" for b in budgets) + " |")
+        print("|---|" + "---|" * len(budgets))
+        for lab in dict.fromkeys(method_label(r["method"]) + (" (plain SDE)" if r.get("note") else "") for r in rs):
+            cells = []
+            for b in budgets:
+                hit = [r for r in rs if r["budget"] == b and method_label(r["method"]) + (" (plain SDE)" if r.get("note") else "") == lab]
+                cells.append(f"{hit[0]['reward']:.3f} ({hit[0]['cpu_seconds_per_item'] * 1e3:.0f})" if hit else "")
+            print(f"| {lab} | " + " | ".join(cells) + " |")
         plain = next(r for r in rs if r["budget"] == 1 and not r.get("note"))
         print("\n| budget (x plain best-of-1) | best within CPU time | best within wall time | best within denoiser rows |")
         print("|---|---|---|---|")
