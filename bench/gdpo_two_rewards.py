@@ -1,21 +1,23 @@
-"""GDPO's multi-reward advantages against the weighted sum, on a two-reward digits task where one reward is much harder.
+"""GDPO's multi-reward advantages against the weighted sum, on two-reward digits tasks where one reward is much harder.
 
-The task: the GRPO digits preset (flow SDE rollouts, 30 iterations x 64 samples), rewarded by
+The task: the GRPO digits preset (flow SDE rollouts, 64 samples per iteration, groups of 8), rewarded by ``ink``
+(weight 1: the mean pixel intensity, ~0.30 at the start with a spread of ~0.03 inside a prompt's group, easy to raise)
+and a hard reward (weight 1, ``--hard``):
 
-- ``ink`` (weight 1): the mean pixel intensity, ~0.30 at the start with a spread of ~0.03 inside a prompt's group,
-  easy to raise (bolder strokes);
-- ``next_digit`` (weight 1): the digit classifier's probability that the drawing reads as the digit *after* the
-  prompted one ((d + 1) mod 10). The model never draws that, so the score starts near 0 with a spread of ~0.002 inside
-  a group: a hard reward, one that only moves if the advantage listens to its small differences.
+- ``next_digit``: the digit classifier's probability that the drawing reads as the digit *after* the prompted one,
+  (d + 1) mod 10: ~3e-4 at the start, spread of the same order inside a group;
+- ``one_likeness``: the classifier's probability of a 1 whatever the prompt (a thin upright stroke), which bolder ink
+  works against.
 
-``multi_reward: weighted_sum`` normalises ink + next_digit in each group, so ink's spread decides the advantage and the
-hard reward stalls (flow_grpo#142's complaint). ``per_reward`` and ``gdpo`` (arXiv:2601.05242) normalise each reward in
-its group first, so both count alike; GDPO then normalises the sum over the batch. Same seed, same prompts and rollout
-noise for every mode. Prints the held-out curve of each reward (80 held-out samples: 20 unseen phrasings x 4 seeds,
-ODE) and writes docs/images/gdpo_two_rewards.png.
+``multi_reward: weighted_sum`` normalises ink + hard in each group, so ink's much larger spread decides the advantage;
+``per_reward`` and ``gdpo`` (arXiv:2601.05242) normalise each reward in its group first, so both count alike; GDPO
+then normalises the sum over the batch. Same seed, prompts and rollout noise for every mode. Prints the held-out curve
+of each reward (80 held-out samples: 20 unseen phrasings x 4 seeds, ODE) and writes a PNG. Results and what they show:
+docs/objectives/gdpo.md and bench/RESULTS.md.
 
-    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/gdpo_two_rewards.py            # ~10 minutes on 2 busy cores
-    .venv/bin/python bench/gdpo_two_rewards.py --modes weighted_sum gdpo --iterations 10  # shorter
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/gdpo_two_rewards.py --modes weighted_sum gdpo   # 2 x 30 iterations
+    .venv/bin/python bench/gdpo_two_rewards.py --hard one_likeness --iterations 15 --out runs/gdpo_one  # keep the runs
+    .venv/bin/python bench/gdpo_two_rewards.py --hard one_likeness --iterations 15 --out runs/gdpo_one --reuse  # report them
 """
 
 from __future__ import annotations
@@ -42,14 +44,22 @@ def next_digit(samples, prompts, metadata):
     return probs.gather(1, wanted[:, None]).squeeze(1)
 
 
-def run(mode: str, iterations: int, every: int, seed: int, out: Path, reuse: bool) -> dict:
+def one_likeness(samples, prompts, metadata):
+    """The classifier's probability of a 1, whatever the prompt: a thin upright stroke, which bolder ink works against."""
+    return CLASSIFIER.logits(samples).softmax(dim=-1)[:, 1]
+
+
+HARD = {"next_digit": next_digit, "one_likeness": one_likeness}
+
+
+def run(mode: str, iterations: int, every: int, seed: int, out: Path, reuse: bool, hard: str) -> dict:
     metrics = out / mode / "metrics.jsonl"
     done = (
         reuse and (out / mode / "summary.json").exists() and json.loads((out / mode / "summary.json").read_text())["status"] == "completed"
     )
     if done:  # a finished run of this mode in --out: read it instead of training again
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        return {"curve": {r["step"]: r for r in rows if "eval/reward/next_digit" in r}, "wall_s": float("nan")}
+        return {"curve": {r["step"]: r for r in rows if f"eval/reward/{hard}" in r}, "wall_s": float("nan")}
     overrides = [
         f"output_dir={out / mode}",
         f"seed={seed}",
@@ -60,21 +70,22 @@ def run(mode: str, iterations: int, every: int, seed: int, out: Path, reuse: boo
         "log.checkpoint_every=0",
         "log.trackers=[]",
     ]
-    rewards = {"ink": flowrl.reward("ink"), "next_digit": next_digit}
-    trainer = flowrl.Trainer("digits/grpo", overrides, reward=rewards, reward_weights={"ink": 1.0, "next_digit": 1.0})
+    rewards = {"ink": flowrl.reward("ink"), hard: HARD[hard]}
+    trainer = flowrl.Trainer("digits/grpo", overrides, reward=rewards, reward_weights={"ink": 1.0, hard: 1.0})
     start = time.perf_counter()
     trainer.train()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    curve = {r["step"]: r for r in rows if "eval/reward/next_digit" in r}
+    curve = {r["step"]: r for r in rows if f"eval/reward/{hard}" in r}
     return {"curve": curve, "wall_s": time.perf_counter() - start}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", nargs="+", default=["weighted_sum", "per_reward", "gdpo"])
+    p.add_argument("--modes", nargs="+", default=["weighted_sum", "gdpo"], help="also: per_reward")
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hard", choices=sorted(HARD), default="next_digit", help="the hard reward beside ink")
     p.add_argument("--png", type=Path, default=REPO / "docs" / "images" / "gdpo_two_rewards.png")
     p.add_argument("--out", type=Path, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="read the completed runs already in --out instead of training them again")
@@ -82,10 +93,10 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
-            results[mode] = run(mode, args.iterations, args.every, args.seed, args.out or Path(tmp), args.reuse)
+            results[mode] = run(mode, args.iterations, args.every, args.seed, args.out or Path(tmp), args.reuse, args.hard)
     steps = sorted(next(iter(results.values()))["curve"])
     print(f"held-out reward per component (seed {args.seed}); columns: iteration " + " ".join(str(s) for s in steps))
-    for key in ("next_digit", "ink"):
+    for key in (args.hard, "ink"):
         for mode, res in results.items():
             values = " ".join(f"{res['curve'][s][f'eval/reward/{key}']:.4f}" for s in steps)
             print(f"  {key:10s} {mode:12s} {values}")
@@ -98,7 +109,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, key, title in ((axes[0], "next_digit", "next_digit (the hard reward)"), (axes[1], "ink", "ink (the easy reward)")):
+    for ax, key, title in ((axes[0], args.hard, f"{args.hard} (the hard reward)"), (axes[1], "ink", "ink (the easy reward)")):
         for mode, res in results.items():
             ax.plot(steps, [res["curve"][s][f"eval/reward/{key}"] for s in steps], marker="o", label=mode)
         ax.set_title(title)
@@ -106,7 +117,7 @@ def main() -> None:
         ax.set_ylabel("held-out mean")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"GRPO on ink + next_digit (1:1), digits, seed {args.seed}: weighted sum vs per-reward / GDPO advantages", fontsize=9)
+    fig.suptitle(f"GRPO on ink + {args.hard} (1:1), digits, seed {args.seed}: weighted sum vs per-reward / GDPO advantages", fontsize=9)
     fig.tight_layout()
     args.png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.png, dpi=110)
