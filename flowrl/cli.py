@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=("ode", "rollout"),
         default="ode",
         help="ode: the deterministic sampler (default); rollout: a checkpoint's own training sampler (e.g. the memoryless "
-        "SDE an Adjoint Matching model was trained on), with fresh noise",
+        "SDE an Adjoint Matching model was trained on), with fresh noise; a masked-token model (amused) always samples "
+        "with its own unmasking sampler",
     )
     s.add_argument("--guidance-scale", type=float, default=None)
     s.add_argument("--image", default=None, help="first frame for image-to-video models (wan_i2v)")
@@ -451,7 +452,8 @@ def _sample(args) -> int:
         config, _ = _config_for_source(args.source, [])
         pipe_cfg, steps, guidance = config.pipeline, config.rollout.num_inference_steps, config.rollout.guidance_scale
     else:
-        family = "digits_video" if args.source == "digits_video" else "digits"  # the embedded models by name
+        # the embedded models by name
+        family = {"digits_video": "digits_video", "digits_masked": "amused"}.get(args.source, "digits")
         pipe_cfg, steps, guidance, config = FAMILIES.section(family)(pretrained=args.source), 10, 1.0, None
     threads = config.train.num_threads if config is not None else None
     if threads or pipe_cfg.default_num_threads():
@@ -473,7 +475,13 @@ def _sample(args) -> int:
     metadata = [{"image": args.image} if args.image else {} for _ in args.prompt]
     if args.sampler == "rollout" and config is None:
         raise FlowRLError(f"--sampler rollout uses a checkpoint's training sampler, and '{args.source}' is not a run checkpoint.")
-    sampler = build_sampler(config.sampler if args.sampler == "rollout" else ODEConfig(), pipeline)
+    if pipeline.prediction_type == "masked_tokens":  # image tokens have no ODE: the model's own sampler, as its evaluation
+        from .samplers.masked_image import MaskedImageConfig
+
+        section = config.sampler if config is not None else MaskedImageConfig()
+    else:
+        section = config.sampler if args.sampler == "rollout" else ODEConfig()
+    sampler = build_sampler(section, pipeline)
     traj = sample(
         pipeline,
         sampler,
