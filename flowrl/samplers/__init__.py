@@ -57,7 +57,10 @@ def build_sampler(section: SamplerSection, pipeline: Pipeline) -> Sampler:
     prediction = pipeline.prediction_type
     kinds = type(section).prediction_types
     if kinds and prediction not in kinds:
-        family = "rectified-flow (velocity)" if prediction == "flow" else f"diffusion ({prediction})"
+        names = {"flow": "rectified-flow (velocity)", "masked_tokens": "masked-token (amused)"}
+        family = names.get(prediction, f"diffusion ({prediction})")
         fitting = [n for n in SAMPLERS.builtin_names() if n != "ode" and prediction in SAMPLERS.section(n).prediction_types]
-        raise FlowRLError(f"sampler '{section.name}' does not fit this {family} model; use {', '.join(fitting)} or ode.")
+        if prediction in ODEConfig.prediction_types:  # image tokens have no ODE
+            fitting.append("ode")
+        raise FlowRLError(f"sampler '{section.name}' does not fit this {family} model; use {' or '.join(fitting)}.")
     return section.build(pipeline)
