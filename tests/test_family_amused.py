@@ -131,17 +131,20 @@ def test_step_log_prob_is_the_committed_tokens_log_softmax(adapter, sampler):
             assert (x_next[x != mask] == x[x != mask]).all()  # committed tokens are never re-masked or changed
 
 
-def test_two_grpo_iterations_full_finetune(amused_dir, tmp_path):
-    """Two GRPO iterations through the decoder-read ink reward change every transformer weight; the first ratio is 1."""
+@pytest.mark.parametrize("objective", ["grpo", "ddpo"])
+def test_two_grpo_iterations_full_finetune(amused_dir, tmp_path, objective):
+    """Two GRPO (DDPO) iterations through the decoder-read ink reward change every transformer weight; the first
+    ratio is 1."""
     trainer = two_iterations_change_every_parameter(
         family_config(
             "amused",
             amused_dir,
             tmp_path / "run",
             sampler="masked_image",
-            **{"rollout.guidance_scale": 3.0, "objective.clip_range": 10.0},
+            **{"rollout.guidance_scale": 3.0, "objective.clip_range": 10.0, "objective.name": objective},
         )
     )
+    assert trainer.objective.name == objective
     assert trainer.pipeline.prediction_type == "masked_tokens"
     assert rescoring_ratio_is_one(trainer, atol=0.0) == 0.0
 
