@@ -112,14 +112,25 @@ class AmusedAdapter(DiffusersAdapter):
         return image.float().clip(0, 1).to(self.device)
 
     def save_lora(self, directory: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
-        """The transformer's LoRA in diffusers' format (``UVit2DModel.load_lora_adapter(directory)`` reads it)."""
+        """The transformer's LoRA in diffusers' format, the file ``UVit2DModel.save_lora_adapter`` writes (so
+        ``load_lora_adapter(directory)`` reads it back); ``state_dict``: the weights gathered whole under FSDP."""
+        import json
+
+        from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
         from ..errors import FlowRLError
 
         if not self.has_lora:
             raise FlowRLError("save_lora needs a LoRA run (pipeline.lora is not set).")
         model = getattr(self.denoiser, "module", self.denoiser)
-        model.save_lora_adapter(str(directory), safe_serialization=True)
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        layers = {k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=state_dict).items()}
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in model.peft_config["default"].to_dict().items()}
+        path = Path(directory) / LORA_WEIGHT_NAME_SAFE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(layers, str(path), metadata={"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)})
+        return path
 
 
 class AmusedConfig(PipelineConfig):
