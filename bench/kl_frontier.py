@@ -161,11 +161,10 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
                 lw=1.2,
                 label=f"{r['method']}, {r['epochs']} epoch(s)",
             )
-        ax.set_xscale("symlog", linthresh=1.0)
         ax.set_xlabel("KL(trained || base) of the SDE path, nats per sample")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower right")
+    axes[0].legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
