@@ -13,6 +13,7 @@ digits flow model with the README's reward (ink + digit_classifier), trained thr
     flow_dppo       configs/digits/flow_dppo.yaml (Flow-GRPO's SDE, no ratio clip, the exact-KL trust region)
     flow_dppo_window  flow_dppo with fast_window's 2-step SDE window, both steps trained
     awm             configs/digits/awm.yaml (Advantage Weighted Matching: ODE rollouts, advantage-weighted flow matching)
+    dgpo            configs/digits/dgpo.yaml (DGPO: ODE rollouts, group-level DPO on the flow-matching loss)
     fast_window_lr1e-3, flow_dppo_window_lr1e-3   the two windows at learning rate 1e-3 (the presets: 3e-4)
     fast_window_5steps  fast_window with 5-step rollouts (steps 0-1 of 5 stochastic); the evaluation keeps 10 steps
 
@@ -73,6 +74,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "flow_dppo": ("flow_dppo.yaml", {}),
     "flow_dppo_window": ("flow_dppo.yaml", {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0}),
     "awm": ("awm.yaml", {}),
+    "dgpo": ("dgpo.yaml", {}),
     # the search's fastest settings (bench/RESULTS.md): the same methods at learning rate 1e-3 instead of 3e-4
     "fast_window_lr1e-3": ("grpo.yaml", {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0, "train.learning_rate": 1e-3}),
     # fast_window on 5-step rollouts (the held-out evaluation keeps 10 steps): half the rollout's forwards
