@@ -13,6 +13,8 @@ denoiser rows, verifier rows, and wall seconds (denoiser + verifier + the rest, 
     python bench/search_cost_curves.py images --verifier clip --json runs/isc/digits_base_clip.json
     # after GRPO
     python bench/search_cost_curves.py images --checkpoint runs/digits_grpo/checkpoints/step_000030 --json ...
+    # the embedded digits video model with its own (cheap) reward
+    python bench/search_cost_curves.py images --preset digits_video/grpo.yaml --label video --json runs/isc/video.json
     # arithmetic diffusion LM (selection score: the model's likelihood; graded by the run's math reward)
     python bench/search_cost_curves.py text [--checkpoint runs/dllm_diffu_grpo/checkpoints/step_000060] --json ...
     # tables (equal-wall-time winners) and the plot
@@ -127,13 +129,15 @@ def run_images(args) -> None:
             f"eval.batch_size={args.batch_size}",
         ]
         if args.verifier == "clip":
+            if args.preset != "digits/grpo.yaml":
+                raise SystemExit("--verifier clip adds clip_score to the digits reward: use it with --preset digits/grpo.yaml only.")
             clip = build_clip_vit_b32(Path(args.clip_dir))
             overrides += [
                 "reward.components={ink: 1.0, digit_classifier: 1.0, clip_score: 0.0}",
                 f"reward.kwargs={{clip_score: {{pretrained: '{clip}'}}}}",
             ]
         checkpoint = Path(args.checkpoint) if args.checkpoint else None
-        config = load_config(REPO / "configs" / "digits" / "grpo.yaml", overrides + args.overrides)
+        config = load_config(REPO / "configs" / args.preset, overrides + args.overrides)
         label = {"model": args.label, "verifier": args.verifier}
         if args.no_baseline:  # measured by an earlier call into the same file
             rows = [json.loads(line) for line in open(args.json) if line.strip()]
@@ -274,6 +278,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("images")
     i.add_argument("--checkpoint", default=None)
+    i.add_argument("--preset", default="digits/grpo.yaml", help="under configs/: digits/grpo.yaml or digits_video/grpo.yaml")
     i.add_argument("--label", default="base")
     i.add_argument("--verifier", choices=("cheap", "clip"), default="cheap")
     i.add_argument("--clip-dir", default="/tmp/flowrl_clip_vit_b32")
