@@ -184,6 +184,31 @@ def _print_cost(cost, items: int) -> None:
     )
 
 
+def _image_search_record(config, checkpoint, parts, reward, held, result, cost, out, method, sampler, exact, settings, extra=None) -> dict:
+    """The record ``flowrl eval`` prints for an image search: its rounded numbers, ``extra``, its cost, grid, settings
+    and evaluation spec."""
+    spec = _search_spec(
+        config,
+        checkpoint,
+        method,
+        [("", parts.pipeline.denoiser)],
+        sampler,
+        held.prompts,
+        held.metadata,
+        reward,
+        exact,
+        tuple(result.samples.shape[1:]),
+    )
+    return {
+        **{k: round(v, 6) for k, v in exact.items()},
+        **(extra or {}),
+        "cost": cost.record(len(held)),
+        "grid": str(out),
+        "settings": settings,
+        "spec": spec,
+    }
+
+
 def _best_of_n(config, checkpoint: Path | None, n: int, out: Path, stop_at: float | None = None) -> dict:
     import torch
 
@@ -225,25 +250,20 @@ def _best_of_n(config, checkpoint: Path | None, n: int, out: Path, stop_at: floa
         f"eval/best_of{n}/draws_per_item": draws,
         f"eval/best_of{n}/denoiser_rows_per_item": draws * steps,
     }
-    spec = _search_spec(
+    return _image_search_record(
         config,
         checkpoint,
-        {"name": "best_of", "n": n, **({"stop_at": stop_at} if stop_at is not None else {})},
-        [("", parts.pipeline.denoiser)],
-        {"name": parts.eval_sampler.name},
-        held.prompts,
-        held.metadata,
+        parts,
         reward,
+        held,
+        result,
+        cost,
+        out,
+        {"name": "best_of", "n": n, **({"stop_at": stop_at} if stop_at is not None else {})},
+        {"name": parts.eval_sampler.name},
         exact,
-        tuple(result.samples.shape[1:]),
+        eval_settings(config),
     )
-    return {
-        **{k: round(v, 6) for k, v in exact.items()},
-        "cost": cost.record(len(held)),
-        "grid": str(out),
-        "settings": eval_settings(config),
-        "spec": spec,
-    }
 
 
 def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> dict:
@@ -279,25 +299,20 @@ def _svdd(config, checkpoint: Path | None, m: int, out: Path) -> dict:
         **{f"eval/reward/{k}@svdd{m}": float(v.nanmean()) for k, v in result.components.items()},
     }
     settings = {**eval_settings(config), "sampler": parts.sampler.name}  # SVDD draws from the rollout sampler
-    spec = _search_spec(
+    return _image_search_record(
         config,
         checkpoint,
-        {"name": "svdd", "m": m},
-        [("", parts.pipeline.denoiser)],
-        {"name": parts.sampler.name, **config.sampler.model_dump(mode="json")},
-        held.prompts,
-        held.metadata,
+        parts,
         reward,
+        held,
+        result,
+        cost,
+        out,
+        {"name": "svdd", "m": m},
+        {"name": parts.sampler.name, **config.sampler.model_dump(mode="json")},
         exact,
-        tuple(result.samples.shape[1:]),
+        settings,
     )
-    return {
-        **{k: round(v, 6) for k, v in exact.items()},
-        "cost": cost.record(len(held)),
-        "grid": str(out),
-        "settings": settings,
-        "spec": spec,
-    }
 
 
 def _noise_search(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
@@ -338,25 +353,20 @@ def _noise_search(config, checkpoint: Path | None, method: dict, out: Path) -> d
         f"eval/{tag}/samples_per_item": float(result.evaluations),
     }
     settings = {**eval_settings(config), "noise_search": {"rounds": rounds, "neighbors": neighbors, "step": step}}
-    spec = _search_spec(
+    return _image_search_record(
         config,
         checkpoint,
-        {"name": "noise_search", "rounds": rounds, "neighbors": neighbors, "step": step},
-        [("", parts.pipeline.denoiser)],
-        {"name": parts.eval_sampler.name},
-        held.prompts,
-        held.metadata,
+        parts,
         reward,
+        held,
+        result,
+        cost,
+        out,
+        {"name": "noise_search", "rounds": rounds, "neighbors": neighbors, "step": step},
+        {"name": parts.eval_sampler.name},
         exact,
-        tuple(result.samples.shape[1:]),
+        settings,
     )
-    return {
-        **{k: round(v, 6) for k, v in exact.items()},
-        "cost": cost.record(len(held)),
-        "grid": str(out),
-        "settings": settings,
-        "spec": spec,
-    }
 
 
 def _rbf(config, checkpoint: Path | None, m: int, out: Path) -> dict:
@@ -400,25 +410,20 @@ def _rbf(config, checkpoint: Path | None, m: int, out: Path) -> dict:
         **{f"eval/rbf{m}/candidates_at_step{k + 1}": float(c) for k, c in enumerate(per_step.tolist())},
     }
     settings = {**eval_settings(config), "sampler": parts.sampler.name, "rbf": m}
-    spec = _search_spec(
+    return _image_search_record(
         config,
         checkpoint,
-        {"name": "rbf", "m": m},
-        [("", parts.pipeline.denoiser)],
-        {"name": parts.sampler.name, **config.sampler.model_dump(mode="json")},
-        held.prompts,
-        held.metadata,
+        parts,
         reward,
+        held,
+        result,
+        cost,
+        out,
+        {"name": "rbf", "m": m},
+        {"name": parts.sampler.name, **config.sampler.model_dump(mode="json")},
         exact,
-        tuple(result.samples.shape[1:]),
+        settings,
     )
-    return {
-        **{k: round(v, 6) for k, v in exact.items()},
-        "cost": cost.record(len(held)),
-        "grid": str(out),
-        "settings": settings,
-        "spec": spec,
-    }
 
 
 def _smc_summary(n: int, lam: float, items: int, resamples: float, calls: tuple[int, int], measured: str) -> None:
@@ -471,27 +476,21 @@ def _smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
     measured = f"reward of the drawn particles {drawn:.4f}, weighted {weighted_mean:.4f}"
     _smc_summary(n, lam, len(held), exact[f"eval/smc{n}/resamples_per_item"], calls, measured)
     settings = {**eval_settings(config), "sampler": parts.sampler.name, "smc": n, "lambda": lam, "ess_threshold": threshold}
-    spec = _search_spec(
+    return _image_search_record(
         config,
         checkpoint,
-        {"name": "smc", "n": n, "lambda": lam, "ess_threshold": threshold, "tempering": tempering, "resampling": resampling},
-        [("", parts.pipeline.denoiser)],
-        {"name": parts.sampler.name, **config.sampler.model_dump(mode="json")},
-        held.prompts,
-        held.metadata,
+        parts,
         reward,
+        held,
+        result,
+        cost,
+        out,
+        {"name": "smc", "n": n, "lambda": lam, "ess_threshold": threshold, "tempering": tempering, "resampling": resampling},
+        {"name": parts.sampler.name, **config.sampler.model_dump(mode="json")},
         exact,
-        tuple(result.samples.shape[1:]),
+        settings,
+        extra={"denoiser_calls_per_item": calls[0], "reward_calls_per_item": calls[1]},
     )
-    return {
-        **{k: round(v, 6) for k, v in exact.items()},
-        "denoiser_calls_per_item": calls[0],
-        "reward_calls_per_item": calls[1],
-        "cost": cost.record(len(held)),
-        "grid": str(out),
-        "settings": settings,
-        "spec": spec,
-    }
 
 
 def text_model(config, checkpoint: Path | None):
