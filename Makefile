@@ -58,3 +58,4 @@ assets: install-test
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind flow
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind ddpm
 	$(BIN)/python -m flowrl.pipelines.embedded.train_masked_digits
+	$(BIN)/python -m flowrl.pipelines.embedded.train_arith_bd3lm
