@@ -26,11 +26,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flowrl.inference.text_candidates import decode_completions, encode_prompts  # noqa: E402
 from flowrl.pipelines.dllm import EMBEDDED_LMS, load_masked_lm  # noqa: E402
 from flowrl.prompts import prompt_pool  # noqa: E402
 from flowrl.reward_models import build_reward  # noqa: E402
-from flowrl.samplers.masked import generate  # noqa: E402
+from flowrl.samplers.masked import decode_completions, generate  # noqa: E402
+from flowrl.samplers.text_generation import encode_prompts  # noqa: E402
 
 
 def run(lm, items, batch_size, temperature, seed, **kw):

@@ -95,8 +95,8 @@ def worker(overrides: list[str], report: Path) -> None:
     import torch
 
     from flowrl.config import load_config
-    from flowrl.distributed import end_process_group
     from flowrl.trainer import Trainer
+    from flowrl.training.distributed import end_process_group
 
     torch.set_num_threads(1)
     trainer = Trainer(load_config(REPO / "configs" / "digits" / "grpo.yaml", overrides))

@@ -21,13 +21,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flowrl.checkpoint import read_weights  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.best_of_n import best_of_n  # noqa: E402
 from flowrl.inference.plots import save_scaling_plot  # noqa: E402
 from flowrl.inference.svdd import svdd_in_batches  # noqa: E402
 from flowrl.samplers.rollout import start_noise  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
+from flowrl.training.checkpoint import read_weights  # noqa: E402
 
 
 def main() -> None:

@@ -53,12 +53,15 @@ def weights_digest(run: Path) -> str:
     return digest(b"".join(f.name.encode() + f.read_bytes() for f in files))
 
 
+def pairs_module(src: Path) -> str:
+    """The pairs builder's module in that checkout (flowrl.preference_pairs before the preferences/ folder)."""
+    return "flowrl.preferences.pairs" if (src / "flowrl" / "preferences").is_dir() else "flowrl.preference_pairs"
+
+
 def fingerprints(src: Path, work: Path) -> dict[str, str]:
     presets = sorted(p for p in (src / "configs").rglob("*.yaml") if p.relative_to(src / "configs").parts[0] in GROUPS)
     pairs = work / "pairs"
-    proc = flowrl(
-        src, src, "-m", "flowrl.preference_pairs", "configs/digits/diffusion_dpo.yaml", "--num-prompts", "64", "--out", str(pairs)
-    )
+    proc = flowrl(src, src, "-m", pairs_module(src), "configs/digits/diffusion_dpo.yaml", "--num-prompts", "64", "--out", str(pairs))
     out: dict[str, str] = {
         "pairs": digest(b"".join(f.read_bytes() for f in sorted(pairs.rglob("*")) if f.is_file()))
         if proc.returncode == 0

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flowrl.checkpoint import read_weights  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
 from flowrl.samplers import FlowCPSConfig, FlowSDEConfig  # noqa: E402
 from flowrl.samplers.rollout import rollout, start_noise  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
+from flowrl.training.checkpoint import read_weights  # noqa: E402
 
 
 def hf_energy(pixels: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from flowrl import seeding  # noqa: E402
-from flowrl.checkpoint import read_weights  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.masked_svdd import masked_svdd_in_batches  # noqa: E402
 from flowrl.inference.plots import save_scaling_plot  # noqa: E402
@@ -34,6 +33,7 @@ from flowrl.inference.text_best_of_n import ORACLE, text_best_of_n  # noqa: E402
 from flowrl.inference.text_candidates import build_scorer, build_scorers  # noqa: E402
 from flowrl.modalities.text import TextModality  # noqa: E402
 from flowrl.reward_models import build_reward_from_config  # noqa: E402
+from flowrl.training.checkpoint import read_weights  # noqa: E402
 
 
 class RowCounter:

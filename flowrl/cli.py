@@ -198,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
     r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
     lb = sub.add_parser("label", help="label a pairs directory by hand in a browser (writes DIR/labels.jsonl; docs/labeling.md)")
-    lb.add_argument("directory", help="a pairs directory (python -m flowrl.preference_pairs)")
+    lb.add_argument("directory", help="a pairs directory (python -m flowrl.preferences.pairs)")
     lb.add_argument(
         "--host",
         default="127.0.0.1",
@@ -234,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
             "presets": _presets,
         }[args.command](args)
     except FlowRLError as e:
-        from .distributed import report_error
+        from .training.distributed import report_error
 
         report_error(f"flowrl: error: {e}")  # once per launch of several processes, and to the launcher's report
         return 2
     except OSError as e:  # a file operation not wrapped where it happens: still one sentence naming the path
-        from .checkpoint import os_error_reason
-        from .distributed import report_error
+        from .atomic_files import os_error_reason
+        from .training.distributed import report_error
 
         where = f"'{e.filename}'" if e.filename else "a file"
         report_error(f"flowrl: error: could not access {where}: {os_error_reason(e)}.")
@@ -312,7 +312,7 @@ def _check_writable(path: Path) -> None:
     import errno
     import os
 
-    from .checkpoint import os_error_reason
+    from .atomic_files import os_error_reason
 
     if path.is_dir():
         raise FlowRLError(f"could not write '{path}': it is a directory.")
@@ -344,16 +344,16 @@ def _serve_reward(args) -> int:
 
 
 def _label(args) -> int:
-    from .label_server import serve
+    from .preferences.label_server import serve
 
     return serve(args.directory, host=args.host, port=args.port)
 
 
 def _train(args) -> int:
     from .config import load_config
-    from .distributed import end_process_group
-    from .run_logger import json_line
     from .trainer import Trainer
+    from .training.distributed import end_process_group
+    from .training.run_logger import json_line
 
     config = load_config(args.config, args.overrides)
     trainer = Trainer(config)
@@ -367,8 +367,8 @@ def _train(args) -> int:
 def _config_for_source(source: str, overrides: list[str]):
     """A checkpoint directory carries its config.yaml (verified against the checkpoint's checksums before it is
     read); anything else is a YAML config file."""
-    from .checkpoint import STATE_FILE, verify_checkpoint
     from .config import load_config
+    from .training.checkpoint import STATE_FILE, verify_checkpoint
 
     path = Path(source)
     if path.is_dir():
@@ -385,7 +385,7 @@ def _config_for_source(source: str, overrides: list[str]):
 
 def _eval(args) -> int:
     from .eval_command import SMC_DEFAULT_LAMBDA, evaluate_again, run_evaluation
-    from .run_logger import json_line
+    from .training.run_logger import json_line
 
     if args.spec is not None:
         searches = (args.best_of, args.stop_at, args.svdd, args.smc, args.smc_lambda, args.smc_ess_threshold, args.select)
@@ -438,11 +438,11 @@ def _eval(args) -> int:
 def _sample(args) -> int:
     import torch
 
-    from .checkpoint import load_checkpoint_weights
     from .pipelines import FAMILIES, build_pipeline
     from .pipelines.common import device_for
     from .samplers import ODEConfig, build_sampler
     from .samplers.rollout import sample
+    from .training.checkpoint import load_checkpoint_weights
     from .visualize import save_grid
 
     if args.num_samples < 1:
@@ -495,7 +495,7 @@ def _sample(args) -> int:
     if args.out.suffix.lower() == ".npy":  # the raw final samples, for analysis (e.g. the 2-D toy's (N, 2) points)
         import numpy as np
 
-        from .checkpoint import atomic_path
+        from .atomic_files import atomic_path
 
         with atomic_path(args.out) as tmp, open(tmp, "wb") as f:
             np.save(f, traj.samples.detach().float().cpu().numpy())
@@ -517,9 +517,10 @@ def _export(args) -> int:
     checkpoints; or, with --lora-only, the diffusers LoRA file for ``load_lora_weights``."""
     import shutil
 
-    from .checkpoint import atomic_directory, load_checkpoint_weights
+    from .atomic_files import atomic_directory
     from .model_card import push_to_hub, write_model_card
     from .pipelines import build_pipeline
+    from .training.checkpoint import load_checkpoint_weights
 
     source = Path(args.checkpoint)
     if not (source / "config.yaml").is_file():

@@ -69,7 +69,7 @@ class TrainConfig(Section):
     # kernels are too small to share; torch's default, one per core, for real checkpoints)
     num_threads: int | None = Field(None, ge=1)
     # bit-reproducible on a GPU as well: deterministic kernels, fixed cuBLAS workspace, no cuDNN benchmarking
-    # (flowrl/determinism.py; docs/reproducibility.md says what it costs)
+    # (flowrl/training/determinism.py; docs/reproducibility.md says what it costs)
     deterministic: bool = False
     stop_after: int | None = Field(None, ge=1)  # end this process after N iterations (a planned interruption)
     # A run that cannot learn stops (docs/failure_behaviour.md): at once when every reward of an iteration is
@@ -109,14 +109,14 @@ class LogConfig(Section):
     progress: bool = True
     trackers: list[str] = Field(
         default_factory=lambda: ["tensorboard"]
-    )  # accelerate's tracker names (flowrl/trackers.py); [] = metrics.jsonl only
+    )  # accelerate's tracker names (flowrl/training/trackers.py); [] = metrics.jsonl only
     project: str | None = None  # the trackers' project name; default: the output_dir's last component
     tracker_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # tracker name -> its init kwargs, e.g. wandb: {mode: offline}
 
     @field_validator("trackers")
     @classmethod
     def _known_trackers(cls, v: list[str]) -> list[str]:
-        from .trackers import check_tracker_names
+        from .training.trackers import check_tracker_names
 
         return check_tracker_names(v)
 
@@ -134,7 +134,7 @@ class Config(Section):
     resume_from: str | None = None  # a checkpoint directory, or "latest" (in output_dir)
     overwrite: bool = False  # start afresh in an output_dir that already holds a run (its files are replaced)
     # keys (or prefixes: objective) a resume may change although they change what the checkpoint's weights mean;
-    # ["*"]: any (flowrl/resume_check.py); a new learning rate or more iterations need nothing
+    # ["*"]: any (flowrl/training/resume_check.py); a new learning rate or more iterations need nothing
     resume_allow: list[str] = Field(default_factory=list)
     pipeline: FAMILIES.field("digits") = Field(default_factory=lambda: FAMILIES.section("digits")())  # type: ignore[valid-type]
     sampler: SAMPLERS.field("flow_sde") = Field(default_factory=lambda: SAMPLERS.section("flow_sde")())  # type: ignore[valid-type]

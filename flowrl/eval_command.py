@@ -39,8 +39,8 @@ def run_evaluation(config, checkpoint: Path | None, method: dict, out: Path) -> 
         raise FlowRLError(
             f"unknown evaluation method {name!r} in the spec; this flowrl knows plain, best_of, svdd, smc, noise_search and rbf."
         )
-    from .checkpoint import read_weights
     from .trainer import Trainer
+    from .training.checkpoint import read_weights
 
     trainer = Trainer(config)
     if checkpoint is not None:
@@ -52,10 +52,10 @@ def run_evaluation(config, checkpoint: Path | None, method: dict, out: Path) -> 
 
 def evaluate_again(path: Path, out: Path) -> int:
     """``flowrl eval --spec``: the recorded evaluation again, compared bit for bit."""
-    from .checkpoint import verify_checkpoint
     from .config import validate
     from .evaluation.spec import differences, read_spec
-    from .run_logger import json_line
+    from .training.checkpoint import verify_checkpoint
+    from .training.run_logger import json_line
 
     recorded = read_spec(path)
     checkpoint = recorded["model"].get("checkpoint")
@@ -124,13 +124,13 @@ def image_model(config, checkpoint: Path | None):
     """The config's image / video model (a checkpoint's weights loaded), its samplers, its reward and its
     held-out setting: what the inference-time scaling methods use, with no trainer or optimizer."""
     from . import seeding
-    from .checkpoint import load_checkpoint_weights
     from .config import set_num_threads
-    from .determinism import enable_deterministic_mode
     from .evaluation.held_out import held_out_images
     from .modalities.images import build_image_components
     from .pipelines.common import device_for
     from .reward_models import build_reward_from_config
+    from .training.checkpoint import load_checkpoint_weights
+    from .training.determinism import enable_deterministic_mode
 
     set_num_threads(config)
     if config.train.deterministic:
@@ -497,12 +497,12 @@ def text_model(config, checkpoint: Path | None):
     """The config's diffusion LM (a checkpoint's weights loaded, DCoLT's unmasking head included) and the run's
     reward, which grades the held-out items: what text best-of-N and SVDD use, with no trainer or optimizer."""
     from . import seeding
-    from .checkpoint import load_checkpoint_weights, read_weights
     from .config import set_num_threads
-    from .determinism import enable_deterministic_mode
     from .modalities.text import TextModality
     from .pipelines.common import device_for
     from .reward_models import build_reward_from_config
+    from .training.checkpoint import load_checkpoint_weights, read_weights
+    from .training.determinism import enable_deterministic_mode
 
     set_num_threads(config)
     if config.train.deterministic:
@@ -546,7 +546,7 @@ def _text_best_of_n(config, checkpoint: Path | None, n: int, select: str | None,
 
     from tqdm import tqdm
 
-    from .checkpoint import atomic_path
+    from .atomic_files import atomic_path
     from .inference.plots import save_scaling_plot
     from .inference.text_best_of_n import ORACLE, text_best_of_n
     from .inference.text_candidates import build_scorers, check_candidates_differ
@@ -643,7 +643,7 @@ def _text_svdd(config, checkpoint: Path | None, m: int, select: str | None, out:
 
     from tqdm import tqdm
 
-    from .checkpoint import atomic_path
+    from .atomic_files import atomic_path
     from .inference.canvas_svdd import canvas_svdd_in_batches
     from .inference.masked_svdd import masked_svdd_in_batches
 
@@ -702,7 +702,7 @@ def _text_smc(config, checkpoint: Path | None, method: dict, out: Path) -> dict:
 
     from tqdm import tqdm
 
-    from .checkpoint import atomic_path
+    from .atomic_files import atomic_path
     from .inference.masked_smc import masked_smc_in_batches
     from .inference.smc import _weighted_mean
 

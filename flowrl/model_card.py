@@ -35,7 +35,7 @@ def _run_dir(checkpoint: Path) -> Path | None:
 
 
 def _step(checkpoint: Path) -> int | None:
-    from .checkpoint import checkpoint_step
+    from .training.checkpoint import checkpoint_step
 
     return checkpoint_step(checkpoint)
 

@@ -34,33 +34,32 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list, gather_object
 from tqdm import tqdm
 
-from . import deepspeed_zero, fault_injection, seeding
-from .checkpoint import (
+from . import seeding
+from .atomic_files import TEMP_PREFIX, atomic_path, writing
+from .config import Config, load_config, resolve_device, set_num_threads, to_yaml
+from .errors import FlowRLError, Preempted
+from .modalities import build_modality
+from .modalities.reward_overlap import RolloutScoring
+from .prompts import prompts_for
+from .reward_models import build_reward_from_config
+from .reward_models.gradients import require_differentiable
+from .reward_models.mix import probe_user_rewards, required_metadata, rewards_from_python, user_parts
+from .training import deepspeed_zero, fault_injection
+from .training.checkpoint import (
     STATE_FILE,
-    TEMP_PREFIX,
-    atomic_path,
     checkpoint_step,
     find_latest,
     load_optimizer,
     read_checkpoint,
     remove_leftover_temporaries,
     save_checkpoint,
-    writing,
 )
-from .config import Config, load_config, resolve_device, set_num_threads, to_yaml
-from .determinism import enable_deterministic_mode
-from .distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
-from .errors import FlowRLError, Preempted
-from .modalities import build_modality
-from .modalities.reward_overlap import RolloutScoring
-from .prompts import prompts_for
-from .resume_check import check_resume_config
-from .reward_models import build_reward_from_config
-from .reward_models.gradients import require_differentiable
-from .reward_models.mix import probe_user_rewards, required_metadata, rewards_from_python, user_parts
-from .run_lock import RunLock
-from .run_logger import RunLogger, json_line, nanmean
-from .trackers import Trackers
+from .training.determinism import enable_deterministic_mode
+from .training.distributed import choose_blocks_to_wrap, enable_fsdp_on_cpu, full_optimizer_state, full_tensors, is_fsdp, shard_state_dict
+from .training.resume_check import check_resume_config
+from .training.run_lock import RunLock
+from .training.run_logger import RunLogger, json_line, nanmean
+from .training.trackers import Trackers
 from .types import PAIRED_ROWS
 from .visualize import save_instruments, save_reward_curve
 
@@ -154,13 +153,13 @@ class Trainer:
             betas=(config.train.adam_beta1, config.train.adam_beta2),
             weight_decay=config.train.weight_decay,
         )
-        if is_fsdp(self.accelerator):  # the family's blocks become FSDP units (flowrl/distributed.py)
+        if is_fsdp(self.accelerator):  # the family's blocks become FSDP units (flowrl/training/distributed.py)
             choose_blocks_to_wrap(self.accelerator, self.module)
         if getattr(self.module, "may_leave_parameters_unused", False) and self.accelerator.ddp_handler is None:
             # a module that routes each call to part of its weights (Wan2.2's two experts): DDP must find the
             # parameters that got no gradient rather than wait for them (their gradient then stays None)
             self.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
-        if self.deepspeed:  # micro batch, accumulation boundary and clipping are flowrl's (flowrl/deepspeed_zero.py)
+        if self.deepspeed:  # micro batch, accumulation boundary and clipping are flowrl's (flowrl/training/deepspeed_zero.py)
             deepspeed_zero.configure(self.accelerator, config.train.batch_size, config.train.max_grad_norm)
         prepared, self.optimizer = self.accelerator.prepare(self.module, optimizer)
         setattr(self.pipeline, self.modality.module_attr, prepared)
@@ -541,7 +540,7 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train ``train.iterations`` iterations (or what is left of them after ``resume_from``): the output directory
-        is locked for the whole run (flowrl/run_lock.py), and a run ends with summary.json whatever ends it."""
+        is locked for the whole run (flowrl/training/run_lock.py), and a run ends with summary.json whatever ends it."""
         self._take_output_dir()
         try:
             return self._fit()
@@ -920,7 +919,7 @@ def _accelerator(config: Config, log_with: list | None = None) -> Accelerator:
                 os.environ["ACCELERATE_TORCH_DEVICE"] = before
     else:
         # a DeepSpeed launch on a machine without a GPU: cpu=False (still the CPU) lets accelerate turn DeepSpeed on,
-        # and gloo is named because accelerate finds no device backend there (flowrl/deepspeed_zero.py)
+        # and gloo is named because accelerate finds no device backend there (flowrl/training/deepspeed_zero.py)
         deepspeed_on_cpu = deepspeed_zero.prepare_cpu_processes()
         accelerator = Accelerator(
             mixed_precision=config.train.mixed_precision,

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .checkpoint import atomic_path
+from .atomic_files import atomic_path
 from .errors import FlowRLError
 
 # The image formats a grid can be written in, by file extension (lower case), as PIL names them.

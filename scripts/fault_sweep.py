@@ -6,7 +6,7 @@ Every case runs the same short GRPO run on the embedded digits model (configs/di
 4) as a real ``flowrl train`` process, breaks it, and then lets ``resume_from=latest`` finish it:
 
 - **kill**: SIGKILL at each phase of an iteration and before each file of a checkpoint write
-  (``FLOWRL_TEST_KILL_AT``, flowrl/fault_injection.py). The resumed run must end with the uninterrupted run's
+  (``FLOWRL_TEST_KILL_AT``, flowrl/training/fault_injection.py). The resumed run must end with the uninterrupted run's
   weights and optimizer state (sha256 of every checkpoint's ``denoiser.safetensors`` and ``optimizer.safetensors``),
   its ``metrics.jsonl`` (every number but the timings), its ``summary.json`` and its sample grids, bit for bit; a
   hidden temporary left by the kill must be removed (and named) by the resume.
@@ -55,7 +55,7 @@ from conftest import fast_overrides  # noqa: E402  (the suite's fast settings: t
 
 sys.path.remove(str(REPO / "tests"))
 
-KILL_ENV, STOP_ENV = "FLOWRL_TEST_KILL_AT", "FLOWRL_TEST_STOP_AT"  # flowrl/fault_injection.py
+KILL_ENV, STOP_ENV = "FLOWRL_TEST_KILL_AT", "FLOWRL_TEST_STOP_AT"  # flowrl/training/fault_injection.py
 ITERATIONS = 4
 TEMP_PREFIX = ".flowrl-tmp-"
 PAGE = 4096
@@ -190,8 +190,8 @@ def partial_files(run: Path) -> list[str]:
     an image that does not decode, a config that does not parse."""
     from PIL import Image
 
-    from flowrl.checkpoint import verify_checkpoint
     from flowrl.errors import FlowRLError
+    from flowrl.training.checkpoint import verify_checkpoint
 
     bad = []
     if not run.is_dir():

@@ -522,9 +522,9 @@ ARITH_PROMPTS = [
 
 def _masked_quantity(**options: Any) -> Callable[[], Fields]:
     def generate_one() -> Fields:
-        from flowrl.inference.text_candidates import encode_prompts
         from flowrl.objectives.dllm.policy import UnmaskingPolicyHead
         from flowrl.samplers.masked import generate
+        from flowrl.samplers.text_generation import encode_prompts
 
         lm = arith_lm()
         ids, mask = encode_prompts(lm, ARITH_PROMPTS, 24)
@@ -580,7 +580,7 @@ def _digits_ddpm_model() -> Fields:
 
 @quantity("model/arith_mdlm")
 def _arith_model() -> Fields:
-    from flowrl.inference.text_candidates import encode_prompts
+    from flowrl.samplers.text_generation import encode_prompts
 
     lm = arith_lm()
     ids, mask = encode_prompts(lm, ARITH_PROMPTS, 24)

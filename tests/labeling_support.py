@@ -27,7 +27,7 @@ OPEN = re.compile(r"labelled; open (http://\S+)")
 def make_pairs(directory: Path, n: int = 6) -> Path:
     """n pairs with images and D3PO trajectories, sampled as the fast D3PO test config samples."""
     from flowrl.config import load_config
-    from flowrl.preference_pairs import build_pairs, write_pairs
+    from flowrl.preferences.pairs import build_pairs, write_pairs
 
     config = load_config(D3PO, fast_overrides(directory.parent / "unused"))
     pairs, rewards, _ = build_pairs(config, n, torch.Generator().manual_seed(0), trajectories=True)

@@ -163,9 +163,9 @@ def test_shipped_arith_bd3lm_generates_the_same_with_and_without_the_cache():
     """The embedded block-diffusion model loads by name through the pipeline section (block length 4, its word-level
     tokenizer), and greedy decoding of held-out problems is the same with the cache as without; its answers are the
     task's answers (the accuracy itself is measured in bench/block_cache.py)."""
-    from flowrl.inference.text_candidates import generate_texts
     from flowrl.pipelines.dllm import DLLMPipelineConfig
     from flowrl.reward_models import build_reward
+    from flowrl.samplers.text_generation import generate_texts
 
     lm = DLLMPipelineConfig(pretrained="arith_bd3lm").build("cpu")
     assert lm.block_length == 4 and lm.tokenizer.tokenize("ann has 20 apples") == ["ann", "has", "20", "apples"]

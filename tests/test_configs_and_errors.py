@@ -25,7 +25,7 @@ def test_every_preset_loads_and_names_its_command(path):
     """Every preset (real checkpoints included: no weights needed) validates, names its launch command
     and hardware, resolves its prompt files, and names a pipeline family and rewards that exist."""
     from flowrl.pipelines import FAMILIES
-    from flowrl.prompt_files import resolve_prompt_file
+    from flowrl.prompts.files import resolve_prompt_file
 
     config = load_config(path)
     text = path.read_text()

@@ -15,7 +15,7 @@ from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.objectives.diffusion_dpo import noised_and_target, training_sigmas
 from flowrl.objectives.functional import diffusion_dpo_loss
-from flowrl.preference_pairs import PreferencePairs, build_pairs, read_pairs, write_pairs
+from flowrl.preferences.pairs import PreferencePairs, build_pairs, read_pairs, write_pairs
 
 DPO = CONFIGS / "digits" / "diffusion_dpo.yaml"
 

@@ -189,10 +189,11 @@ def test_best_of_n_and_svdd_through_flowrl_eval(lm, tmp_path):
 
     from flowrl.config import load_config
     from flowrl.eval_command import run_evaluation
-    from flowrl.inference.text_best_of_n import candidate_streams, text_best_of_n
-    from flowrl.inference.text_candidates import LikelihoodScorer, generate_texts
+    from flowrl.inference.text_best_of_n import text_best_of_n
+    from flowrl.inference.text_candidates import LikelihoodScorer
     from flowrl.prompts import prompts_for
     from flowrl.reward_models import build_reward
+    from flowrl.samplers.text_generation import candidate_streams, generate_texts
 
     config = load_config(PRESET, ["prompts.eval_size=3", "rollout.batch_size=4", f"output_dir={tmp_path}"])
     prompts = [p for p, _ in prompts_for(config.prompts, "eval")]

@@ -143,7 +143,7 @@ def test_each_family_shards_its_own_blocks():
 
     from diffusers import UNet2DConditionModel
 
-    from flowrl.distributed import choose_blocks_to_wrap
+    from flowrl.training.distributed import choose_blocks_to_wrap
 
     unet = UNet2DConditionModel.from_pretrained(str(REPO / "flowrl" / "assets" / "digits_flow" / "unet"))
     plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)
@@ -276,8 +276,8 @@ def test_cpu_offload_on_cpu_processes_is_refused_in_one_sentence(monkeypatch):
 
     from accelerate.utils import DistributedType
 
-    from flowrl.distributed import enable_fsdp_on_cpu
     from flowrl.errors import FlowRLError
+    from flowrl.training.distributed import enable_fsdp_on_cpu
 
     for key, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}.items():
         monkeypatch.setenv(key, value)  # what accelerate launch sets from fsdp_offload.yaml
@@ -291,7 +291,7 @@ HEAD_WORKER = """
 import json, sys
 from accelerate.utils import gather_object
 from flowrl.config import load_config
-from flowrl.distributed import end_process_group
+from flowrl.training.distributed import end_process_group
 from flowrl.trainer import Trainer
 
 trainer = Trainer(load_config(sys.argv[1], sys.argv[3:]))

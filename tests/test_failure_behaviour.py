@@ -24,14 +24,15 @@ import pytest
 import torch
 from conftest import CONFIGS, REPO, fast_overrides
 
-from flowrl.checkpoint import atomic_path, find_latest, save_checkpoint, verify_checkpoint
+from flowrl.atomic_files import atomic_path
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
-from flowrl.preference_pairs import build_pairs
+from flowrl.preferences.pairs import build_pairs
 from flowrl.reward_models import build_reward_from_config
-from flowrl.run_logger import json_line
 from flowrl.trainer import Trainer
+from flowrl.training.checkpoint import find_latest, save_checkpoint, verify_checkpoint
+from flowrl.training.run_logger import json_line
 from flowrl.types import RewardOutput
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"

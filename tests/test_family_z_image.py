@@ -240,7 +240,7 @@ def test_guidance_turbo_one_forward_base_cfg_two_branches_embedded_refused(z_dir
         adapter.guidance_mode = "embedded"
     from types import SimpleNamespace
 
-    from flowrl.distributed import choose_blocks_to_wrap
+    from flowrl.training.distributed import choose_blocks_to_wrap
 
     plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)  # FSDP's units (docs/distributed.md): every block
     assert choose_blocks_to_wrap(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), adapter.denoiser) == ["ZImageTransformerBlock"]

@@ -12,7 +12,7 @@ import torch
 from conftest import CONFIGS, fast_overrides
 from safetensors.torch import save_file
 
-from flowrl.checkpoint import atomic_directory, atomic_path
+from flowrl.atomic_files import atomic_directory, atomic_path
 from flowrl.config import load_config
 from flowrl.trainer import Trainer
 

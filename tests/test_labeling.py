@@ -11,8 +11,8 @@ import pytest
 from labeling_support import LabelServer, call, records, run_label_cli, shared_pairs
 
 from flowrl.errors import FlowRLError
-from flowrl.preference_labels import LabelLog, labelled_pairs, left_slot, preferred_slot, read_labels
-from flowrl.preference_pairs import SLOTS, image_path, read_pairs
+from flowrl.preferences.labels import LabelLog, labelled_pairs, left_slot, preferred_slot, read_labels
+from flowrl.preferences.pairs import SLOTS, image_path, read_pairs
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_a_failed_write_saves_nothing_and_leaves_the_file_whole(fresh):
     script = f"""
 import resource, signal
 from flowrl.errors import FlowRLError
-from flowrl.label_server import LabelSession
+from flowrl.preferences.label_server import LabelSession
 session = LabelSession.open({str(fresh)!r})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, ({len(before) + 20}, resource.RLIM_INFINITY))
@@ -184,7 +184,7 @@ def test_training_on_human_labels_refuses_what_it_cannot_use_in_one_sentence(fre
     with pytest.raises(
         FlowRLError,
         match="trains on the denoising trajectories of the pairs, and .* has none; build the pairs with "
-        r"python -m flowrl.preference_pairs CONFIG --trajectories\.$",
+        r"python -m flowrl.preferences.pairs CONFIG --trajectories\.$",
     ):
         Trainer(load_config(D3PO, overrides))
     assert not (tmp_path / "run").exists()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from labeling_support import D3PO, DPO, LabelServer, call, records, shared_pairs
 
-from flowrl.preference_labels import left_slot, preferred_slot
-from flowrl.preference_pairs import read_pairs
+from flowrl.preferences.labels import left_slot, preferred_slot
+from flowrl.preferences.pairs import read_pairs
 
 CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
 

@@ -1,8 +1,10 @@
 """flowrl's imports go one way, function-level imports included.
 
 Every module and subpackage of flowrl has its own place in ``ORDER``, lowest first; a module may import modules of
-its own unit and of units listed before its own, never after (docs/architecture.md, "Layers"). Inside a unit (a
-subpackage) the modules import each other without a cycle. A module missing from ``ORDER`` fails: place it.
+its own unit and of units listed before its own, never after (docs/architecture.md, "Layers"). A module's unit is the
+longest entry of ``ORDER`` it falls under: a folder whose modules sit at different layers (the training wing: its
+file services low, the loop on top) lists them one by one. Inside a unit the modules import each other without a
+cycle. A module missing from ``ORDER`` fails: place it.
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ ROOT = Path(__file__).resolve().parents[1] / "flowrl"
 ORDER: list[str] = [
     # base: errors, records, keyed randomness, the config-section base and the name tables, files on disk
     "flowrl.errors",
-    "flowrl.fault_injection",
-    "flowrl.determinism",
+    "flowrl.atomic_files",
+    "flowrl.training",  # the training wing's face (its modules are placed one by one below)
+    "flowrl.training.fault_injection",
+    "flowrl.training.determinism",
     "flowrl.types",
     "flowrl.seeding",
     "flowrl.sections",
     "flowrl.registry",
-    "flowrl.distributed",
-    "flowrl.checkpoint",
-    "flowrl.run_lock",
-    "flowrl.deepspeed_zero",
+    "flowrl.training.distributed",
+    "flowrl.training.checkpoint",
+    "flowrl.training.run_lock",
+    "flowrl.training.deepspeed_zero",
     "flowrl.hub",
     "flowrl.data",
     # the parts a run is made of, each with its config section
@@ -35,20 +39,21 @@ ORDER: list[str] = [
     "flowrl.objectives",
     "flowrl.pipelines",
     # run services: prompts, presets, the composed config, logging, evaluation, inference-time scaling, pairs
-    "flowrl.prompt_files",
-    "flowrl.prompt_datasets",
+    "flowrl.prompts.files",
+    "flowrl.prompts.datasets",
     "flowrl.prompts",
     "flowrl.presets",
-    "flowrl.trackers",
+    "flowrl.training.trackers",
     "flowrl.config",
-    "flowrl.resume_check",
-    "flowrl.run_logger",
+    "flowrl.training.resume_check",
+    "flowrl.training.run_logger",
     "flowrl.visualize",
     "flowrl.model_card",
     "flowrl.evaluation",
     "flowrl.inference",
-    "flowrl.preference_pairs",
-    "flowrl.preference_labels",
+    "flowrl.preferences",
+    "flowrl.preferences.pairs",
+    "flowrl.preferences.labels",
     # the loop
     "flowrl.modalities",
     "flowrl.trainer",
@@ -56,7 +61,7 @@ ORDER: list[str] = [
     # what users call: the Python API (the package itself), the servers, the command line
     "flowrl",
     "flowrl.reward_server",
-    "flowrl.label_server",
+    "flowrl.preferences.label_server",
     "flowrl.cli",
 ]
 RANK = {unit: i for i, unit in enumerate(ORDER)}
@@ -68,8 +73,13 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def unit(module: str) -> str:
-    """The module's place in ORDER: its first-level subpackage or module (``flowrl.samplers.ddim`` -> ``flowrl.samplers``)."""
-    return ".".join(module.split(".")[:2])
+    """The module's place in ORDER: the longest entry it falls under (``flowrl.samplers.ddim`` -> ``flowrl.samplers``,
+    ``flowrl.training.checkpoint`` -> itself), else its first-level subpackage or module (then missing from ORDER)."""
+    parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        if ".".join(parts[:n]) in RANK:
+            return ".".join(parts[:n])
+    return ".".join(parts[:2])
 
 
 def flowrl_imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:

@@ -1,4 +1,4 @@
-"""Prompts from local Hugging Face `datasets` sources (flowrl/prompt_datasets.py), on real small datasets."""
+"""Prompts from local Hugging Face `datasets` sources (flowrl/prompts/datasets.py), on real small datasets."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value  #
 from PIL import Image as PILImage  # noqa: E402
 
 from flowrl.errors import FlowRLError  # noqa: E402
-from flowrl.prompt_datasets import read_dataset_prompts  # noqa: E402
+from flowrl.prompts.datasets import read_dataset_prompts  # noqa: E402
 
 ROWS = {"caption": ["a red cube", "a blue ball", "a green cone"], "category": ["shape", "toy", "shape"], "score": [1, 2, 3]}
 PAIRS = [

@@ -10,7 +10,7 @@ import torch
 
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
-from flowrl.prompt_files import read_prompt_file
+from flowrl.prompts.files import read_prompt_file
 
 
 def test_txt_and_jsonl_prompt_files(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.checkpoint import atomic_path
+from flowrl.atomic_files import atomic_path
 from flowrl.samplers.rollout import sde_window
 from flowrl.seeding import torch_generator
 from flowrl.types import Trajectory

@@ -785,10 +785,10 @@ class KillServerAfterFirstCall:
 def test_trainer_stops_cleanly_and_keeps_its_work_when_the_server_dies(tmp_path, monkeypatch, capsys):
     from conftest import CONFIGS, fast_overrides
 
-    from flowrl.checkpoint import read_checkpoint
     from flowrl.config import load_config
     from flowrl.reward_models import build_reward_from_config
     from flowrl.trainer import Trainer
+    from flowrl.training.checkpoint import read_checkpoint
 
     server = ServerProcess(write_config(tmp_path / "server.yaml"), tmp_path / "server.log")
     try:

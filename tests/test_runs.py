@@ -239,7 +239,7 @@ def test_a_kill_9_during_a_checkpoint_write_leaves_nothing_after_the_resume_and_
 
 
 def test_leftover_temporaries_stay_while_another_process_holds_the_run_lock(tmp_path, capsys):
-    from flowrl.run_lock import RunLock
+    from flowrl.training.run_lock import RunLock
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

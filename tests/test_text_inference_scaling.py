@@ -19,10 +19,11 @@ from conftest import CONFIGS
 from flowrl.config import RewardConfig, load_config
 from flowrl.errors import FlowRLError
 from flowrl.inference.masked_svdd import masked_svdd, masked_svdd_in_batches
-from flowrl.inference.text_best_of_n import ORACLE, candidate_streams, text_best_of_n
-from flowrl.inference.text_candidates import RewardScorer, answer_key, build_scorer, build_scorers, generate_texts, majority_choice
+from flowrl.inference.text_best_of_n import ORACLE, text_best_of_n
+from flowrl.inference.text_candidates import RewardScorer, answer_key, build_scorer, build_scorers, majority_choice
 from flowrl.reward_models import build_reward_from_config
 from flowrl.reward_models.math_answer import extract_answer
+from flowrl.samplers.text_generation import candidate_streams, generate_texts
 from flowrl.types import RewardOutput
 
 CONFIG = CONFIGS / "dllm" / "diffu_grpo.yaml"

@@ -13,8 +13,8 @@ from conftest import CONFIGS, fast_overrides
 
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
-from flowrl.trackers import supported_trackers
 from flowrl.trainer import Trainer
+from flowrl.training.trackers import supported_trackers
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 VIDEO = CONFIGS / "digits_video" / "grpo.yaml"

@@ -32,7 +32,7 @@ def measure(
     out of the first and of the last frame, and the mean ``motion_quality`` reward."""
     pipeline = DigitsVideoPipeline(PipelineConfig(name="digits_video", pretrained=model), "cpu")
     if checkpoint is not None:
-        from ..checkpoint import read_weights
+        from ..training.checkpoint import read_weights
 
         pipeline.denoiser.load_state_dict({k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")})
     pipeline.denoiser.eval()

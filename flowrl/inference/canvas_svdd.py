@@ -35,10 +35,10 @@ from ..samplers.entropy_bound import (
     finish_canvas,
     resolve_settings,
 )
+from ..samplers.text_generation import candidate_streams, encode_prompts
 from ..seeding import RowGenerators
 from .masked_svdd import MaskedSVDDResult
-from .text_best_of_n import candidate_streams
-from .text_candidates import MAJORITY, TextScorer, check_candidates_differ, encode_prompts
+from .text_candidates import MAJORITY, TextScorer, check_candidates_differ
 
 
 @torch.no_grad()

@@ -45,6 +45,7 @@ from ..samplers.masked import (
     transfer_schedule,
 )
 from ..samplers.masked import _Recorder as Recorder
+from ..samplers.text_generation import candidate_streams, encode_prompts
 from ..seeding import RowGenerators
 from ..types import MaskedLM
 from .masked_svdd import _keep
@@ -58,8 +59,7 @@ from .smc import (
     reweight,
     tempering_schedule,
 )
-from .text_best_of_n import candidate_streams
-from .text_candidates import MAJORITY, TextScorer, check_candidates_differ, encode_prompts
+from .text_candidates import MAJORITY, TextScorer, check_candidates_differ
 
 
 @dataclass

@@ -40,10 +40,10 @@ from ..samplers.masked import (
     shift_logits,
     transfer_schedule,
 )
+from ..samplers.text_generation import candidate_streams, encode_prompts
 from ..seeding import RowGenerators
 from ..types import MaskedLM
-from .text_best_of_n import candidate_streams
-from .text_candidates import MAJORITY, TextScorer, check_candidates_differ, encode_prompts
+from .text_candidates import MAJORITY, TextScorer, check_candidates_differ
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..checkpoint import atomic_path
+from ..atomic_files import atomic_path
 
 
 def save_scaling_plot(

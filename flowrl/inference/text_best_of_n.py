@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import seeding
 from ..errors import FlowRLError
 from ..reward_models.math_answer import extract_answer
 from ..samplers.masked import MaskedSamplerConfig
+from ..samplers.text_generation import candidate_streams, generate_texts
 from ..types import MaskedLM
-from .text_candidates import MAJORITY, TextScorer, answer_key, check_candidates_differ, generate_texts, majority_choice
+from .text_candidates import MAJORITY, TextScorer, answer_key, check_candidates_differ, majority_choice
 
 
 @dataclass
@@ -92,13 +92,6 @@ def _finite_mean(x: Tensor) -> float:
     return float(finite.double().mean()) if len(finite) else float("nan")
 
 
-def candidate_streams(seed: int, prompts: Sequence[str], j: int) -> seeding.RowGenerators:
-    """Candidate j of each prompt: its own stream keyed by (seed, the prompt's text, j); candidate 0 is the plain
-    evaluation's draw. A diffusion LM's item is keyed by its prompt alone: its metadata (the gold answer) never
-    conditions the generation."""
-    return seeding.RowGenerators.by_content(seed, prompts, [{}] * len(prompts), [j] * len(prompts))
-
-
 @torch.no_grad()
 def text_best_of_n(
     lm: MaskedLM,
@@ -153,4 +146,4 @@ def text_best_of_n(
     return TextBestOfN(completions=completions, answers=answers, scores=scores, graded=graded, components=components)
 
 
-__all__: Sequence[str] = ["ORACLE", "TextBestOfN", "candidate_streams", "text_best_of_n"]
+__all__: Sequence[str] = ["ORACLE", "TextBestOfN", "text_best_of_n"]

@@ -22,67 +22,11 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers import entropy_bound
-from ..samplers.entropy_bound import EntropyBoundSamplerConfig, resolve_settings
-from ..samplers.masked import MaskedSamplerConfig, decode_completions, generate
-from ..types import CanvasTrajectory, MaskedLM, TokenTrajectory
 
 MAJORITY, LIKELIHOOD = "majority", "likelihood"
 # Rewards that score a completion against the item's reference answer or solution: selecting with them
 # would be pass@N (an oracle), not inference-time scaling.
 GOLD_GRADERS = frozenset({"math_answer", "sudoku"})
-
-
-def encode_prompts(lm: MaskedLM, prompts: Sequence[str], prompt_length: int | None) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids (B, P) and their bool mask on the model's device; ``prompt_length`` pads and
-    truncates to a fixed length (the embedded model's position table), None pads to the longest."""
-    tok = lm.tokenizer
-    tok.padding_side = "left"  # the completion must follow the prompt's last real token
-    enc = tok(
-        list(prompts),
-        padding="max_length" if prompt_length else "longest",
-        max_length=prompt_length,
-        truncation=prompt_length is not None,
-        return_tensors="pt",
-    )
-    return enc.input_ids.to(lm.device), enc.attention_mask.bool().to(lm.device)
-
-
-def generate_texts(
-    lm: MaskedLM,
-    prompts: Sequence[str],
-    sampler: MaskedSamplerConfig | EntropyBoundSamplerConfig,
-    prompt_length: int | None,
-    temperature: float,
-    generator: torch.Generator,
-    position_scorer=None,
-) -> TokenTrajectory | CanvasTrajectory:
-    """Generate one completion per prompt with the sampler settings at ``temperature``, decoded into
-    ``.completions``. The training rollout, the held-out evaluation and best-of-N all call this. DiffusionGemma's
-    entropy-bound sampler returns a CanvasTrajectory (``temperature`` scales its schedule)."""
-    ids, mask = encode_prompts(lm, prompts, prompt_length)
-    if isinstance(sampler, EntropyBoundSamplerConfig):
-        settings = resolve_settings(lm, sampler, temperature)
-        canvas_traj = entropy_bound.generate(lm, ids, mask, settings, generator)
-        canvas_traj.completions = entropy_bound.decode_completions(lm.tokenizer, canvas_traj.completion_ids, settings.eos_token_ids)
-        return canvas_traj
-    traj = generate(
-        lm,
-        ids,
-        mask,
-        sampler.gen_length,
-        sampler.steps,
-        sampler.block_length,
-        temperature=temperature,
-        remasking=sampler.remasking,
-        threshold=sampler.threshold,
-        position_scorer=position_scorer,
-        logit_shift=sampler.logit_shift,
-        generator=generator,
-        kv_cache=sampler.kv_cache,
-    )
-    traj.completions = decode_completions(lm.tokenizer, traj.completion_ids, lm.eos_token_id)
-    return traj
 
 
 def check_candidates_differ(flag: str, count: int, temperature: float, remasking: str) -> None:
@@ -210,7 +154,5 @@ __all__: Sequence[str] = [
     "build_scorer",
     "build_scorers",
     "check_candidates_differ",
-    "encode_prompts",
-    "generate_texts",
     "majority_choice",
 ]

@@ -20,14 +20,14 @@ from ..objectives import BuildContext, build_objective
 from ..objectives.seppo import reference_pair_batch, winners_for
 from ..pipelines import build_pipeline
 from ..pipelines.guidance import training_guidance_scale
-from ..preference_labels import labelled_pairs
-from ..preference_pairs import PreferencePairs, read_pairs
+from ..preferences.labels import labelled_pairs
+from ..preferences.pairs import PreferencePairs, read_pairs
 from ..prompts import prompts_for, sample_prompts
 from ..reward_models.gradients import reward_and_gradient
-from ..run_logger import nanmean
 from ..samplers import ODEConfig, build_sampler
 from ..samplers.branching import branched_rollout, trained_steps
 from ..samplers.rollout import keyed_noise, padded_rows, rollout, sample, sde_window, start_noise
+from ..training.run_logger import nanmean
 from ..types import PAIRED_ROWS, Pipeline, Reward, RewardOutput, Sampler, Trajectory
 from ..visualize import save_grid, save_points, save_videos
 from .reward_overlap import RolloutScoring
@@ -223,7 +223,7 @@ class ImageModality:
         if self.config.prompts.pairs is None:
             raise FlowRLError(
                 f"objective '{self.objective.name}' trains on offline preference pairs: set prompts.pairs to a pairs "
-                "directory (python -m flowrl.preference_pairs)."
+                "directory (python -m flowrl.preferences.pairs)."
             )
         directory = self.config.prompts.pairs
         # objective.preference (D3PO, Diffusion-DPO): "human" trains on a person's labels.jsonl of the pairs
@@ -249,7 +249,7 @@ class ImageModality:
         if pairs.trajectories is None:
             raise FlowRLError(
                 f"objective '{self.objective.name}' trains on the denoising trajectories of the pairs, and '{directory}' has "
-                "none; build the pairs with python -m flowrl.preference_pairs CONFIG --trajectories."
+                "none; build the pairs with python -m flowrl.preferences.pairs CONFIG --trajectories."
             )
         rc = self.config.rollout
         grid = self.pipeline.schedule.sigmas(rc.num_inference_steps).cpu().float()

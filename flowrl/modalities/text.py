@@ -12,16 +12,15 @@ import torch
 from accelerate.utils import gather_object
 
 from .. import seeding
-from ..checkpoint import atomic_path
+from ..atomic_files import atomic_path
 from ..config import Config
 from ..errors import FlowRLError
 from ..evaluation.held_out import eval_pool
-from ..inference.text_best_of_n import candidate_streams
-from ..inference.text_candidates import generate_texts
 from ..objectives import BuildContext, build_objective
 from ..pipelines import build_pipeline
 from ..prompts import prompts_for, sample_prompts
-from ..run_logger import nanmean
+from ..samplers.text_generation import candidate_streams, generate_texts
+from ..training.run_logger import nanmean
 from ..types import Reward, RewardOutput, TokenTrajectory
 from .reward_overlap import RolloutScoring
 

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from ..checkpoint import atomic_path
+from ..atomic_files import atomic_path
 from ..errors import FlowRLError
 
 # latest: SPIN's previous iterate; rpc: the paper's random checkpoint replay; initial: the paper's third

@@ -117,7 +117,7 @@ class D3POConfig(ObjectiveSection):
     beta: float = Field(0.1, gt=0)
     clip_range: float = Field(0.1, gt=0, lt=1)  # the ratio to the reference is clamped to [1 - c, 1 + c]
     # pareto: over the reward components; human: a person's labels of the pairs in prompts.pairs (flowrl label,
-    # labels.jsonl), trained on the trajectories stored with them (python -m flowrl.preference_pairs --trajectories)
+    # labels.jsonl), trained on the trajectories stored with them (python -m flowrl.preferences.pairs --trajectories)
     preference: Preference = "reward"
     timestep_fraction: float = Field(1.0, gt=0, le=1)
     timestep_order: TimestepOrder = "random"

@@ -10,7 +10,7 @@ the velocity noise - x0 for rectified flows, the noise for epsilon models, sqrt(
 for v-prediction. Times are uniform over the model's training times (continuous sigma in (0, 1] for
 flows, the integer DDPM steps otherwise), one per pair.
 
-The pairs come from ``flowrl.preference_pairs`` (a safetensors file of winners and losers plus their
+The pairs come from ``flowrl.preferences.pairs`` (a safetensors file of winners and losers plus their
 prompts): no sampler, no log-probs; the trainer's rollout reads the iteration's pairs instead of
 sampling (``trains_on = "offline_pairs"``).
 

@@ -99,7 +99,7 @@ class WanExperts(torch.nn.Module):
         self.transformer_2 = transformer_2
         self.boundary_timestep = float(boundary_timestep)
         self.integer_timesteps = bool(integer_timesteps)
-        # the FSDP units (flowrl/distributed.py reads _no_split_modules): the experts' transformer blocks
+        # the FSDP units (flowrl/training/distributed.py reads _no_split_modules): the experts' transformer blocks
         self._no_split_modules = list(getattr(transformer, "_no_split_modules", None) or [])
 
     @property

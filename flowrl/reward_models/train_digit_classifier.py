@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowrl.checkpoint import atomic_directory
+from flowrl.atomic_files import atomic_directory
 from flowrl.data.digits import load_digit_images
 from flowrl.reward_models.digit_classifier import DEFAULT_DIR, WEIGHTS_FILE, DigitClassifier
 

@@ -394,7 +394,7 @@ __all__: Sequence[str] = ["check_kv_cache", "decode_completions", "generate", "g
 
 class MaskedSamplerConfig(SamplerSection):
     """LLaDA-style masked-diffusion generation: ``sampler.name: masked`` for diffusion LMs. The section itself is
-    what generation reads (:func:`flowrl.inference.text_candidates.generate_texts`)."""
+    what generation reads (:func:`flowrl.samplers.text_generation.generate_texts`)."""
 
     name: str = "masked"
     gen_length: int = Field(16, ge=1)

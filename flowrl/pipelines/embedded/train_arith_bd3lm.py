@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...checkpoint import atomic_directory
+from ...atomic_files import atomic_directory
 from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems, vocabulary
 from ..block_attention import block_diffusion_training_mask, block_diffusion_training_positions
 from .train_arith import encode

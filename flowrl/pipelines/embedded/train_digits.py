@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...checkpoint import atomic_directory
+from ...atomic_files import atomic_directory
 from ...data.digits import EVAL_TEMPLATES, MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from .digits_models import build_text_encoder, build_unet
 

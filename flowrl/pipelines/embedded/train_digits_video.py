@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...checkpoint import atomic_directory
+from ...atomic_files import atomic_directory
 from ...data.digits import load_digit_images
 from ...data.digits_video import (
     CANVAS,

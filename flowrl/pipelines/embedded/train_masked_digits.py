@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ...checkpoint import atomic_directory
+from ...atomic_files import atomic_directory
 from ...data.digits import EVAL_TEMPLATES, MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from .masked_digits_models import (
     CODEBOOK_SIZE,

@@ -1,7 +1,7 @@
 """Prompts from local Hugging Face ``datasets`` sources: parquet, arrow, jsonl/json, csv, or saved datasets.
 
 ``read_dataset_prompts(path, ...)`` returns the same ``(prompt, metadata)`` pairs as the prompt files of
-:mod:`flowrl.prompt_files`, read with the ``datasets`` library (the optional extra
+:mod:`flowrl.prompts.files`, read with the ``datasets`` library (the optional extra
 ``pip install 'flowrl[datasets]'``). ``path`` is one of:
 
 - a single ``.parquet``, ``.arrow``, ``.jsonl`` / ``.json``, ``.csv`` or ``.tsv`` file (its one split is "train");
@@ -66,7 +66,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import FlowRLError
+from ..errors import FlowRLError
 
 IMAGE_CACHE_ENV = "FLOWRL_IMAGE_CACHE"
 # single-file sources: suffix -> (datasets builder, builder kwargs)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import FlowRLError
+from ..errors import FlowRLError
 
 ENGINE_DIR = "deepspeed"  # the engine checkpoint inside a flowrl checkpoint directory
 _TAG = "engine"

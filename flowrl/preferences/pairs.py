@@ -6,7 +6,7 @@ denoiser's own space, i.e. latents for VAE models, pixels in [-1, 1] for the emb
 ``loser_reward``). Any labelled data converted to this layout trains (human labels included); the
 builder below makes pairs from a model and a reward (AI feedback):
 
-    python -m flowrl.preference_pairs configs/digits/diffusion_dpo.yaml --num-prompts 512 --out pairs/digits
+    python -m flowrl.preferences.pairs configs/digits/diffusion_dpo.yaml --num-prompts 512 --out pairs/digits
 
 draws two samples per training prompt with the evaluation (ODE) sampler from independent noise, scores
 them with the config's reward and keeps the pair, better one first, unless the two tie.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import FlowRLError
+from ..errors import FlowRLError
 
 SLOTS = ("winner", "loser")  # the stored order of a pair: the builder's reward ranks the first above the second
 
@@ -100,7 +100,7 @@ def write_pairs(directory: str | Path, pairs: PreferencePairs, rewards: tuple[Te
     """Write a pairs directory atomically (nothing is left behind if writing fails)."""
     from safetensors.torch import save_file
 
-    from .checkpoint import atomic_directory
+    from ..atomic_files import atomic_directory
 
     directory = Path(directory)
     if directory.exists():
@@ -207,13 +207,13 @@ def build_pairs(
     Returns the pairs (ties and pairs with a non-finite reward left out; their decoded samples in ``images``),
     their rewards, and the number left out.
     """
-    from . import seeding
-    from .pipelines import build_pipeline
-    from .pipelines.common import resolve_device
-    from .prompts import prompts_for, sample_prompts
-    from .reward_models import build_reward_from_config
-    from .samplers import ODEConfig, build_sampler
-    from .samplers.rollout import rollout
+    from .. import seeding
+    from ..pipelines import build_pipeline
+    from ..pipelines.common import resolve_device
+    from ..prompts import prompts_for, sample_prompts
+    from ..reward_models import build_reward_from_config
+    from ..samplers import ODEConfig, build_sampler
+    from ..samplers.rollout import rollout
 
     device = resolve_device(config.pipeline.device)  # exactly pipeline.device, refused if this machine lacks it
     device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")  # auto
@@ -281,7 +281,7 @@ def build_pairs(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m flowrl.preference_pairs", description="Build offline preference pairs from a model and a reward."
+        prog="python -m flowrl.preferences.pairs", description="Build offline preference pairs from a model and a reward."
     )
     p.add_argument("config", help="a YAML config: its pipeline, reward, prompts and rollout settings are used")
     p.add_argument("overrides", nargs="*")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        from .config import load_config
+        from ..config import load_config
 
         if args.out.exists():
             raise FlowRLError(f"pairs directory '{args.out}' already exists; choose a new one.")

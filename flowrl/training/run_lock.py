@@ -19,7 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
-from .errors import FlowRLError
+from ..errors import FlowRLError
 
 LOCK_NAME = "flowrl.lock"  # visible: a hidden file in a run directory is a write in progress (checkpoint.py)
 

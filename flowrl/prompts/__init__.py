@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .errors import FlowRLError
-from .registry import Registry
-from .sections import Section
+from ..errors import FlowRLError
+from ..registry import Registry
+from ..sections import Section
 
 Prompt = tuple[str, dict[str, Any]]
 Role = Literal["train", "eval"]
@@ -58,11 +58,11 @@ class PromptsConfig(Section):
     eval_split: str = "eval"
     # dataset "file": one prompt per line (.txt) or JSON lines with a "prompt" key, the other keys being metadata
     # for the rewards (.jsonl); a bundled name (flowrl/data/prompts/<name>) or a path. dataset "hf": a local
-    # Hugging Face dataset (parquet, arrow, jsonl, csv, a save_to_disk folder; flowrl/prompt_datasets.py)
+    # Hugging Face dataset (parquet, arrow, jsonl, csv, a save_to_disk folder; flowrl/prompts/datasets.py)
     train_file: str | None = None
     eval_file: str | None = None
     columns: DatasetColumns = Field(default_factory=DatasetColumns)  # dataset "hf": the column mapping
-    pairs: str | None = None  # Diffusion-DPO's offline preference pairs: a directory (python -m flowrl.preference_pairs)
+    pairs: str | None = None  # Diffusion-DPO's offline preference pairs: a directory (python -m flowrl.preferences.pairs)
 
     @model_validator(mode="after")
     def _source(self):
@@ -103,7 +103,7 @@ def _size(pc: PromptsConfig, role: Role) -> int:
 
 
 def _digits(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
-    from .data.digits import prompt_set
+    from ..data.digits import prompt_set
 
     try:
         return prompt_set(split)
@@ -113,7 +113,7 @@ def _digits(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
 
 def _digits_video(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
     """The embedded text-to-video model's prompts: "the digit three moving left"."""
-    from .data.digits_video import prompt_set
+    from ..data.digits_video import prompt_set
 
     try:
         return prompt_set(split)
@@ -122,7 +122,7 @@ def _digits_video(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
 
 
 def _arith(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
-    from .data.arith import problems
+    from ..data.arith import problems
 
     try:
         return problems(split, _size(pc, role) if split == "eval" else 4000, seed=0)
@@ -132,13 +132,13 @@ def _arith(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
 
 def _shared_file(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
     """GSM8K, MATH500, Countdown, Sudoku: the shared evaluation files (FLOWRL_DATA_DIR)."""
-    from .data import text_tasks
+    from ..data import text_tasks
 
     return getattr(text_tasks, f"load_{pc.dataset}")(limit=_size(pc, role))
 
 
 def _prompt_file(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
-    from .prompt_files import read_prompt_file
+    from .files import read_prompt_file
 
     return read_prompt_file(pc.train_file if role == "train" else pc.eval_file)
 
@@ -146,7 +146,7 @@ def _prompt_file(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
 def _hf_dataset(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
     """A local Hugging Face dataset; the split is the one asked for when set in the config, else the source's own
     choice ("train" when it has one, or its only split)."""
-    from .prompt_datasets import read_dataset_prompts
+    from .datasets import read_dataset_prompts
 
     key = "train_split" if role == "train" else "eval_split"
     chosen = split if key in pc.model_fields_set else None

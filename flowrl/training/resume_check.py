@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .errors import FlowRLError
+from ..errors import FlowRLError
 
 MAY_CHANGE = (
     "output_dir", "resume_from", "overwrite", "resume_allow",
@@ -49,7 +49,7 @@ def changed_keys(before: dict[str, Any], after: dict[str, Any], allowed: list[st
 
 def check_resume_config(config: Any, checkpoint: Path, spec: str) -> None:
     """Refuse, in one sentence, resuming ``checkpoint`` under a ``config`` that changes what its weights mean."""
-    from .config import validate
+    from ..config import validate
 
     path = Path(checkpoint) / "config.yaml"
     if not path.is_file():

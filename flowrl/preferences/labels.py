@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import _fsync as fsync_path
-from .checkpoint import os_error_reason, writing
-from .errors import FlowRLError
-from .preference_pairs import SLOTS, PreferencePairs, read_pairs
+from ..atomic_files import _fsync as fsync_path
+from ..atomic_files import os_error_reason, writing
+from ..errors import FlowRLError
+from .pairs import SLOTS, PreferencePairs, read_pairs
 
 LABELS_FILE = "labels.jsonl"
 CHOICES = ("left", "right", "tie", "skip")

@@ -1,5 +1,5 @@
 """Metrics a person and a script can read: ``metrics.jsonl`` (one JSON object per logged step) in the run
-directory, and the same numbers sent to the run's trackers (TensorBoard by default; flowrl/trackers.py).
+directory, and the same numbers sent to the run's trackers (TensorBoard by default; flowrl/training/trackers.py).
 
 Every line is valid JSON: non-finite numbers are written as ``null`` (never a bare ``NaN``), and a line
 that cannot be written whole (a full disk) is taken back, so the file never ends in half a record."""
@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import FlowRLError
 from .checkpoint import atomic_path, writing
-from .errors import FlowRLError
 
 
 def nanmean(values: list[float]) -> float:
@@ -49,7 +49,9 @@ class RunLogger:
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         self.enabled = enabled
-        self.trackers = trackers  # flowrl.trackers.Trackers, started by the trainer, so read-only uses (eval, sample) write nothing
+        self.trackers = (
+            trackers  # flowrl.training.trackers.Trackers, started by the trainer, so read-only uses (eval, sample) write nothing
+        )
 
     def truncate_after(self, step: int) -> None:
         """On resume, forget records past the checkpoint: they are about to be logged again."""

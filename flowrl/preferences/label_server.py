@@ -2,7 +2,7 @@
 
 The page (flowrl/assets/label/) shows a pair's two samples side by side with the prompt; left / right /
 tie / skip are buttons and keys; undo withdraws the last label. Every click is one record appended to
-``DIR/labels.jsonl`` and fsynced before the page is told it was saved (flowrl/preference_labels.py), so a
+``DIR/labels.jsonl`` and fsynced before the page is told it was saved (flowrl/preferences/labels.py), so a
 restart continues at the first unlabelled pair and loses nothing.
 
 Security: the server binds to loopback unless told otherwise, and there it accepts only requests whose Host
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FlowRLError
-from .preference_labels import CHOICES, LabelLog, left_slot, preferred_slot
-from .preference_pairs import SLOTS, image_path, read_pair_prompts
+from ..errors import FlowRLError
+from .labels import CHOICES, LabelLog, left_slot, preferred_slot
+from .pairs import SLOTS, image_path, read_pair_prompts
 
-ASSETS = Path(__file__).resolve().parent / "assets" / "label"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "label"
 TOKEN_ENV = "FLOWRL_LABEL_TOKEN"
 TOKEN_HEADER = "x-flowrl-token"
 SECURITY_HEADERS = {
@@ -62,7 +62,7 @@ class LabelSession:
         if not (directory / "images").is_dir():
             raise FlowRLError(
                 f"'{directory}' has no images/ folder, so there is nothing to show; build the pairs again with "
-                "python -m flowrl.preference_pairs, which writes one."
+                "python -m flowrl.preferences.pairs, which writes one."
             )
         missing: dict[int, list[str]] = {}
         for i in range(len(prompts)):

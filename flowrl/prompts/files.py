@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .data.files import read_utf8
-from .errors import FlowRLError
+from ..data.files import read_utf8
+from ..errors import FlowRLError
 
-BUNDLED = Path(__file__).resolve().parent / "data" / "prompts"
+BUNDLED = Path(__file__).resolve().parents[1] / "data" / "prompts"
 
 
 def resolve_prompt_file(spec: str) -> Path:

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..errors import FlowRLError
 from .checkpoint import writing
-from .errors import FlowRLError
 
 # accelerate's tracker name -> the pip package that provides it
 PIP_PACKAGES = {

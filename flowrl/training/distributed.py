@@ -17,7 +17,7 @@ taken before ``prepare``) is never handed to it. flowrl adds (docs/distributed.m
   parameter's mesh and placement) before they are loaded;
 * a one-sentence refusal of CPU offload on CPU processes.
 
-DeepSpeed ZeRO launches are bridged in flowrl/deepspeed_zero.py.
+DeepSpeed ZeRO launches are bridged in flowrl/training/deepspeed_zero.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import FlowRLError
+from ..errors import FlowRLError
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, distribute_tensor
