@@ -50,32 +50,47 @@ __all__ = [
 
 
 class TrainConfig(Section):
-    iterations: int = Field(40, ge=1)
-    prompts_per_iteration: int = Field(8, ge=1)  # groups per iteration, across all processes
-    num_generations: int = Field(8, ge=1)  # samples per prompt (GRPO group size)
-    batch_size: int = Field(16, ge=1)  # samples per optimizer step and process: N processes step on N x batch_size
-    inner_epochs: int = Field(1, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    # per iteration, from learning_rate at the first to learning_rate * lr_min_fraction at the last (diffusers'
-    # --lr_scheduler constant / linear / cosine); a function of the iteration, so a resumed run is exact
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    lr_min_fraction: float = Field(0.0, ge=0, le=1)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    weight_decay: float = 1e-4
-    max_grad_norm: float | None = 1.0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    # torch's intra-op threads per process; None: the model family's choice (1 for the embedded and toy models, whose
-    # kernels are too small to share; torch's default, one per core, for real checkpoints)
-    num_threads: int | None = Field(None, ge=1)
-    # bit-reproducible on a GPU as well: deterministic kernels, fixed cuBLAS workspace, no cuDNN benchmarking
-    # (flowrl/training/determinism.py; docs/reproducibility.md says what it costs)
-    deterministic: bool = False
-    stop_after: int | None = Field(None, ge=1)  # end this process after N iterations (a planned interruption)
+    iterations: int = Field(40, ge=1, description="Training iterations (collect, score, update) the run makes in all.")
+    prompts_per_iteration: int = Field(8, ge=1, description="Prompt groups sampled per iteration, across all processes.")
+    num_generations: int = Field(8, ge=1, description="Samples generated per prompt (the GRPO group size).")
+    batch_size: int = Field(16, ge=1, description="Samples per optimizer step and process; N processes step on N x batch_size samples.")
+    inner_epochs: int = Field(1, ge=1, description="Passes over one iteration's samples before collecting new ones.")
+    learning_rate: float = Field(1e-4, gt=0, description="The optimizer's (AdamW) peak learning rate.")
+    # a function of the iteration, so a resumed run is exact
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="Learning-rate decay per iteration, from learning_rate at the first to learning_rate * lr_min_fraction "
+        "at the last (diffusers' --lr_scheduler).",
+    )
+    lr_min_fraction: float = Field(
+        0.0, ge=0, le=1, description="The final learning rate as a fraction of learning_rate (linear and cosine schedules)."
+    )
+    adam_beta1: float = Field(0.9, description="AdamW's first-moment decay (beta1).")
+    adam_beta2: float = Field(0.999, description="AdamW's second-moment decay (beta2).")
+    weight_decay: float = Field(1e-4, description="AdamW's decoupled weight decay.")
+    max_grad_norm: float | None = Field(1.0, description="Clip the gradient's global L2 norm to this value; None: no clipping.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Autocast precision of forward and backward passes: no (fp32), bf16 or fp16."
+    )
+    # 1 for the embedded and toy models, whose kernels are too small to share; torch's default for real checkpoints
+    num_threads: int | None = Field(None, ge=1, description="torch's intra-op threads per process; None: the model family's choice.")
+    # flowrl/training/determinism.py; docs/reproducibility.md says what it costs
+    deterministic: bool = Field(
+        False,
+        description="Bit-reproducible on a GPU too: deterministic kernels, fixed cuBLAS workspace, no cuDNN benchmarking.",
+    )
+    stop_after: int | None = Field(
+        None, ge=1, description="End this process after N iterations (a planned interruption; resume continues)."
+    )
     # A run that cannot learn stops (docs/failure_behaviour.md): at once when every reward of an iteration is
     # NaN or infinite, and when more than this fraction of the last nonfinite_window iterations' rewards are.
-    max_nonfinite_fraction: float = Field(0.5, ge=0, le=1)
-    nonfinite_window: int = Field(10, ge=1)
+    max_nonfinite_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Stop the run when more than this fraction of the last nonfinite_window iterations' rewards are NaN or inf.",
+    )
+    nonfinite_window: int = Field(10, ge=1, description="Iterations over which max_nonfinite_fraction is measured.")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -84,17 +99,20 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
-    every: int = Field(10, ge=0)  # iterations between evaluations; 0 = only before and after
-    samples_per_prompt: int = Field(4, ge=1)
-    seed: int = 1234  # held-out seeds, distinct from the training stream
-    # rows per denoiser call in evaluation (and best-of-N / SVDD / noise search); every call has exactly this many
-    # rows, the last one padded, so a sample's bits never depend on the other items evaluated beside it
-    batch_size: int = Field(16, ge=1)
-    num_inference_steps: int | None = None  # None: rollout.num_inference_steps
-    guidance_scale: float | None = None  # None: rollout.guidance_scale
-    # a held-out judge: rewards scored on the evaluation samples only and never given to the objective, logged as
-    # eval/judge/* beside the training reward (docs/instruments.md); None: eval/judge/mean repeats eval/reward/mean
-    judge: RewardConfig | None = None
+    every: int = Field(10, ge=0, description="Iterations between evaluations; 0: only before and after training.")
+    samples_per_prompt: int = Field(4, ge=1, description="Samples generated per held-out prompt in an evaluation.")
+    seed: int = Field(1234, description="Seed of the evaluation's noise, distinct from the training stream.")
+    # every call has exactly this many rows, the last one padded, so a sample's bits never depend on the other items
+    # evaluated beside it
+    batch_size: int = Field(16, ge=1, description="Rows per denoiser call in evaluation (and in best-of-N / SVDD / noise search).")
+    num_inference_steps: int | None = Field(None, description="Denoising steps in evaluation; None: rollout.num_inference_steps.")
+    guidance_scale: float | None = Field(None, description="Classifier-free guidance in evaluation; None: rollout.guidance_scale.")
+    # docs/instruments.md
+    judge: RewardConfig | None = Field(
+        None,
+        description="A held-out judge: rewards scored on evaluation samples only, never trained on, logged as eval/judge/*; "
+        "None: eval/judge/mean repeats eval/reward/mean.",
+    )
 
 
 def eval_steps_and_guidance(config: Config) -> tuple[int, float]:
@@ -104,14 +122,17 @@ def eval_steps_and_guidance(config: Config) -> tuple[int, float]:
 
 
 class LogConfig(Section):
-    grid_prompts: int = Field(10, ge=1)
-    checkpoint_every: int = Field(10, ge=0)  # 0 = only at the end
-    progress: bool = True
+    grid_prompts: int = Field(10, ge=1, description="Prompts shown in the sample grids written at each evaluation.")
+    checkpoint_every: int = Field(10, ge=0, description="Iterations between checkpoints; 0: only at the end.")
+    progress: bool = Field(True, description="Show a progress bar on the terminal.")
     trackers: list[str] = Field(
-        default_factory=lambda: ["tensorboard"]
-    )  # accelerate's tracker names (flowrl/training/trackers.py); [] = metrics.jsonl only
-    project: str | None = None  # the trackers' project name; default: the output_dir's last component
-    tracker_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # tracker name -> its init kwargs, e.g. wandb: {mode: offline}
+        default_factory=lambda: ["tensorboard"],
+        description="accelerate's tracker names (tensorboard, wandb, ...) to log metrics to; []: metrics.jsonl only.",
+    )
+    project: str | None = Field(None, description="The trackers' project name; None: the output_dir's last component.")
+    tracker_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Tracker name -> keyword arguments of its init, e.g. wandb: {mode: offline}."
+    )
 
     @field_validator("trackers")
     @classmethod
@@ -129,22 +150,37 @@ class LogConfig(Section):
 
 
 class Config(Section):
-    seed: int = 0
-    output_dir: str = "runs/default"
-    resume_from: str | None = None  # a checkpoint directory, or "latest" (in output_dir)
-    overwrite: bool = False  # start afresh in an output_dir that already holds a run (its files are replaced)
-    # keys (or prefixes: objective) a resume may change although they change what the checkpoint's weights mean;
-    # ["*"]: any (flowrl/training/resume_check.py); a new learning rate or more iterations need nothing
-    resume_allow: list[str] = Field(default_factory=list)
-    pipeline: FAMILIES.field("digits") = Field(default_factory=lambda: FAMILIES.section("digits")())  # type: ignore[valid-type]
-    sampler: SAMPLERS.field("flow_sde") = Field(default_factory=lambda: SAMPLERS.section("flow_sde")())  # type: ignore[valid-type]
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    objective: OBJECTIVES.field("grpo") = Field(default_factory=lambda: OBJECTIVES.section("grpo")())  # type: ignore[valid-type]
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
+    seed: int = Field(0, description="The run's seed: model init, prompt order and sampling noise derive from it.")
+    output_dir: str = Field("runs/default", description="Directory the run writes its checkpoints, logs and samples to.")
+    resume_from: str | None = Field(
+        None, description='Continue from a checkpoint directory, or "latest" (the newest in output_dir); None: start afresh.'
+    )
+    overwrite: bool = Field(False, description="Start afresh in an output_dir that already holds a run (its files are replaced).")
+    # flowrl/training/resume_check.py; a new learning rate or more iterations need nothing
+    resume_allow: list[str] = Field(
+        default_factory=list,
+        description='Keys (or prefixes such as objective) a resume may change although they change what the weights mean; ["*"]: any.',
+    )
+    pipeline: FAMILIES.field("digits") = Field(  # type: ignore[valid-type]
+        default_factory=lambda: FAMILIES.section("digits")(),
+        description="The model family and its checkpoint; pipeline.name picks the family's section.",
+    )
+    sampler: SAMPLERS.field("flow_sde") = Field(  # type: ignore[valid-type]
+        default_factory=lambda: SAMPLERS.section("flow_sde")(),
+        description="How rollouts are sampled (the SDE or ODE step); sampler.name picks the sampler's section.",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="Rollout settings shared by every sampler: steps, guidance, size."
+    )
+    objective: OBJECTIVES.field("grpo") = Field(  # type: ignore[valid-type]
+        default_factory=lambda: OBJECTIVES.section("grpo")(),
+        description="The training objective (the RL algorithm); objective.name picks its section.",
+    )
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward: weighted components and their keyword arguments.")
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig, description="Where training and evaluation prompts come from.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The optimisation: iterations, batch sizes, optimizer.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation on held-out prompts.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging, trackers and checkpoint cadence.")
 
     @model_validator(mode="after")
     def _parts_agree(self) -> Config:
