@@ -4,20 +4,13 @@ components of diffusers' own SDXL tests), saved with ``save_pretrained`` and loa
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
-from tests.tiny_components import (
-    as_adjoint_matching,
-    as_diffusion_nft,
-    family_config,
-    ode_sample,
-    rescoring_ratio_is_one,
-    tiny_clip_text,
-    tiny_tokenizer,
-    tiny_vae,
-    two_iterations_change_every_parameter,
-)
+from tests.family_tester import FamilyTesterMixin
+from tests.tiny_components import tiny_clip_text, tiny_tokenizer, tiny_unet, tiny_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,19 +18,9 @@ PROMPTS = ["a photo of a cat", "a dog"]
 
 
 def build_tiny_sdxl(directory, prediction_type: str = "epsilon", force_zeros_for_empty_prompt: bool = True, force_upcast: bool = True):
-    from diffusers import (
-        EulerDiscreteScheduler,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
+    unet = tiny_unet(
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         attention_head_dim=(2, 4),
@@ -47,7 +30,6 @@ def build_tiny_sdxl(directory, prediction_type: str = "epsilon", force_zeros_for
         transformer_layers_per_block=(1, 2),
         projection_class_embeddings_input_dim=6 * 8 + 32,  # six time ids x 8 + text_encoder_2 projection
         cross_attention_dim=64,
-        norm_num_groups=4,
     )  # 64 = 32 (text_encoder) + 32 (text_encoder_2)
     scheduler = EulerDiscreteScheduler(
         beta_start=0.00085,
@@ -89,21 +71,72 @@ def _adapter(directory, **kwargs):
     return build_pipeline(PipelineConfig(name="sdxl", pretrained=str(directory), device="cpu", **kwargs), "cpu")
 
 
-def test_loads_through_flowrl_and_samples(sdxl_dir):
-    from flowrl.pipelines.sdxl import SDXLAdapter
+class TestSDXL(FamilyTesterMixin):
+    """SDXL base: two CLIP text encoders, pooled embeddings and time ids, CFG with zero negatives; the Euler
+    scheduler's "leading" grid with steps_offset 1."""
 
-    pipe = _adapter(sdxl_dir)
-    assert isinstance(pipe, SDXLAdapter) and pipe.prediction_type == "epsilon" and pipe.sample_size() == (16, 16)
-    assert pipe.force_zeros_for_empty_prompt
-    images = ode_sample(pipe, PROMPTS, guidance_scale=3.0)
-    assert images.shape == (2, 3, 16, 16) and 0 <= images.min() and images.max() <= 1
-    for encoder in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
-        assert not encoder.training and not any(p.requires_grad for p in encoder.parameters())
-    cached = pipe.encode(["a dog", "a photo of a cat"])
-    fresh = pipe._encode_prompts(["a dog", "a photo of a cat"])
-    assert cached.keys() == fresh.keys() == {"prompt_embeds", "pooled_prompt_embeds"}
-    assert all(torch.equal(cached[k], fresh[k]) for k in fresh)
-    assert cached["prompt_embeds"].shape == (2, 16, 64) and cached["pooled_prompt_embeds"].shape == (2, 32)
+    name, checkpoint, pipeline_class, denoiser = "sdxl", "sdxl_dir", "StableDiffusionXLPipeline", "unet"
+    flow, sampler, prediction_type = False, "ddim", "epsilon"
+    grpo_overrides = adjoint_matching_overrides = {"rollout.guidance_scale": 3.0}
+    lora_overrides, lora_guidance_scale = {"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}, 3.0
+    # leading + 1: 751, 501, 251, 1; the initial latents are those flowrl's rollout draws from seed 0
+    oracle_steps, oracle_guidance_scale, oracle_noise_seed = 4, 5.0, 0
+    oracle_bound, oracle_decode_atol = (operator.le, 1e-4), 1e-4
+    sample_shape, sample_guidance_scale = (2, 3, 16, 16), 3.0
+
+    def oracle_pipeline(self):
+        """StableDiffusionXLPipeline with DDIMScheduler.from_config of the checkpoint's scheduler config (its leading
+        grid, eta=0, CFG with its zero negatives): DDIM stands in for the Euler scheduler's step on the same grid;
+        Euler never clips x0 (DDIM's default would)."""
+        from diffusers import DDIMScheduler
+
+        pipe = self.diffusers_pipeline()
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, clip_sample=False)
+        return pipe
+
+    def pipeline_call(self, pipe, noise, steps, scale, output_type, case):
+        call = {"prompt": list(self.prompts), "height": 16, "width": 16, "num_inference_steps": steps, "guidance_scale": scale}
+        return pipe(**call, eta=0.0, latents=noise.clone(), output_type=output_type).images
+
+    def check_oracle(self, adapter, pipe, noise, ours, case):
+        # the comparison is sensitive: without guidance diffusers lands elsewhere
+        unguided = self.pipeline_call(pipe, noise, self.oracle_steps, 1.0, "latent", case)
+        assert (unguided - ours).abs().max() > 1e-3
+
+    def check_loaded(self, adapter):
+        from flowrl.pipelines.sdxl import SDXLAdapter
+
+        assert isinstance(adapter, SDXLAdapter) and adapter.prediction_type == "epsilon" and adapter.sample_size() == (16, 16)
+        assert adapter.force_zeros_for_empty_prompt
+        for encoder in (adapter.text_encoder, adapter.text_encoder_2, adapter.vae):
+            assert not encoder.training and not any(p.requires_grad for p in encoder.parameters())
+        cached = adapter.encode(["a dog", "a photo of a cat"])
+        assert cached.keys() == {"prompt_embeds", "pooled_prompt_embeds"}
+        assert cached["prompt_embeds"].shape == (2, 16, 64) and cached["pooled_prompt_embeds"].shape == (2, 32)
+
+    def check_grid(self, adapter, grid):
+        """SDXL base's EulerDiscreteScheduler config: "leading" with steps_offset 1."""
+        assert (adapter.schedule.spacing, adapter.schedule.steps_offset) == ("leading", 1)
+
+    def check_grid_extras(self, adapter, pipe, directory, grid):
+        """... and DDIMScheduler.from_config of the same file sets up the same grid."""
+        from diffusers import DDIMScheduler
+
+        ddim = DDIMScheduler.from_config(pipe.scheduler.config)
+        for steps in (1, 7, 50):
+            ddim.set_timesteps(steps)
+            assert torch.equal(adapter.timestep(adapter.schedule.sigmas(steps))[:-1], ddim.timesteps)
+
+
+class TestSDXLVPrediction(TestSDXL):
+    """The same checkpoint with a v-prediction scheduler config: the sampler oracle and GRPO."""
+
+    checkpoint, prediction_type = "sdxl_v_dir", "v_prediction"
+    test_default_grid_is_the_pipelines_for_k_1_to_50 = None
+    test_two_adjoint_matching_iterations = None
+    test_two_diffusion_nft_iterations = None
+    test_lora_round_trip_through_diffusers_load_lora_weights = None
+    test_loads_through_flowrl_and_samples = None
 
 
 def test_oracle_conditioning_and_cfg_prediction_equal_diffusers(sdxl_dir):
@@ -151,23 +184,6 @@ def test_oracle_conditioning_and_cfg_prediction_equal_diffusers(sdxl_dir):
     assert (cond_out - uncond_out).abs().max() > 1e-3  # the two branches differ, so the CFG comparison means something
 
 
-def test_default_grid_is_the_sdxl_pipelines_for_k_1_to_50(sdxl_dir):
-    """SDXL base's EulerDiscreteScheduler config: "leading" with steps_offset 1. flowrl's grid equals the timesteps
-    StableDiffusionXLPipeline sets up with its default arguments, and DDIMScheduler.from_config of the same file."""
-    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
-
-    from tests.test_family_stable_diffusion import assert_ddpm_grid_is_the_pipelines
-
-    adapter = _adapter(sdxl_dir)
-    assert (adapter.schedule.spacing, adapter.schedule.steps_offset) == ("leading", 1)
-    ref = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
-    assert_ddpm_grid_is_the_pipelines(adapter, ref, prompt="a cat", guidance_scale=1.0)
-    ddim = DDIMScheduler.from_config(ref.scheduler.config)
-    for steps in (1, 7, 50):
-        ddim.set_timesteps(steps)
-        assert torch.equal(adapter.timestep(adapter.schedule.sigmas(steps))[:-1], ddim.timesteps)
-
-
 def test_euler_config_without_spacing_reads_as_euler_does():
     """A missing timestep_spacing key means what the checkpoint's own scheduler class defaults to: "linspace" for
     EulerDiscreteScheduler, "leading" for DDIM / PNDM (flowrl then rounds Euler's fractional timesteps as DDIM does)."""
@@ -177,58 +193,6 @@ def test_euler_config_without_spacing_reads_as_euler_does():
     assert config_default({"_class_name": "PNDMScheduler"}, "timestep_spacing", "trailing") == "leading"
     assert config_default({"_class_name": "DDIMScheduler", "timestep_spacing": "trailing"}, "timestep_spacing", "leading") == "trailing"
     assert config_default({"_class_name": "NoSuchScheduler"}, "steps_offset", 0) == 0
-
-
-@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
-def test_oracle_full_pipeline_call_equals_flowrl_ode(sdxl_dir, sdxl_v_dir, prediction):
-    """End to end: StableDiffusionXLPipeline.__call__ with DDIMScheduler.from_config of the checkpoint's scheduler
-    config (its leading grid, eta=0, CFG with its zero negatives) from the same initial noise gives flowrl's
-    deterministic samples, latents and images."""
-    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
-
-    from flowrl.config import ODEConfig
-    from flowrl.samplers import build_sampler
-    from flowrl.samplers.rollout import rollout
-
-    directory = sdxl_dir if prediction == "epsilon" else sdxl_v_dir
-    pipe = _adapter(directory)
-    steps, scale = 4, 5.0  # leading + 1: 751, 501, 251, 1
-    traj = rollout(
-        pipe,
-        build_sampler(ODEConfig(), pipe),
-        PROMPTS,
-        [{}, {}],
-        torch.arange(2),
-        pipe.schedule.sigmas(steps),
-        torch.Generator().manual_seed(0),
-        scale,
-        same_noise_in_group=False,
-    )
-
-    ref = StableDiffusionXLPipeline.from_pretrained(directory)
-    # DDIM stands in for the Euler scheduler's step on the same grid; Euler never clips x0 (DDIM's default would)
-    ref.scheduler = DDIMScheduler.from_config(ref.scheduler.config, clip_sample=False)
-    ref.set_progress_bar_config(disable=True)
-    h, w = pipe.sample_size()
-    kwargs = {
-        "prompt": PROMPTS,
-        "height": h,
-        "width": w,
-        "num_inference_steps": steps,
-        "guidance_scale": scale,
-        "eta": 0.0,
-        "latents": traj.latents[:, 0].clone(),
-    }
-    with torch.no_grad():
-        latents = ref(**kwargs, output_type="latent").images
-        images = ref(**kwargs, output_type="pt").images
-    assert torch.equal(pipe.timestep(traj.sigmas)[:-1], ref.scheduler.timesteps)
-    diffs = {"latents": (latents - traj.latents[:, -1]).abs().max().item(), "images": (images - traj.samples).abs().max().item()}
-    print(f"full-pipeline oracle ({prediction}) max |diff|:", diffs)
-    assert diffs["latents"] <= 1e-4 and diffs["images"] <= 1e-4, diffs
-    with torch.no_grad():  # the comparison is sensitive: without guidance diffusers lands elsewhere
-        unguided = ref(**{**kwargs, "guidance_scale": 1.0}, output_type="latent").images
-    assert (unguided - traj.latents[:, -1]).abs().max() > 1e-3
 
 
 def test_unconditional_without_force_zeros_is_the_encoding_of_empty(tmp_path):
@@ -252,59 +216,6 @@ def test_force_upcast_vae_decodes_in_float32(sdxl_dir):
     assert pipe.text_encoder.dtype == torch.bfloat16
     images = pipe.decode(torch.randn(1, *pipe.latent_shape()))
     assert images.dtype == torch.float32 and images.shape == (1, 3, 16, 16)
-
-
-@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
-def test_two_grpo_iterations_full_finetune(sdxl_dir, sdxl_v_dir, tmp_path, prediction):
-    directory = sdxl_dir if prediction == "epsilon" else sdxl_v_dir
-    trainer = two_iterations_change_every_parameter(
-        family_config("sdxl", directory, tmp_path / "run", sampler="ddim", **{"rollout.guidance_scale": 3.0})
-    )
-    assert trainer.pipeline.prediction_type == prediction
-    rescoring_ratio_is_one(trainer)
-
-
-def test_two_adjoint_matching_iterations_full_finetune(sdxl_dir, tmp_path):
-    two_iterations_change_every_parameter(
-        as_adjoint_matching(family_config("sdxl", sdxl_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}), flow=False)
-    )
-
-
-def test_two_diffusion_nft_iterations_full_finetune(sdxl_dir, tmp_path):
-    two_iterations_change_every_parameter(as_diffusion_nft(family_config("sdxl", sdxl_dir, tmp_path / "run")))
-
-
-def test_lora_round_trip_through_diffusers_load_lora_weights(sdxl_dir, tmp_path):
-    from diffusers import StableDiffusionXLPipeline
-
-    from flowrl.pipelines import build_pipeline
-
-    trainer = two_iterations_change_every_parameter(
-        family_config(
-            "sdxl", sdxl_dir, tmp_path / "run", sampler="ddim", **{"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}
-        )
-    )
-    rescoring_ratio_is_one(trainer)
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
-    assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
-    ours = ode_sample(trainer.pipeline, PROMPTS, seed=3, guidance_scale=3.0)
-
-    # the user's path: the base checkpoint + load_lora_weights(run checkpoint), nothing of flowrl
-    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
-    pipe.load_lora_weights(checkpoint)
-    base_config = trainer.config.pipeline.model_copy(update={"lora": None})
-    adapter = build_pipeline(base_config, "cpu")
-    base = ode_sample(adapter, PROMPTS, seed=3, guidance_scale=3.0)
-    adapter.denoiser = pipe.unet  # flowrl's sampler around the diffusers-loaded UNet + LoRA
-    theirs = ode_sample(adapter, PROMPTS, seed=3, guidance_scale=3.0)
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
-
-    # merged export: a plain UNet whose outputs equal base + LoRA
-    merged = trainer.pipeline.merged_denoiser()
-    assert not any("lora" in n for n, _ in merged.named_parameters())
-    adapter.denoiser = merged
-    torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-4, rtol=0)
 
 
 def test_not_an_sdxl_unet_fails_with_one_sentence(tmp_path):

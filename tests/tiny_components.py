@@ -94,6 +94,50 @@ def tiny_vae(latent_channels: int = 4, seed: int = 0, **kwargs):
     ).eval()
 
 
+def tiny_flux_vae():
+    """The 4-channel VAE of the FLUX-shaped tiny models (FLUX.1, Kontext, Z-Image): FLUX's scaling and shift factors."""
+    return tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+
+
+def tiny_unet(**kwargs):
+    """A seeded UNet2DConditionModel at tiny size (two blocks of 8 and 16 channels, 4 latent channels); ``kwargs``:
+    the family's block types and conditioning."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4, norm_num_groups=4, **kwargs
+    )
+
+
+def tiny_flux_transformer(guidance_embeds: bool = True):
+    """FLUX.1-shaped: one double- and one single-stream block, a guidance embedding (dev, Kontext) or not (schnell)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8),
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def flux_dynamic_scheduler():
+    """FLUX.1-dev's FlowMatchEulerDiscreteScheduler config: shift from the image token count (mu)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+
+
 # -- the checks every family runs ---------------------------------------------------------------------
 
 
@@ -239,8 +283,9 @@ def rescoring_in_minibatches_ratio_is_one(pipeline, sampler, traj, splits=((3, 5
                 assert ((new.log_prob - part.log_probs[:, k]).abs() <= tol).all(), (k, torch.exp(new.log_prob - part.log_probs[:, k]))
 
 
-def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guidance_scale: float = 1.0) -> torch.Tensor:
-    """Deterministic samples (the evaluation sampler) from a fixed seed."""
+def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guidance_scale: float = 1.0, metadata=None) -> torch.Tensor:
+    """Deterministic samples (the evaluation sampler) from a fixed seed, with the prompts' ``metadata`` (a source
+    image, a first frame) where the family reads one."""
     from flowrl.config import ODEConfig
     from flowrl.samplers import build_sampler
     from flowrl.samplers.rollout import rollout
@@ -251,7 +296,7 @@ def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guid
         pipeline,
         sampler,
         prompts,
-        [{} for _ in prompts],
+        metadata or [{} for _ in prompts],
         torch.arange(len(prompts)),
         pipeline.schedule.sigmas(steps).to(pipeline.device),
         gen,
@@ -263,20 +308,13 @@ def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guid
 
 def tiny_sd_pipeline(prediction_type: str = "epsilon"):
     """A tiny Stable Diffusion pipeline of the real diffusers classes (UNet, VAE, CLIP text encoder), in memory."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
+    unet = tiny_unet(
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32,
         attention_head_dim=4,
-        norm_num_groups=4,
     )
     scheduler = DDIMScheduler(
         beta_start=0.00085,
