@@ -4,24 +4,21 @@ diffusers pipelines' own ``__call__``."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, Grid, flow_match
 from tests.tiny_components import (
-    as_adjoint_matching,
-    as_diffusion_nft,
-    euler_final_latents,
-    family_config,
+    flux_dynamic_scheduler,
     ode_sample,
-    rescoring_ratio_is_one,
     tiny_clip_text,
+    tiny_flux_transformer,
+    tiny_flux_vae,
     tiny_t5,
     tiny_tokenizer,
     tiny_vae,
-    two_iterations_change_every_parameter,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,25 +65,9 @@ def build_tiny_sd3(directory, with_t5: bool = True):
 
 def build_tiny_flux(directory, guidance_embeds: bool = True):
     """FLUX.1-shaped: one double- and one single-stream block, guidance embedding (dev) or not (schnell)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline
 
-    torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 4, 8),
-        guidance_embeds=guidance_embeds,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-    )
-    vae = tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    transformer, scheduler, vae = tiny_flux_transformer(guidance_embeds), flux_dynamic_scheduler(), tiny_flux_vae()
     pipe = FluxPipeline(
         transformer=transformer,
         scheduler=scheduler,
@@ -110,26 +91,6 @@ def flux_dir(tmp_path_factory):
     return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux"))
 
 
-def sd3_config(directory, output_dir, **extra):
-    return family_config("sd3", directory, output_dir, **{"pipeline.max_sequence_length": T5_TOKENS, **extra})
-
-
-def flux_config(directory, output_dir, **extra):
-    return family_config(
-        "flux",
-        directory,
-        output_dir,
-        **{
-            "pipeline.max_sequence_length": T5_TOKENS,
-            "pipeline.height": 16,
-            "pipeline.width": 16,
-            "rollout.guidance_mode": "embedded",
-            "rollout.guidance_scale": 3.5,
-            **extra,
-        },
-    )
-
-
 def load(name: str, directory, **kwargs):
     from flowrl.config import PipelineConfig
     from flowrl.pipelines import build_pipeline
@@ -140,69 +101,96 @@ def load(name: str, directory, **kwargs):
     )
 
 
-flowrl_euler = functools.partial(euler_final_latents, prompts=PROMPTS)
+class TestSD3(FamilyTesterMixin):
+    """SD3.5: MMDiT, three text encoders (CLIP, CLIP, T5), true CFG; FlowMatchEuler with the checkpoint's shift 3."""
+
+    name, checkpoint, pipeline_class = "sd3", "sd3_dir", "StableDiffusion3Pipeline"
+    run_settings, load_options = {"pipeline.max_sequence_length": T5_TOKENS}, {"max_sequence_length": T5_TOKENS}
+    grpo_overrides = adjoint_matching_overrides = {"rollout.guidance_scale": 3.0}
+    lora_overrides, lora_guidance_scale = {"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}, 3.0
+    oracle_decode_atol, frozen_modules = 1e-4, 4
+    grids = {"shift3": Grid(), "dynamic": Grid(flow_match(use_dynamic_shifting=True))}
+    grid_call = {"prompt": "a cat", "guidance_scale": 1.0, "max_sequence_length": T5_TOKENS}
+    test_loads_through_flowrl_and_samples = None
+
+    def check_conditioning(self, adapter, pipe, case):
+        """The same text encoding (CLIP pair + T5, pooled) as StableDiffusion3Pipeline.encode_prompt."""
+        assert adapter.sample_size() == (16, 16) and adapter.latent_shape() == (16, 8, 8) and adapter.schedule.shift == 3.0
+        embeds, _, pooled, _ = pipe.encode_prompt(PROMPTS, None, None, do_classifier_free_guidance=False, max_sequence_length=T5_TOKENS)
+        cond = adapter.encode(PROMPTS)
+        assert cond["prompt_embeds"].shape == (2, 16 + T5_TOKENS, 96)
+        torch.testing.assert_close(cond["prompt_embeds"], embeds, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cond["pooled_prompt_embeds"], pooled, atol=1e-5, rtol=0)
+
+    def pipeline_call(self, pipe, noise, steps, scale, output_type, case):
+        call = {"num_inference_steps": steps, "guidance_scale": scale, "max_sequence_length": T5_TOKENS}
+        return pipe(prompt=PROMPTS, latents=noise.clone(), output_type=output_type, **call).images
+
+    def check_oracle(self, adapter, pipe, noise, ours, case):
+        images = adapter.decode(ours)
+        assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+
+    def check_grid(self, adapter, grid):
+        """The checkpoint's static shift 3 (SD3.5) and a dynamic-shift config (mu from the image token count)."""
+        assert adapter.schedule.grid == "flow_match" and adapter.schedule.dynamic == (grid == "dynamic")
+
+
+class TestFlux(EmbeddedGuidanceTesterMixin, FamilyTesterMixin):
+    """FLUX.1-dev: packed latents, the guidance embedding (one forward a step), FLUX.1-dev's dynamic shift."""
+
+    name, checkpoint, pipeline_class = "flux", "flux_dir", "FluxPipeline"
+    size = {"max_sequence_length": T5_TOKENS, "height": 16, "width": 16}
+    load_options = size
+    run_settings = {f"pipeline.{k}": v for k, v in size.items()} | {"rollout.guidance_mode": "embedded", "rollout.guidance_scale": 3.5}
+    grpo_overrides = {"sampler.diffusion": "dance_grpo", "sampler.noise_level": 0.3}
+    # Adjoint Matching with embedded guidance: base and fine-tuned predictions get the same guidance embedding
+    adjoint_matching_overrides, adjoint_matching_guidance_mode = {"pipeline.lora": "{r: 4, alpha: 8}"}, "embedded"
+    # DiffusionNFT on the LoRA (the old policy is a copy of the adapter tensors) with the guidance embedding
+    diffusion_nft_overrides, diffusion_nft_guidance_scale = {"pipeline.lora": "{r: 4, alpha: 8}"}, 3.0
+    lora_guidance_scale = 3.5
+    oracle_guidance_scale, oracle_decode_atol = 3.5, 1e-4
+    grids = {"dev_dynamic": Grid(), "schnell_static": Grid(flow_match(shift=1.0))}
+    grid_call = {"prompt": "a cat", "height": 16, "width": 16, "guidance_scale": 3.5, "max_sequence_length": T5_TOKENS}
+    guidance_embedder, embedded_guidance_scale = "time_text_embed.guidance_embedder", 3.5
+    test_loads_through_flowrl_and_samples = None
+
+    def check_conditioning(self, adapter, pipe, case):
+        assert adapter.guidance_mode == "embedded" and adapter.latent_shape() == (4, 8, 8)
+        embeds, pooled, _ = pipe.encode_prompt(PROMPTS, None, max_sequence_length=T5_TOKENS)
+        cond = adapter.encode(PROMPTS)
+        torch.testing.assert_close(cond["prompt_embeds"], embeds, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cond["pooled_prompt_embeds"], pooled, atol=1e-5, rtol=0)
+
+    def pipeline_call(self, pipe, noise, steps, scale, output_type, case):
+        """FluxPipeline.__call__: packing, ids, dynamic shift, sigma timestep and the guidance input."""
+        from flowrl.pipelines.flux import pack_latents
+
+        call = {"num_inference_steps": steps, "height": 16, "width": 16, "guidance_scale": scale, "max_sequence_length": T5_TOKENS}
+        return pipe(prompt=PROMPTS, latents=pack_latents(noise), output_type=output_type, **call).images
+
+    def pipeline_latents(self, adapter, ours):
+        from flowrl.pipelines.flux import pack_latents
+
+        return pack_latents(ours)
+
+    def check_oracle(self, adapter, pipe, noise, ours, case):
+        from flowrl.pipelines.flux import pack_latents, unpack_latents
+
+        assert torch.equal(unpack_latents(pack_latents(noise), 8, 8), noise)
+
+    def check_grid(self, adapter, grid):
+        """linspace(1, 1/K, K) shifted by the scheduler in float32, with mu from the token count (FLUX.1-dev's
+        dynamic config) or a static shift (FLUX.1-schnell's config: shift 1, no dynamic shifting)."""
+        assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == (grid == "dev_dynamic")
+
+    def check_grid_extras(self, adapter, pipe, directory, grid):
+        from flowrl.errors import FlowRLError
+
+        with pytest.raises(FlowRLError, match="sampling_grid 'leading' does not apply to flux"):
+            build_with_grid("flux", directory, "leading")
 
 
 # -- SD3 ---------------------------------------------------------------------------------------------
-
-
-def test_sd3_matches_diffusers_pipeline_with_cfg(sd3_dir):
-    """Oracle: the same text encoding, shifted sigmas and CFG Euler steps as StableDiffusion3Pipeline.__call__."""
-    from diffusers import StableDiffusion3Pipeline
-
-    adapter, pipe = load("sd3", sd3_dir), StableDiffusion3Pipeline.from_pretrained(sd3_dir)
-    assert adapter.sample_size() == (16, 16) and adapter.latent_shape() == (16, 8, 8) and adapter.schedule.shift == 3.0
-    embeds, _, pooled, _ = pipe.encode_prompt(PROMPTS, None, None, do_classifier_free_guidance=False, max_sequence_length=T5_TOKENS)
-    cond = adapter.encode(PROMPTS)
-    assert cond["prompt_embeds"].shape == (2, 16 + T5_TOKENS, 96)
-    torch.testing.assert_close(cond["prompt_embeds"], embeds, atol=1e-5, rtol=0)
-    torch.testing.assert_close(cond["pooled_prompt_embeds"], pooled, atol=1e-5, rtol=0)
-
-    steps, scale = 2, 4.0
-    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
-    theirs = pipe(
-        prompt=PROMPTS,
-        latents=noise.clone(),
-        num_inference_steps=steps,
-        guidance_scale=scale,
-        output_type="latent",
-        max_sequence_length=T5_TOKENS,
-    ).images  # default arguments: the scheduler's own grid
-    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
-    ours = flowrl_euler(adapter, noise, steps, scale)
-    diff = (ours - theirs).abs().max().item()
-    print(f"SD3 oracle (CFG {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
-    assert diff < 1e-5
-    images = adapter.decode(ours)
-    assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
-    assert not any(p.requires_grad for m in adapter.frozen_modules() for p in m.parameters()) and len(adapter.frozen_modules()) == 4
-
-
-def with_scheduler(directory, tmp_path, scheduler):
-    """A copy of a tiny checkpoint with another scheduler config (the models are shared, not rebuilt)."""
-    import shutil
-
-    copy = tmp_path / f"{Path(directory).name}_{type(scheduler).__name__}"
-    shutil.copytree(directory, copy)
-    shutil.rmtree(copy / "scheduler")
-    scheduler.save_pretrained(copy / "scheduler")
-    return copy
-
-
-@pytest.mark.parametrize("dynamic", [False, True], ids=["shift3", "dynamic"])
-def test_sd3_default_grid_is_the_pipelines_for_k_1_to_50(sd3_dir, tmp_path, dynamic):
-    """flowrl's SD3 grid = the sigmas StableDiffusion3Pipeline sets up with its default arguments (no sigmas=), for
-    the checkpoint's static shift 3 (SD3.5) and for a dynamic-shift config (mu from the image token count)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-
-    from tests.test_family_stable_diffusion import pipeline_default_grid
-
-    directory = with_scheduler(sd3_dir, tmp_path, FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)) if dynamic else sd3_dir
-    adapter, pipe = load("sd3", directory), StableDiffusion3Pipeline.from_pretrained(directory)
-    assert adapter.schedule.grid == "flow_match" and adapter.schedule.dynamic == dynamic
-    for steps in range(1, 51):
-        _, sigmas = pipeline_default_grid(pipe, steps, prompt="a cat", guidance_scale=1.0, max_sequence_length=T5_TOKENS)
-        assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
 
 
 def test_sd3_default_grid_ends_near_data_so_flow_grpo_rollouts_end_clean(sd3_dir):
@@ -252,167 +240,7 @@ def test_sd3_without_t5_uses_zeros_like_diffusers(tmp_path):
     assert ode_sample(adapter, PROMPTS, steps=2).shape == (2, 3, 16, 16)
 
 
-def test_sd3_two_grpo_iterations_full_finetune_with_cfg(sd3_dir, tmp_path):
-    trainer = two_iterations_change_every_parameter(sd3_config(sd3_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0}))
-    rescoring_ratio_is_one(trainer)
-
-
-def test_sd3_two_adjoint_matching_iterations_full_finetune_with_cfg(sd3_dir, tmp_path):
-    two_iterations_change_every_parameter(as_adjoint_matching(sd3_config(sd3_dir, tmp_path / "run", **{"rollout.guidance_scale": 3.0})))
-
-
-def test_sd3_lora_round_trip_through_diffusers_load_lora_weights(sd3_dir, tmp_path):
-    from diffusers import StableDiffusion3Pipeline
-
-    lora_round_trip(
-        StableDiffusion3Pipeline,
-        "sd3",
-        sd3_dir,
-        tmp_path,
-        sd3_config(sd3_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}", "rollout.guidance_scale": 3.0}),
-        3.0,
-    )
-
-
-def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, overrides: list[str], guidance_scale: float):
-    from flowrl.pipelines import build_pipeline
-
-    trainer = two_iterations_change_every_parameter(overrides)
-    rescoring_ratio_is_one(trainer)
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
-    assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
-    ours = ode_sample(trainer.pipeline, PROMPTS, seed=3, guidance_scale=guidance_scale)
-
-    # the user's path: the base checkpoint + load_lora_weights(run checkpoint), nothing of flowrl
-    pipe = pipeline_cls.from_pretrained(directory)
-    pipe.load_lora_weights(checkpoint)
-    from peft.utils import get_peft_model_state_dict
-
-    ours_lora = get_peft_model_state_dict(trainer.pipeline.denoiser)
-    theirs_lora = get_peft_model_state_dict(pipe.transformer, adapter_name=next(iter(pipe.transformer.peft_config)))
-    assert set(theirs_lora) == set(ours_lora), "diffusers did not load every LoRA tensor"
-    assert all(torch.equal(theirs_lora[k].float(), v) for k, v in ours_lora.items())
-    plain = trainer.config.pipeline.model_copy(update={"lora": None})
-    adapter = build_pipeline(plain, "cpu")
-    adapter.guidance_mode = trainer.pipeline.guidance_mode
-    base = ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale)
-    adapter.denoiser = pipe.transformer  # flowrl's sampler around the diffusers-loaded transformer + LoRA
-    torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale), ours, atol=1e-5, rtol=0)
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
-
-    # merged export: a plain transformer whose outputs equal base + LoRA
-    merged = trainer.pipeline.merged_denoiser()
-    assert not any("lora" in n for n, _ in merged.named_parameters())
-    adapter.denoiser = merged
-    torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale), ours, atol=1e-4, rtol=0)
-
-    # `flowrl export`: a standalone diffusers directory with the LoRA merged in, and the LoRA file alone
-    from flowrl.cli import main
-
-    assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 0
-    adapter.denoiser = pipeline_cls.from_pretrained(tmp_path / "merged").transformer
-    torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale), ours, atol=1e-4, rtol=0)
-    assert main(["export", str(checkpoint), str(tmp_path / "lora"), "--lora-only"]) == 0
-    pipe = pipeline_cls.from_pretrained(directory)
-    pipe.load_lora_weights(tmp_path / "lora")
-    adapter.denoiser = pipe.transformer
-    torch.testing.assert_close(ode_sample(adapter, PROMPTS, seed=3, guidance_scale=guidance_scale), ours, atol=1e-5, rtol=0)
-
-
 # -- FLUX --------------------------------------------------------------------------------------------
-
-
-def test_flux_matches_diffusers_pipeline_with_embedded_guidance(flux_dir):
-    """Oracle: packing, ids, dynamic shift, sigma timestep and the guidance input as FluxPipeline.__call__."""
-    from diffusers import FluxPipeline
-
-    from flowrl.pipelines.flux import pack_latents, unpack_latents
-
-    adapter, pipe = load("flux", flux_dir), FluxPipeline.from_pretrained(flux_dir)
-    assert adapter.guidance_mode == "embedded" and adapter.latent_shape() == (4, 8, 8)
-    embeds, pooled, _ = pipe.encode_prompt(PROMPTS, None, max_sequence_length=T5_TOKENS)
-    cond = adapter.encode(PROMPTS)
-    torch.testing.assert_close(cond["prompt_embeds"], embeds, atol=1e-5, rtol=0)
-    torch.testing.assert_close(cond["pooled_prompt_embeds"], pooled, atol=1e-5, rtol=0)
-
-    steps, scale = 2, 3.5
-    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
-    assert torch.equal(unpack_latents(pack_latents(noise), 8, 8), noise)
-    theirs = pipe(
-        prompt=PROMPTS,
-        latents=pack_latents(noise),
-        num_inference_steps=steps,
-        height=16,
-        width=16,
-        guidance_scale=scale,
-        output_type="latent",
-        max_sequence_length=T5_TOKENS,
-    ).images  # default arguments
-    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
-    ours = flowrl_euler(adapter, noise, steps, scale)
-    diff = (ours - unpack_latents(theirs, 8, 8)).abs().max().item()
-    print(f"FLUX oracle (embedded guidance {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
-    assert diff < 1e-5
-    # and decoding equals the pipeline's own (unpack, unscale, shift, VAE)
-    images = pipe(
-        prompt=PROMPTS,
-        latents=pack_latents(noise),
-        num_inference_steps=steps,
-        height=16,
-        width=16,
-        guidance_scale=scale,
-        output_type="pt",
-        max_sequence_length=T5_TOKENS,
-    ).images
-    torch.testing.assert_close(adapter.decode(ours), images, atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("dynamic", [True, False], ids=["dev_dynamic", "schnell_static"])
-def test_flux_default_grid_is_the_pipelines_for_k_1_to_50(flux_dir, tmp_path, dynamic):
-    """flowrl's FLUX grid = the sigmas FluxPipeline sets up with its default arguments: linspace(1, 1/K, K) shifted by
-    the scheduler in float32, with mu from the token count (FLUX.1-dev's dynamic config) or a static shift
-    (FLUX.1-schnell's config: shift 1, no dynamic shifting)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
-    from tests.test_family_stable_diffusion import pipeline_default_grid
-
-    directory = flux_dir if dynamic else with_scheduler(flux_dir, tmp_path, FlowMatchEulerDiscreteScheduler(shift=1.0))
-    adapter, pipe = load("flux", directory), FluxPipeline.from_pretrained(directory)
-    assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == dynamic
-    for steps in range(1, 51):
-        _, sigmas = pipeline_default_grid(
-            pipe, steps, prompt="a cat", height=16, width=16, guidance_scale=3.5, max_sequence_length=T5_TOKENS
-        )
-        assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
-    from flowrl.errors import FlowRLError
-
-    with pytest.raises(FlowRLError, match="sampling_grid 'leading' does not apply to flux"):
-        build_with_grid("flux", directory, "leading")
-
-
-def test_flux_embedded_guidance_one_forward_per_step_with_gradient(flux_dir):
-    from flowrl.errors import FlowRLError
-
-    adapter = load("flux", flux_dir)
-    calls = []
-    hook = adapter.denoiser.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0] if args else None))
-    try:
-        ode_sample(adapter, PROMPTS, steps=3, guidance_scale=3.5)
-        assert len(calls) == 3, f"{len(calls)} transformer calls for 3 steps"
-        calls.clear()
-        x = adapter.initial_noise(2, torch.Generator().manual_seed(0)).requires_grad_(False)
-        cond = adapter.encode(PROMPTS)
-        out = adapter.predict(x, torch.tensor(0.6), cond, 3.5)
-        assert len(calls) == 1
-        out.square().mean().backward()
-    finally:
-        hook.remove()
-    grads = [p.grad for p in adapter.denoiser.time_text_embed.guidance_embedder.parameters()]
-    assert all(g is not None and g.abs().sum() > 0 for g in grads), "no gradient through the guidance embedding"
-    with torch.no_grad():  # the scale is a real model input
-        assert (adapter.predict(x, torch.tensor(0.6), cond, 1.0) - out).abs().max() > 1e-4
-    with pytest.raises(FlowRLError, match="guidance-distilled"):
-        adapter.guidance_mode = "cfg"
 
 
 def test_flux_without_guidance_embeds_refuses_embedded_mode(tmp_path):
@@ -423,48 +251,6 @@ def test_flux_without_guidance_embeds_refuses_embedded_mode(tmp_path):
     with pytest.raises(FlowRLError, match="no guidance embedding"):
         adapter.guidance_mode = "embedded"
     assert ode_sample(adapter, PROMPTS, steps=2, guidance_scale=2.0).shape == (2, 3, 16, 16)  # true CFG, two branches
-
-
-def test_flux_two_grpo_iterations_full_finetune(flux_dir, tmp_path):
-    trainer = two_iterations_change_every_parameter(
-        flux_config(flux_dir, tmp_path / "run", **{"sampler.diffusion": "dance_grpo", "sampler.noise_level": 0.3})
-    )
-    rescoring_ratio_is_one(trainer)
-
-
-def test_flux_two_adjoint_matching_iterations_lora(flux_dir, tmp_path):
-    """Embedded guidance: base and fine-tuned predictions get the same guidance embedding (one forward each)."""
-    two_iterations_change_every_parameter(
-        as_adjoint_matching(flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), guidance_mode="embedded")
-    )
-
-
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_two_diffusion_nft_iterations(request, tmp_path, family):
-    """SD3 full fine-tuning, FLUX LoRA (the old policy is a copy of the adapter tensors) with its guidance embedding."""
-    directory = request.getfixturevalue(f"{family}_dir")
-    if family == "sd3":
-        overrides = sd3_config(directory, tmp_path / "run")
-    else:
-        overrides = flux_config(directory, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"})
-    two_iterations_change_every_parameter(as_diffusion_nft(overrides, guidance_scale=3.0 if family == "flux" else 1.0))
-
-
-def test_flux_lora_round_trip_through_diffusers_load_lora_weights(flux_dir, tmp_path):
-    from diffusers import FluxPipeline
-
-    lora_round_trip(
-        FluxPipeline, "flux", flux_dir, tmp_path, flux_config(flux_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}), 3.5
-    )
-
-
-def test_flux_default_guidance_mode_cfg_fails_with_one_sentence(flux_dir, tmp_path):
-    from flowrl.config import load_config
-    from flowrl.errors import FlowRLError
-    from flowrl.trainer import Trainer
-
-    with pytest.raises(FlowRLError, match="rollout.guidance_mode"):
-        Trainer(load_config(None, flux_config(flux_dir, tmp_path / "run", **{"rollout.guidance_mode": "cfg"})))
 
 
 # -- real-checkpoint configs ---------------------------------------------------------------------------
