@@ -37,6 +37,7 @@ from .reward_models.mix import RewardConfig
 from .samplers import SAMPLERS, DDIMConfig, FlowCPSConfig, FlowMemorylessConfig, FlowSDEConfig, MaskedSamplerConfig, ODEConfig
 from .samplers.rollout_config import BranchingConfig, RolloutConfig
 from .sections import Section
+from .training.roles import RoleConfig
 
 __all__ = [
     "Config", "TrainConfig", "EvalConfig", "LogConfig", "Section", "load_config", "validate", "to_yaml", "resolve_device",
@@ -91,6 +92,10 @@ class TrainConfig(Section):
         description="Stop the run when more than this fraction of the last nonfinite_window iterations' rewards are NaN or inf.",
     )
     nonfinite_window: int = Field(10, ge=1, description="Iterations over which max_nonfinite_fraction is measured.")
+    roles: dict[str, RoleConfig] = Field(
+        default_factory=dict,
+        description="Per trained role (policy, or one the objective declares) optimizer settings that differ from train's.",
+    )
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -63,6 +63,7 @@ class LossOutput:
 
     loss: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    role: str = "policy"  # the trained role whose optimizer this loss's gradient is for (Objective.roles)
 
 
 @dataclass
@@ -270,6 +271,48 @@ ReferenceModel = Literal["none", "initial"]
 weights (LoRA: the adapters switched off; full fine-tuning: a frozen copy)."""
 
 
+@dataclass(frozen=True)
+class TrainedRole:
+    """A module an objective trains beside the policy (the model's trained module, always the role ``"policy"``).
+
+    The module is the objective's attribute ``attribute``; the run gives it its own parameter group, optimizer,
+    learning-rate schedule and checkpoint entry (its tensors under ``checkpoint_prefix`` in the checkpoint's weights
+    and optimizer files), and may replace the attribute by the engine's wrapped module. ``lr_scale``: its learning rate
+    relative to ``train.learning_rate`` (``train.roles.<name>`` overrides any setting). ``sharded``: handed to the
+    engine to wrap and shard like the policy (DDP, FSDP2, a DeepSpeed engine of its own); False for a small module that
+    every process keeps whole and that is called several times per backward pass (DCoLT's head): its gradients are
+    averaged over the processes by the engine itself. ``clip_with``: another trained role whose gradient norm this
+    role's gradients are measured and clipped with (DCoLT: the head and the language model are one policy).
+    ``adapter``: instead of a module of its own, a named LoRA adapter on the policy's base model (``attribute`` unused)."""
+
+    name: str
+    attribute: str | None = None
+    lr_scale: float = 1.0
+    sharded: bool = True
+    clip_with: str | None = None
+    checkpoint_prefix: str | None = None  # None: "<name>."
+    adapter: str | None = None
+
+    @property
+    def prefix(self) -> str:
+        return self.checkpoint_prefix if self.checkpoint_prefix is not None else f"{self.name}."
+
+
+@dataclass(frozen=True)
+class FrozenRole:
+    """A model an objective reads but never trains (a teacher, a reference): ``source="initial"``: the policy's
+    starting weights (LoRA: the adapters switched off, full fine-tuning: a frozen copy), reached with
+    ``pipeline.reference()``; ``source="attribute"``: the objective's own module ``attribute``, which the run moves to
+    the device, freezes (no gradient) and keeps out of every optimizer and checkpoint."""
+
+    name: str
+    source: Literal["initial", "attribute"] = "initial"
+    attribute: str | None = None
+
+
+Role = TrainedRole | FrozenRole
+
+
 @runtime_checkable
 class Objective(Protocol):
     """Everything the training loop needs from an objective, declared (the loop never probes).
@@ -277,7 +320,9 @@ class Objective(Protocol):
     The loop calls, per iteration: collect (what ``trains_on`` names) -> score -> ``prepare`` (no grad:
     advantages, pairs, labels) -> for each minibatch of ``minibatch_unit``-aligned rows, one optimizer
     step over the ``LossOutput``s that ``losses`` yields (each is backpropagated before the next is
-    produced, so an objective can keep memory flat in the number of denoising steps).
+    produced, so an objective can keep memory flat in the number of denoising steps). A LossOutput names the
+    trained role it updates (``"policy"`` unless the objective declares ``roles``); every role that received a loss
+    takes one step of its own optimizer after the minibatch's last loss.
     """
 
     name: str
@@ -285,10 +330,7 @@ class Objective(Protocol):
     needs_log_probs: bool  # the rollout sampler must be stochastic and record per-step log-probs
     reference: ReferenceModel  # the frozen model losses() may switch to with pipeline.reference()
     minibatch_unit: int  # rows that stay together when minibatches are shuffled (2: winner/loser pairs)
-    extra_module: (
-        torch.nn.Module | None
-    )  # the objective's own module (DCoLT's head; SePPO's checkpoint ring, no parameters), checkpointed with the model
-    extra_lr_scale: float  # extra_module's learning rate relative to train.learning_rate
+    roles: tuple[Role, ...]  # modules it trains beside the policy and frozen models it reads (usually none)
 
     def prepare(self, batch: Trajectory) -> Trajectory:
         """Without grad: fill ``advantages`` (or reorder into pairs, drop rows); return the batch to train on."""

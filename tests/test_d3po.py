@@ -119,7 +119,7 @@ def test_minibatches_keep_pairs_together(tmp_path):
         )
     )
     seen = []
-    trainer._optimizer_step = lambda batch, gen: seen.append(batch.group_ids.tolist()) or {}
+    trainer.loop.step = lambda batch, gen: seen.append(batch.group_ids.tolist()) or {}
     trainer.update(trainer.advantages(trainer.score(trainer.collect(0))), 0)
     assert len(seen) == 8 and all(len(set(g)) == 1 and len(g) == 2 for g in seen)  # each minibatch is one pair
 

@@ -295,7 +295,7 @@ from flowrl.training.distributed import end_process_group
 from flowrl.trainer import Trainer
 
 trainer = Trainer(load_config(sys.argv[1], sys.argv[3:]))
-head = trainer.objective.extra_module
+head = trainer.objective.head
 before = {k: v.tolist() for k, v in head.state_dict().items()}
 trainer.fit()
 after = gather_object([{k: v.tolist() for k, v in head.state_dict().items()}])
@@ -306,8 +306,9 @@ end_process_group()
 
 
 def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
-    """DCoLT's unmasking-policy head lives outside the module accelerate wraps, so DDP does not average its gradients;
-    the trainer does. Each process samples other completions, so without the averaging the two copies differ."""
+    """DCoLT's unmasking-policy head is a role every process keeps whole (not wrapped by DDP: it runs at every step
+    inside one backward pass), so the engine averages its gradients. Each process samples other completions, so
+    without the averaging the two copies differ."""
     script, report = tmp_path / "worker.py", tmp_path / "heads.json"
     script.write_text(HEAD_WORKER)
     overrides = [

@@ -70,7 +70,7 @@ def test_first_update_ratio_is_one(config):
 def test_group_shared_masks_cancel_what_a_group_has_in_common(config):
     """Four identical completions of one prompt with advantages summing to zero: with the group's masks shared
     (draw_mask_seeds(shared=True)) the policy gradient is exactly zero; with a seed per row it is mask noise."""
-    from flowrl.modalities.text import draw_mask_seeds
+    from flowrl.modalities.text_rollouts import draw_mask_seeds
 
     lm = _lm()
     objective = config.build(BuildContext({}, MaskedSamplerConfig(), lm))
@@ -159,7 +159,7 @@ def test_dcolt_head_learning_rate_scale(tmp_path):
             [f"output_dir={tmp_path}", "train.learning_rate=1e-5", "objective.scorer_lr_scale=50", "log.progress=false"],
         )
     )
-    lm_group, head_group = trainer.optimizer.param_groups
+    (lm_group,), (head_group,) = trainer.optimizer.param_groups, trainer.roles["unmasking_head"].optimizer.param_groups
     assert lm_group["lr"] == pytest.approx(1e-5) and head_group["lr"] == pytest.approx(5e-4)
     assert {id(p) for p in head_group["params"]} == {id(p) for p in trainer.objective.head.parameters()}
 

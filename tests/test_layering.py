@@ -27,6 +27,7 @@ ORDER: list[str] = [
     "flowrl.seeding",
     "flowrl.sections",
     "flowrl.registry",
+    "flowrl.training.roles",
     "flowrl.training.distributed",
     "flowrl.training.checkpoint",
     "flowrl.training.run_lock",
@@ -56,12 +57,18 @@ ORDER: list[str] = [
     "flowrl.preferences.labels",
     # the loop
     "flowrl.modalities",
+    "flowrl.training.launch",
+    "flowrl.training.engine",
+    "flowrl.training.preflight",
+    "flowrl.training.loop",
+    "flowrl.training.run",
     "flowrl.trainer",
     "flowrl.eval_command",
     # what users call: the Python API (the package itself), the servers, the command line
     "flowrl",
     "flowrl.reward_server",
     "flowrl.preferences.label_server",
+    "flowrl.config_reference",  # the config reference page and `flowrl config`: reads every section
     "flowrl.cli",
 ]
 RANK = {unit: i for i, unit in enumerate(ORDER)}

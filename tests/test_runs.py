@@ -295,7 +295,7 @@ def test_the_nonfinite_reward_window_is_resumed_so_the_run_stops_where_the_unint
     assert message.startswith("18 of 24 rewards of the last 3 iterations were NaN or infinite") and whole.iteration == 4, message
     saved = tmp_path / "whole" / "checkpoints" / "step_000004" / "trainer_state.json"
     assert json.loads(saved.read_text())["nonfinite_window"] == [[1, 0, 8], [2, 6, 8], [3, 6, 8]]  # (iteration, NaN, all)
-    assert list(whole._nonfinite) == [(2, 6, 8), (3, 6, 8), (4, 6, 8)]
+    assert list(whole.loop.nonfinite) == [(2, 6, 8), (3, 6, 8), (4, 6, 8)]
     whole.save()  # what _save_after_failure writes where no checkpoint of iteration 4 exists (log.checkpoint_every=0)
     assert json.loads(saved.read_text())["nonfinite_window"] == [[2, 6, 8], [3, 6, 8]]  # not iteration 4's: it failed
     # Stopped inside the streak (after iteration 2: one bad iteration in the window), then resumed. A window started

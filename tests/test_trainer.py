@@ -158,7 +158,7 @@ def test_ctrl_c_while_an_iteration_is_being_logged_stops_after_the_next_with_its
     def log_then_interrupt(step, metrics):
         log(step, metrics)
         if step == 1:
-            trainer._request_stop(None, None)  # what the SIGINT handler runs
+            trainer.run.request_stop(None, None)  # what the SIGINT handler runs
 
     trainer.logger.log = log_then_interrupt
     summary = trainer.fit()

@@ -1,8 +1,8 @@
 """What differs between training an image/video model and a diffusion LM, behind one narrow protocol.
 
-The Trainer (``flowrl/trainer.py``) owns the loop, the optimizer, checkpoints and logging and is the same
-for every model; a :class:`Modality` builds the model-side parts and supplies the phases whose content
-depends on the kind of sample: collect, what the reward reads, and the held-out evaluation.
+The training wing (``flowrl/training/``) owns the loop, the engine, checkpoints and logging and is the same for every
+model; a :class:`Modality` builds the model-side parts and supplies what depends on the kind of sample: the collector
+of the objective's training data (``collector.py``: collect and score), and the held-out evaluation.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..types import Reward, RewardOutput
-from .reward_overlap import RolloutScoring
+from ..types import Reward
+from .collector import Collector
 
 
 class Modality(Protocol):
@@ -22,23 +22,11 @@ class Modality(Protocol):
     objective: Any  # types.Objective (text: types.TokenObjective)
     module_attr: str  # the pipeline attribute holding the trained module ("denoiser" / "model")
     train_pool: list  # the training (prompt, metadata) pairs
+    collector: Collector  # what the objective trains on, collected and scored (the one lookup of objective.trains_on)
 
     def check(self) -> None:
-        """Refuse, in one sentence, an objective / sampler / batch combination this modality cannot train."""
-        ...
-
-    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Any:
-        """This process's training batch for ``iteration``: what ``objective.trains_on`` names, keyed by
-        (seed, iteration, rank) so a resumed run collects exactly what the uninterrupted one did. ``scoring``
-        (``reward_overlap.py``): where finished rollout chunks are handed over to be decoded, and with
-        rollout.overlap_reward scored on a worker thread while generation goes on."""
-        ...
-
-    def score(
-        self, batch: Any, reward: Reward, with_gradient: bool, scoring: RolloutScoring | None = None
-    ) -> tuple[RewardOutput, torch.Tensor | None]:
-        """The reward of the batch's samples, and with ``with_gradient`` its gradient w.r.t. the final state; with an
-        overlapped ``scoring``, the rewards its worker computed during collect, joined in order."""
+        """Refuse, in one sentence, an objective / sampler / batch combination this modality cannot train (the collector
+        checks what is particular to its kind of data)."""
         ...
 
     def for_update(self, batch: Any) -> Any:
@@ -52,6 +40,11 @@ class Modality(Protocol):
 
     def sample(self, prompts: list[str], num_samples: int, seed: int, **options: Any) -> Any:
         """``num_samples`` samples of each prompt with the current weights (``flowrl.Trainer.sample``)."""
+        ...
+
+    def evaluated_items(self, shown: Any) -> dict[str, Any]:
+        """What an evaluation spec records of the held-out evaluation (flowrl/evaluation/spec.py): ``prompts``,
+        ``metadata``, ``sampler`` (its name and settings) and ``sample_shape`` (None for text)."""
         ...
 
     def save_eval_samples(self, shown: Any, run_dir: Path, step: int, tag: str | None) -> None:

@@ -6,11 +6,13 @@ builds it (docs/architecture.md, "Adding an objective"; flowrl/registry.py for u
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..registry import Registry
 from ..sections import BuildContext, ObjectiveSection
-from ..types import Objective
+from ..types import FrozenRole, Objective, TrainedRole
 
-__all__ = ["OBJECTIVES", "BuildContext", "build_objective"]
+__all__ = ["OBJECTIVES", "BuildContext", "build_objective", "own_modules"]
 
 OBJECTIVES = Registry(
     "objective",
@@ -41,3 +43,17 @@ def build_objective(section: ObjectiveSection, context: BuildContext | None = No
     """The objective ``section`` describes; ``context`` carries what it may need of the run (reward weights, the
     sampler section, the built model)."""
     return section.build(context)
+
+
+def own_modules(objective: Objective) -> list[tuple[str, Any]]:
+    """(checkpoint prefix, module) of every module an objective trains beside the policy (``Objective.roles``'s trained
+    roles with a module of their own, e.g. DCoLT's unmasking-policy head): what a checkpoint of its run holds besides
+    the model's weights, and what an evaluation of that checkpoint loads."""
+    return [(r.prefix, getattr(objective, r.attribute)) for r in objective.roles if isinstance(r, TrainedRole) and r.adapter is None]
+
+
+def frozen_roles(objective: Objective) -> list[FrozenRole]:
+    """The frozen models an objective reads: its declared ones, and the initial model when ``reference`` is
+    ``"initial"`` (the role ``"reference"``)."""
+    declared = [r for r in objective.roles if isinstance(r, FrozenRole)]
+    return ([FrozenRole("reference", "initial")] if objective.reference == "initial" else []) + declared

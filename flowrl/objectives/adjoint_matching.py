@@ -86,7 +86,7 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 
 # -----------------------------------------------------------------------------------------------
 # Pure math
@@ -269,8 +269,7 @@ class AdjointMatchingObjective:
     needs_log_probs: bool = field(default=False, init=False)
     reference: ReferenceModel = field(default="initial", init=False)  # the base drift of the adjoint and of the control
     minibatch_unit: int = field(default=1, init=False)
-    extra_module: torch.nn.Module | None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
     _clip_ema: float | None = field(default=None, init=False, repr=False)
     _clip_updates: int = field(default=0, init=False, repr=False)
 
@@ -384,17 +383,26 @@ class AdjointMatchingConfig(ObjectiveSection):
     reward and a memoryless sampler: flow_memoryless for flow models, ddim with eta 1 for diffusion models)."""
 
     name: str = "adjoint_matching"
-    reward_multiplier: float = Field(1.0, gt=0)  # lambda: the target is p_base(x) exp(lambda r(x)); the authors use 100 with ImageReward
-    num_trained_steps: int | None = Field(4, ge=1)  # steps per minibatch with a loss; None: every step below sigma = 1
-    early_fraction: float = Field(0.6, gt=0, lt=1)  # stratified draw: half the trained steps from this first fraction
-    clip_quantile: float | None = Field(0.9, gt=0, le=1)  # per-sample loss clipping at the EMA'd quantile; None: off
-    clip_ema_decay: float = Field(0.9, ge=0, lt=1)
-    # "memoryless": the paper's weight, the integral of g^2 over the step; "output": uniform in the model's output
-    # units per unit sigma (flowrl's; same fixed point, more weight at high noise, where an ODE sampler needs the model)
-    loss_weighting: Literal["memoryless", "output"] = "memoryless"
-    # The tilt p_base exp(lambda r) is the fixed point only on a memoryless schedule; true lets another
-    # sampler run anyway, to measure the bias it leaves (docs/objectives/adjoint_matching.md)
-    allow_non_memoryless: bool = False
+    reward_multiplier: float = Field(
+        1.0, gt=0, description="lambda: the target is p_base(x) exp(lambda r(x)) (the authors use 100 with ImageReward)."
+    )
+    num_trained_steps: int | None = Field(4, ge=1, description="Steps per minibatch with a loss; None: every step below sigma = 1.")
+    early_fraction: float = Field(
+        0.6, gt=0, lt=1, description="Stratified draw: half the trained steps come from this first fraction of the steps."
+    )
+    clip_quantile: float | None = Field(
+        0.9, gt=0, le=1, description="Clip each sample's loss at this quantile (an EMA of it); None: no clipping."
+    )
+    clip_ema_decay: float = Field(0.9, ge=0, lt=1, description="Decay of the EMA of the clipping quantile.")
+    # "output" has the same fixed point, more weight at high noise, where an ODE sampler needs the model
+    loss_weighting: Literal["memoryless", "output"] = Field(
+        "memoryless",
+        description="memoryless: the paper's weight, the integral of g^2 over the step; output: uniform in output units per sigma.",
+    )
+    # The tilt p_base exp(lambda r) is the fixed point only on a memoryless schedule (docs/objectives/adjoint_matching.md)
+    allow_non_memoryless: bool = Field(
+        False, description="Run with a sampler that is not memoryless anyway, to measure the bias it leaves."
+    )
 
     def check_run(self, config: Any) -> None:
         s = config.sampler

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
@@ -91,9 +92,11 @@ class MultiRewardOption(Section):
     """The ``multi_reward`` option, shared by every group-based objective's section (GRPO, DiffusionNFT, AWM,
     Flow-DPPO, DGPO, the diffusion-LM objectives); the section's own ``std`` and ``std_eps`` give the group statistics."""
 
-    # how several reward components become one advantage: weighted_sum (normalise the combined reward), per_reward
-    # (normalise each component in its group, then weight and sum), gdpo (per_reward, then normalise over the batch)
-    multi_reward: MultiReward = "weighted_sum"
+    multi_reward: MultiReward = Field(
+        "weighted_sum",
+        description="How reward components become one advantage: weighted_sum (normalise the sum), per_reward (normalise each, "
+        "then sum), gdpo (per_reward, then normalise over the batch).",
+    )
 
     def multi_reward_kwargs(self, context: BuildContext | None, multi_reward: MultiReward | None = None) -> dict[str, Any]:
         """``component_weights`` and ``batch_normalise`` of the estimator (``multi_reward`` overrides the field: GRPO's

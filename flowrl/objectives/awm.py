@@ -38,7 +38,7 @@ from pydantic import Field
 from torch import Tensor
 
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption
 from .diffusion_dpo import noised_and_target, training_sigmas
 from .functional import StdConvention, masked_mean
@@ -78,8 +78,7 @@ class AWMObjective:
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)  # any sampler, the ODE included
     minibatch_unit: int = field(default=1, init=False)
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     @property
     def reference(self) -> ReferenceModel:
@@ -138,14 +137,21 @@ class AWMConfig(ObjectiveSection, MultiRewardOption):
     """Advantage Weighted Matching: the denoising (flow-matching) loss on the rollouts' clean samples, weighted by the advantage."""
 
     name: str = "awm"
-    std: StdConvention = "global"  # group advantage normaliser (the authors: group mean, batch std); as GRPO's
-    std_eps: float = Field(1e-4, gt=0)
-    adv_clip_max: float | None = Field(5.0, gt=0)  # clip advantages to +-value (the authors: 5)
-    num_times: int = Field(6, ge=1)  # (time, noise) draws per sample, one backward each (the authors: 6)
-    time_sampling: TimeSampling = "uniform"  # uniform: the model's training times; grid: the rollout's interior grid
-    weighting: Weighting = "uniform"  # w(l, sigma): uniform l, t sigma l, ghuber (the authors' default)
-    ghuber_power: float = Field(0.25, gt=0, le=1)  # p of the ghuber weighting
-    beta: float = Field(0.0, ge=0)  # weight of the velocity MSE to the frozen initial model (the authors: 1e-3 to 3e-3)
+    std: StdConvention = Field(
+        "global",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
+    )
+    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    adv_clip_max: float | None = Field(5.0, gt=0, description="Clip advantages to +-value (the authors: 5); None: no clipping.")
+    num_times: int = Field(6, ge=1, description="(time, noise) draws per sample, one backward each (the authors: 6).")
+    time_sampling: TimeSampling = Field(
+        "uniform", description="uniform: the model's training times; grid: the rollout's interior grid times."
+    )
+    weighting: Weighting = Field(
+        "uniform", description="The loss weight w(l, sigma): uniform l, t sigma l, or ghuber (the authors' default)."
+    )
+    ghuber_power: float = Field(0.25, gt=0, le=1, description="p of the ghuber weighting.")
+    beta: float = Field(0.0, ge=0, description="Weight of the velocity MSE to the frozen initial model (the authors: 1e-3 to 3e-3).")
 
     def build(self, context: BuildContext | None = None) -> AWMObjective:
         kwargs = {k: v for k, v in self.target_kwargs().items() if k not in ("std", "std_eps", "multi_reward")}

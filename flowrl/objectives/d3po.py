@@ -31,7 +31,7 @@ import torch
 from pydantic import Field
 
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .functional import d3po_pair_loss, masked_mean, pair_preferences
 from .policy_gradient import TimestepOrder, choose_train_steps
 
@@ -50,8 +50,7 @@ class D3POObjective:
     needs_log_probs: bool = field(default=True, init=False)
     reference: ReferenceModel = field(default="initial", init=False)  # the ratio is to the initial model
     minibatch_unit: int = field(default=2, init=False)  # the trainer shuffles whole pairs
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     def __post_init__(self) -> None:
         if self.preference == "human":  # a person labelled stored pairs: train on their recorded trajectories
@@ -114,13 +113,20 @@ class D3POConfig(ObjectiveSection):
     """D3PO: pairs of samples of one prompt, preference from the rewards, DPO loss on every trained step."""
 
     name: str = "d3po"
-    beta: float = Field(0.1, gt=0)
-    clip_range: float = Field(0.1, gt=0, lt=1)  # the ratio to the reference is clamped to [1 - c, 1 + c]
-    # pareto: over the reward components; human: a person's labels of the pairs in prompts.pairs (flowrl label,
-    # labels.jsonl), trained on the trajectories stored with them (python -m flowrl.preferences.pairs --trajectories)
-    preference: Preference = "reward"
-    timestep_fraction: float = Field(1.0, gt=0, le=1)
-    timestep_order: TimestepOrder = "random"
+    beta: float = Field(0.1, gt=0, description="D3PO's beta: the DPO temperature.")
+    clip_range: float = Field(
+        0.1, gt=0, lt=1, description="The ratio to the reference is clamped to [1 - c, 1 + c]; beyond it no gradient."
+    )
+    # human: the labels of the pairs in prompts.pairs (flowrl label, labels.jsonl), trained on the trajectories stored with
+    # them (python -m flowrl.preferences.pairs --trajectories)
+    preference: Preference = Field(
+        "reward",
+        description="Which sample of a pair wins: reward (the combined reward), pareto (dominance over the components), human (labels).",
+    )
+    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Fraction of the stochastic steps trained per minibatch.")
+    timestep_order: TimestepOrder = Field(
+        "random", description="Which steps timestep_fraction keeps: random ones per minibatch (DanceGRPO) or the first ones (Flow-GRPO)."
+    )
 
     def check_run(self, config: Any) -> None:
         if self.preference == "pareto" and len(config.reward.components) < 2:

@@ -63,10 +63,12 @@ class DDPOConfig(PolicyGradientConfig):
     """``objective.name: ddpo``: advantages from a per-prompt running buffer of rewards (ddpo-pytorch's stat tracker)."""
 
     name: str = "ddpo"
-    per_prompt_stat_tracking: bool = True
-    buffer_size: int = Field(32, ge=1)
-    min_count: int = Field(16, ge=1)
-    adv_clip_max: float = Field(5.0, gt=0)
+    per_prompt_stat_tracking: bool = Field(
+        True, description="Normalise each reward by a running buffer of its prompt's rewards; false: by the batch statistics."
+    )
+    buffer_size: int = Field(32, ge=1, description="Rewards kept per prompt in the stat tracker.")
+    min_count: int = Field(16, ge=1, description="Rewards a prompt needs before its own statistics are used (else the batch's).")
+    adv_clip_max: float = Field(5.0, gt=0, description="Clip advantages to +-value.")
 
     def build(self, context: BuildContext | None = None) -> PolicyGradientObjective:
         if self.per_prompt_stat_tracking:

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption
 from .diffusion_dpo import noised_and_target
 from .diffusion_nft import swapped_weights
@@ -102,8 +102,7 @@ class DGPOObjective:
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=False, init=False)  # any sampler, the ODE included
     reference: ReferenceModel = field(default="initial", init=False)  # the DPO reference: the frozen initial model
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     def __post_init__(self) -> None:
         self._old: list[Tensor] | None = None  # clip_range: the rollout policy's trainable tensors
@@ -187,15 +186,20 @@ class DGPOConfig(ObjectiveSection, MultiRewardOption):
     (docs/objectives/dgpo.md)."""
 
     name: str = "dgpo"
-    beta: float = Field(100.0, gt=0)  # DPO temperature of the group margin (the authors: 100; 10 to 100)
-    std: StdConvention = "global"  # group advantage normaliser (the authors: group mean, batch std); as GRPO's
-    std_eps: float = Field(1e-4, gt=0)
-    adv_clip_max: float | None = Field(5.0, gt=0)  # clip advantages to +-value (the authors: 5)
-    num_times: int = Field(4, ge=1)  # rollout grid times per group and minibatch, one backward each (the authors: 4)
-    min_sigma: float = Field(0.0, ge=0, le=1)  # timestep clip: train only at grid times sigma >= this (the authors: 0.82)
-    shared_noise: bool = True  # one noise per group at each time (the authors'); false: one per sample
-    kl_weight: float = Field(0.0, ge=0)  # weight of the prediction MSE to the frozen reference (the authors: 0 to 0.02)
-    clip_range: float | None = Field(None, gt=0)  # the authors' PPO-style clip of the denoising loss (1e-2); none: the paper's loss
+    beta: float = Field(100.0, gt=0, description="DPO temperature of the group margin (the authors: 100; 10 to 100).")
+    std: StdConvention = Field(
+        "global",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
+    )
+    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    adv_clip_max: float | None = Field(5.0, gt=0, description="Clip advantages to +-value (the authors: 5); None: no clipping.")
+    num_times: int = Field(4, ge=1, description="Rollout grid times per group and minibatch, one backward each (the authors: 4).")
+    min_sigma: float = Field(0.0, ge=0, le=1, description="Timestep clip: train only at grid times with sigma >= this (the authors: 0.82).")
+    shared_noise: bool = Field(True, description="One noise per group at each time (the authors'); false: one per sample.")
+    kl_weight: float = Field(0.0, ge=0, description="Weight of the prediction MSE to the frozen reference (the authors: 0 to 0.02).")
+    clip_range: float | None = Field(
+        None, gt=0, description="The authors' PPO-style clip of the denoising loss (1e-2); None: the paper's loss."
+    )
 
     def check_run(self, config: Any) -> None:
         tc = config.train

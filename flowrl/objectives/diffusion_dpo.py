@@ -30,7 +30,7 @@ from pydantic import Field
 from torch import Tensor
 
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .functional import diffusion_dpo_loss
 
 
@@ -69,8 +69,7 @@ class DiffusionDPOObjective:
     needs_log_probs: bool = field(default=False, init=False)
     reference: ReferenceModel = field(default="initial", init=False)
     minibatch_unit: int = field(default=2, init=False)  # rows (2i, 2i + 1) are (winner, loser)
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     def prepare(self, batch: Trajectory) -> Trajectory:
         return batch  # the pairs arrive winner first
@@ -108,8 +107,12 @@ class DiffusionDPOConfig(ObjectiveSection):
     """Diffusion-DPO: DPO on the denoising loss, from offline preference pairs (prompts.pairs)."""
 
     name: str = "diffusion_dpo"
-    beta: float = Field(5000.0, gt=0)  # the reference's value for SD1.5 / SDXL latents
-    preference: Literal["stored", "human"] = "stored"  # stored: the pairs' own order; human: their labels.jsonl (flowrl label)
+    beta: float = Field(
+        5000.0, gt=0, description="DPO temperature on the denoising-loss difference (the reference's value for SD1.5 / SDXL)."
+    )
+    preference: Literal["stored", "human"] = Field(
+        "stored", description="Which sample of a pair wins: stored (the pairs' own order) or human (their labels.jsonl, flowrl label)."
+    )
 
     def build(self, context: BuildContext | None = None) -> DiffusionDPOObjective:
         return DiffusionDPOObjective(beta=self.beta, preference=self.preference)

@@ -56,7 +56,7 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption
 from .diffusion_dpo import noised_and_target
 from .functional import StdConvention, masked_mean
@@ -120,8 +120,7 @@ class DiffusionNFTObjective:
     needs_log_probs: bool = field(default=False, init=False)  # any sampler, the ODE included
     reference: ReferenceModel = field(default="none", init=False)  # the old policy is the objective's own copy
     minibatch_unit: int = field(default=1, init=False)
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     def __post_init__(self) -> None:
         self._old: list[Tensor] | None = None
@@ -194,13 +193,20 @@ class DiffusionNFTConfig(ObjectiveSection, MultiRewardOption):
     """DiffusionNFT: flow matching of implicit positive / negative policies on the rollouts' clean samples (no log-probs)."""
 
     name: str = "diffusion_nft"
-    beta: float = Field(1.0, gt=0)  # implicit-policy mixing strength (the authors: 1; 0.1 for OCR)
-    std: StdConvention = "global"  # group advantage normalisation before r
-    std_eps: float = Field(1e-4, gt=0)
-    adv_clip_max: float = Field(5.0, gt=0)  # r = clip(1/2 + A / (2 adv_clip_max), 0, 1)
-    timestep_fraction: float = Field(0.99, gt=0, le=1)  # of the rollout grid's times, trained per sample
-    old_decay_rate: float = Field(0.0, ge=0)  # old policy soft update eta = min(rate * optimizer steps, max); 0: rollout weights
-    old_decay_max: float = Field(0.5, ge=0, lt=1)
+    beta: float = Field(1.0, gt=0, description="Implicit-policy mixing strength (the authors: 1; 0.1 for OCR).")
+    std: StdConvention = Field(
+        "global",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
+    )
+    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    adv_clip_max: float = Field(5.0, gt=0, description="A_max of the optimality probability r = clip(1/2 + A / (2 A_max), 0, 1).")
+    timestep_fraction: float = Field(
+        0.99, gt=0, le=1, description="Fraction of the rollout grid's times each sample is trained at (a random subset)."
+    )
+    old_decay_rate: float = Field(
+        0.0, ge=0, description="Old-policy soft update eta = min(rate * optimizer steps, old_decay_max); 0: the rollout weights."
+    )
+    old_decay_max: float = Field(0.5, ge=0, lt=1, description="The largest eta of the old policy's soft update.")
 
     def build(self, context: BuildContext | None = None) -> DiffusionNFTObjective:
         kwargs = {k: v for k, v in self.target_kwargs().items() if k not in ("std", "std_eps", "multi_reward")}

@@ -38,7 +38,7 @@ from pydantic import Field
 from torch import Tensor
 
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption
 from .diffusion_nft import swapped_weights
 from .functional import StdConvention, gaussian_kl, masked_mean
@@ -92,8 +92,7 @@ class FlowDPPOObjective:
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)  # the ratio's old log-prob is the rollout's
     minibatch_unit: int = field(default=1, init=False)
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     def __post_init__(self) -> None:
         self._old: list[Tensor] | None = None  # the rollout policy's trainable tensors (mu_old's weights)
@@ -153,15 +152,21 @@ class FlowDPPOConfig(ObjectiveSection, MultiRewardOption):
     """Flow-DPPO: GRPO's per-step ratio surrogate, no clip, with an exact-KL trust-region mask (docs/objectives/flow_dppo.md)."""
 
     name: str = "flow_dppo"
-    # per-dimension KL(old || current) of a step's Gaussian transition above which a step that moved with its
-    # advantage is dropped; the authors' value for the Flow-SDE sampler (1e-6 for CPS, their code's default 1e-5)
-    kl_threshold: float = Field(1e-7, ge=0)
-    std: StdConvention = "global"  # group advantage normaliser (the authors: group mean, batch std); as GRPO's
-    std_eps: float = Field(1e-4, gt=0)
-    adv_clip_max: float | None = Field(None, gt=0)  # clip advantages to +-value (none: the authors' Flow-DPPO)
-    beta: float = Field(0.0, ge=0)  # weight of the Gaussian KL to the frozen initial model (paper Eq. 17)
-    timestep_fraction: float = Field(1.0, gt=0, le=1)  # of the stochastic steps, trained per minibatch
-    timestep_order: TimestepOrder = "random"
+    # the authors' value for the Flow-SDE sampler (1e-6 for CPS, their code's default 1e-5)
+    kl_threshold: float = Field(
+        1e-7, ge=0, description="Per-dimension KL(old || current) of a step above which a step that moved with its advantage is dropped."
+    )
+    std: StdConvention = Field(
+        "global",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
+    )
+    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    adv_clip_max: float | None = Field(None, gt=0, description="Clip advantages to +-value; None: no clipping (the authors').")
+    beta: float = Field(0.0, ge=0, description="Weight of the Gaussian KL to the frozen initial model (paper Eq. 17).")
+    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Fraction of the stochastic steps trained per minibatch.")
+    timestep_order: TimestepOrder = Field(
+        "random", description="Which steps timestep_fraction keeps: random ones per minibatch (DanceGRPO) or the first ones (Flow-GRPO)."
+    )
 
     def build(self, context: BuildContext | None = None) -> FlowDPPOObjective:
         return FlowDPPOObjective(

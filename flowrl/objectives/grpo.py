@@ -29,14 +29,22 @@ class GRPOConfig(PolicyGradientConfig, MultiRewardOption):
     """``objective.name: grpo``."""
 
     name: str = "grpo"
-    std: StdConvention = "unbiased"
-    std_eps: float = Field(1e-8, gt=0)
-    per_reward_advantages: bool = False  # the older spelling of multi_reward: per_reward (kept for existing presets)
-    adv_clip_max: float | None = None
-    best_worst_k: int | None = Field(None, ge=2)
-    # TempFlow-GRPO's noise-aware step credit: each trained step's policy term weighted by its transition std,
-    # normalised to mean 1 over the trained steps (docs/objectives/grpo.md); none: every step alike
-    step_weighting: StepWeighting = "none"
+    std: StdConvention = Field(
+        "unbiased",
+        description="Advantage normaliser: the group std with N - 1 (unbiased, DanceGRPO) or N (biased, Flow-GRPO: std_eps 1e-4), "
+        "global: the batch std, none: r - mean.",
+    )
+    std_eps: float = Field(1e-8, gt=0, description="Added to the std before the advantage is divided by it.")
+    per_reward_advantages: bool = Field(False, description="The older spelling of multi_reward: per_reward (kept for existing presets).")
+    adv_clip_max: float | None = Field(None, description="Clip advantages to +-value; None: no clipping.")
+    best_worst_k: int | None = Field(
+        None, ge=2, description="DanceGRPO's subset: train only the top k/2 and bottom k/2 of each group; None: all."
+    )
+    # normalised to mean 1 over the trained steps (docs/objectives/grpo.md)
+    step_weighting: StepWeighting = Field(
+        "none",
+        description="Per-step credit: noise_level (TempFlow-GRPO, by transition std), inverse_dt (GRPO-Guard, by 1/|dt|); none: equal.",
+    )
 
     @model_validator(mode="after")
     def _one_multi_reward(self) -> GRPOConfig:

@@ -16,7 +16,7 @@ from pydantic import Field
 from torch import Tensor
 
 from ..sections import ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, inverse_dt_step_weights, masked_mean, noise_level_step_weights
 
 KLForm = Literal["gaussian", "flow_grpo"]
@@ -115,8 +115,7 @@ class PolicyGradientObjective:
     trains_on: TrainingData = field(default="rollouts", init=False)
     needs_log_probs: bool = field(default=True, init=False)
     minibatch_unit: int = field(default=1, init=False)
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     @property
     def reference(self) -> ReferenceModel:
@@ -187,14 +186,23 @@ class PolicyGradientObjective:
 class PolicyGradientConfig(ObjectiveSection):
     """The knobs GRPO and DDPO share: the per-step clipped surrogate, its KL term and which steps are trained."""
 
-    clip_range: float = Field(1e-4, gt=0)
-    beta: float = Field(0.0, ge=0)  # KL weight; see docs/objectives for its scaling
-    kl_form: KLForm = "gaussian"
-    timestep_fraction: float = Field(1.0, gt=0, le=1)
-    timestep_order: TimestepOrder = "random"
-    # GRPO-Guard's ratio normalisation (Wang et al. 2025): each step's log-ratio re-centred and scaled by the
-    # transition std, so the ratio is centred at 1 with a step-independent spread (docs/instruments.md)
-    ratio_norm: bool = False
+    clip_range: float = Field(
+        1e-4, gt=0, description="PPO's clip epsilon of the per-step ratio (tiny: each step's log-prob is a mean over many dimensions)."
+    )
+    beta: float = Field(0.0, ge=0, description="Weight of the KL to the frozen initial model; 0: no KL term (docs/objectives/grpo.md).")
+    kl_form: KLForm = Field(
+        "gaussian",
+        description="gaussian: the true KL of the two Gaussian transitions; flow_grpo: Flow-GRPO's term (the true KL times |dt|).",
+    )
+    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Fraction of the stochastic steps trained per minibatch.")
+    timestep_order: TimestepOrder = Field(
+        "random", description="Which steps timestep_fraction keeps: random ones per minibatch (DanceGRPO) or the first ones (Flow-GRPO)."
+    )
+    # Wang et al. 2025; docs/instruments.md
+    ratio_norm: bool = Field(
+        False,
+        description="GRPO-Guard: re-centre each step's log-ratio and scale it by the transition std, centring the ratio at 1.",
+    )
     supports_branching: ClassVar[bool] = True  # B2-DiffuRL's branches train a policy-gradient objective
 
     def policy_gradient(

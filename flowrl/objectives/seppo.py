@@ -53,7 +53,7 @@ from ..data.winners import Winners, load_winners, top_fraction
 from ..errors import FlowRLError
 from ..samplers.rollout import rollout
 from ..sections import BuildContext, ObjectiveSection
-from ..types import LossOutput, Pipeline, ReferenceModel, Sampler, TrainingData, Trajectory
+from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .checkpoint_replay import CheckpointReplay, Strategy, running_mean
 from .diffusion_dpo import denoising_errors, noised_and_target, training_sigmas
 from .functional import diffusion_dpo_loss
@@ -109,8 +109,7 @@ class SePPOObjective:
     )  # the reference is a previous checkpoint (checkpoint_replay.py), not the trainer's
     minibatch_unit: int = field(default=2, init=False)  # rows (2i, 2i + 1) are (winner, reference sample)
     run_dir: Any = None  # where the previous checkpoints are written (<run_dir>/reference_checkpoints)
-    extra_module: None = field(default=None, init=False)
-    extra_lr_scale: float = field(default=1.0, init=False)
+    roles: tuple[Role, ...] = field(default=(), init=False)  # the policy alone
 
     def __post_init__(self) -> None:
         self.replay = CheckpointReplay(self.ref_update_every, self.max_checkpoints, self.run_dir)
@@ -177,20 +176,36 @@ class SePPOConfig(ObjectiveSection):
     """SePPO: winners from a dataset, losers sampled by a previous checkpoint, the anchor-based flipper (docs/objectives/seppo.md)."""
 
     name: str = "seppo"
-    beta: float = Field(5000.0, gt=0)  # Diffusion-DPO's scale for SD latents
+    beta: float = Field(
+        5000.0, gt=0, description="DPO temperature on the denoising-loss difference (Diffusion-DPO's scale for SD latents)."
+    )
     # rpc: uniform over every previous checkpoint, the initial one included (the paper's); latest: the newest (SPIN);
     # initial: always the initial model (the paper's baseline); psm: softmax of measured quality (flowrl's own)
-    reference_strategy: Strategy = "rpc"
-    ref_update_every: int = Field(30, ge=1)  # iterations between checkpoint snapshots (the paper: one every 30 updates)
-    max_checkpoints: int | None = Field(None, ge=1)  # None: draw from all (the paper); N: the initial one and the newest N - 1
-    psm_temperature: float = Field(0.1, gt=0)  # psm: p ~ exp(quality / T), quality = mean reward of a checkpoint's samples
-    flip_margin: float = Field(0.0, ge=0)  # flowrl's skip band: |winner's implicit reward| (loss-logit units) <= margin is skipped
-    flipped_loss: FlippedLoss = "dpo"  # a reference sample learned as a winner: v1's DPO with sign -1, or v2's SFT on the winner
-    winners: str = "embedded"  # the embedded digits data, a .jsonl of {"prompt", "image"} lines, or a folder of images + .txt prompts
-    winners_select: str | dict[str, float] | None = (
-        None  # a reward name (ink) or weighted names ({ink: 1, digit_classifier: 1}): keep the best winners_top_fraction of each metadata group by it
+    reference_strategy: Strategy = Field(
+        "rpc", description="Which previous checkpoint samples the losers: rpc, latest, initial or psm (see the comment above)."
     )
-    winners_top_fraction: float = Field(1.0, gt=0, le=1)
+    ref_update_every: int = Field(30, ge=1, description="Iterations between checkpoint snapshots (the paper: one every 30 updates).")
+    max_checkpoints: int | None = Field(
+        None, ge=1, description="Draw from the initial one and the newest N - 1 snapshots; None: from all (the paper)."
+    )
+    psm_temperature: float = Field(0.1, gt=0, description="psm: p ~ exp(quality / T), quality the mean reward of a checkpoint's samples.")
+    flip_margin: float = Field(
+        0.0, ge=0, description="Skip a pair whose winner's implicit reward is within +-margin (loss-logit units); flowrl's skip band."
+    )
+    flipped_loss: FlippedLoss = Field(
+        "dpo", description="A reference sample learned as a winner: dpo (v1, DPO with sign -1) or sft (v2, SFT on the winner)."
+    )
+    winners: str = Field(
+        "embedded",
+        description='The winners: the embedded digits data, a .jsonl of {"prompt", "image"} lines, or a folder of images + .txt.',
+    )
+    winners_select: str | dict[str, float] | None = Field(
+        None,
+        description="A reward name (ink) or weighted names ({ink: 1, digit_classifier: 1}) ranking the winners; None: keep them all.",
+    )
+    winners_top_fraction: float = Field(
+        1.0, gt=0, le=1, description="Keep the best this fraction of each metadata group's winners by winners_select."
+    )
 
     def build(self, context: BuildContext | None = None) -> SePPOObjective:
         return SePPOObjective(**self.target_kwargs(), run_dir=getattr(context, "run_dir", None))

@@ -33,13 +33,18 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..errors import FlowRLError
 
-ENGINE_DIR = "deepspeed"  # the engine checkpoint inside a flowrl checkpoint directory
-_TAG = "engine"
+ENGINE_DIR = "deepspeed"  # the engine checkpoints inside a flowrl checkpoint directory, one tag per role
+
+
+def engine_tag(role: str) -> str:
+    """The directory of a role's engine state under deepspeed/: "engine" for the policy (as before roles), else its name."""
+    return "engine" if role == "policy" else role
 
 
 def is_deepspeed_launch() -> bool:
@@ -91,22 +96,32 @@ def zero_stage(engine) -> int:
     return int(engine.zero_optimization_stage())
 
 
-def backward_minibatch(engine, losses: Iterable, on_loss: Callable) -> None:
-    """Back-propagate every loss of one minibatch through the engine with the accumulation boundary on the last,
-    then take the one optimizer step; ``on_loss(loss_output)`` sees each (its metrics)."""
-    pending = None
+def backward_roles(engines: dict, losses: Iterable, on_loss: Callable) -> set[str]:
+    """Back-propagate every loss of one minibatch, each through the engine of its role (``engines``: role -> engine;
+    a loss for a role without an engine, a module every process keeps whole, through plain autograd), with each
+    engine's accumulation boundary on its last loss, then one step of every engine that received a loss; returns the
+    roles that received one. ``on_loss(loss_output)`` sees each loss (its metrics)."""
+    pending: dict[str, Any] = {}  # role -> its latest loss, back-propagated once the next one (or the end) shows it was not the last
+    hit: set[str] = set()
     for loss_out in losses:
         on_loss(loss_out)
         if not loss_out.loss.requires_grad:  # no trained weight shaped it (a frozen Wan2.2 expert's step): nothing to do
             continue
-        if pending is not None:
+        hit.add(loss_out.role)
+        engine = engines.get(loss_out.role)
+        if engine is None:
+            loss_out.loss.backward()
+            continue
+        if loss_out.role in pending:
             engine.set_gradient_accumulation_boundary(False)
-            engine.backward(pending.loss, scale_wrt_gas=False)
-        pending = loss_out
-    if pending is not None:
+            engine.backward(pending[loss_out.role].loss, scale_wrt_gas=False)
+        pending[loss_out.role] = loss_out
+    for role, loss_out in pending.items():
+        engine = engines[role]
         engine.set_gradient_accumulation_boundary(True)
-        engine.backward(pending.loss, scale_wrt_gas=False)
+        engine.backward(loss_out.loss, scale_wrt_gas=False)
         engine.step()
+    return hit
 
 
 def grad_norm(engine) -> torch.Tensor | None:
@@ -135,26 +150,26 @@ def full_weights(engine, state_dict: Callable[[], dict[str, torch.Tensor]], keep
         return {k: v.detach().cpu().clone() for k, v in weights.items()} if keep else {}
 
 
-def save_engine_state(engine, staging: Path) -> None:
+def save_engine_state(engine, staging: Path, tag: str) -> None:
     """Every process writes its partition of DeepSpeed's state (fp32 master weights, AdamW moments) into
-    ``staging``; the main process then moves it into the checkpoint it writes (``move_into``)."""
-    engine.save_checkpoint(str(staging), tag=_TAG, save_latest=False)
+    ``staging/<tag>``; the main process then moves it into the checkpoint it writes (``move_into``)."""
+    engine.save_checkpoint(str(staging), tag=tag, save_latest=False)
 
 
 def move_into(staging: Path, checkpoint_tmp: Path) -> None:
     shutil.move(str(staging), str(checkpoint_tmp / ENGINE_DIR))
 
 
-def load_engine_state(engine, checkpoint: Path) -> None:
-    """Resume the engine from the checkpoint's ``deepspeed/`` (same number of processes, same ZeRO stage)."""
+def load_engine_state(engine, checkpoint: Path, tag: str) -> None:
+    """Resume the engine from the checkpoint's ``deepspeed/<tag>`` (same number of processes, same ZeRO stage)."""
     directory = Path(checkpoint) / ENGINE_DIR
-    if not (directory / _TAG).is_dir():
+    if not (directory / tag).is_dir():
         raise FlowRLError(
             f"checkpoint '{checkpoint}' holds no DeepSpeed engine state (it was not written by a DeepSpeed run), "
             "so this DeepSpeed run cannot resume its optimizer from it; resume it with the launch that wrote it."
         )
     path, _ = engine.load_checkpoint(
-        str(directory), tag=_TAG, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=False
+        str(directory), tag=tag, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=False
     )
     if path is None:
         raise FlowRLError(

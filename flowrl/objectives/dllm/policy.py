@@ -39,7 +39,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from ...sections import BuildContext, ObjectiveSection
-from ...types import LossOutput, ReferenceModel, TokenTrajectory, TrainingData
+from ...types import LossOutput, ReferenceModel, Role, TokenTrajectory, TrainedRole, TrainingData
 from ..advantages import GroupAdvantages, MultiRewardOption
 from ..functional import StdConvention, clipped_surrogate_terms, k3_kl, masked_mean
 from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
@@ -68,7 +68,6 @@ class _DLLMBase:
     num_mask_seeds: int
     std: StdConvention
     std_eps: float
-    extra_lr_scale: float = 1.0  # only DCoLT has an extra module (its unmasking-policy head)
     component_weights: dict[str, float] | None = field(default=None, kw_only=True)  # multi_reward per_reward / gdpo
     batch_normalise: bool = field(default=False, kw_only=True)  # multi_reward gdpo
     trains_on: TrainingData = field(default="rollouts", init=False)
@@ -80,8 +79,8 @@ class _DLLMBase:
         return "initial" if self.beta > 0 else "none"  # the KL term compares with the initial model
 
     @property
-    def extra_module(self) -> nn.Module | None:
-        return None
+    def roles(self) -> tuple[Role, ...]:
+        return ()  # the language model alone (DCoLT adds its unmasking-policy head)
 
     @property
     def position_scorer(self) -> Callable[[Tensor, Tensor], Tensor] | None:
@@ -223,14 +222,21 @@ class DCoLTObjective(_DLLMBase):
 
     block_length: int | None = None
     mask_token_id: int | None = None
-    extra_lr_scale: float = 1.0  # the head's learning rate relative to the LM's (config: scorer_lr_scale)
+    head_lr_scale: float = 1.0  # the head's learning rate relative to the LM's (config: scorer_lr_scale)
     head: UnmaskingPolicyHead = field(kw_only=True)
     block_end_order_term: bool = field(kw_only=True)
     loss_aggregation: DCoLTLossAggregation = field(kw_only=True)
 
     @property
-    def extra_module(self) -> nn.Module:
-        return self.head
+    def roles(self) -> tuple[Role, ...]:
+        """The unmasking-policy head: a trained role of its own, small and called at every step of a trajectory inside
+        one backward pass, so every process keeps it whole (not sharded); clipped with the language model, with which it
+        forms the one policy LLaDOU trains; stored under ``objective.`` in the checkpoint, as since DCoLT landed."""
+        return (
+            TrainedRole(
+                "unmasking_head", attribute="head", lr_scale=self.head_lr_scale, sharded=False, clip_with="policy", checkpoint_prefix="objective."
+            ),
+        )
 
     @property
     def position_scorer(self) -> Callable[[Tensor, Tensor], Tensor]:
@@ -283,11 +289,13 @@ class DCoLTObjective(_DLLMBase):
 class DLLMObjectiveConfig(ObjectiveSection, MultiRewardOption):
     """What the diffusion-LM objectives share: PPO clipping, the k3 KL and the estimator's stored mask seeds."""
 
-    clip_range: float = Field(0.2, gt=0)
-    beta: float = Field(0.0, ge=0)  # k3 KL to the reference (LoRA disabled / initial weights)
-    num_mask_seeds: int = Field(1, ge=1)  # inner iterations each see their own stored mask seed
-    # The completions of one prompt share their estimator masks (common random numbers): see modalities/text.py::draw_mask_seeds.
-    group_shared_masks: bool = True
+    clip_range: float = Field(0.2, gt=0, description="PPO's clip epsilon of the token ratio.")
+    beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference (LoRA disabled, or the initial weights); 0: no KL.")
+    num_mask_seeds: int = Field(
+        1, ge=1, description="Mask seeds stored per rollout; inner epoch e estimates its log-probs with seed e % num_mask_seeds."
+    )
+    # common random numbers: see modalities/text.py::draw_mask_seeds
+    group_shared_masks: bool = Field(True, description="The completions of one prompt share their estimator masks.")
     modality: ClassVar[str] = "text"
 
     def _common(self, context: BuildContext | None = None) -> dict[str, Any]:
@@ -301,10 +309,18 @@ class DiffuGRPOConfig(DLLMObjectiveConfig):
 
     name: str = "diffu_grpo"
     clip_range: float = Field(0.5, gt=0)
-    prompt_mask_prob: float = Field(0.15, ge=0, lt=1)
-    std: StdConvention = "none"
+    prompt_mask_prob: float = Field(
+        0.15, ge=0, lt=1, description="Probability each prompt token is masked in the one-pass estimator (d1: 0.15)."
+    )
+    std: StdConvention = Field(
+        "none",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (d1: none).",
+    )
     # d1's compute_loss: (per_token_loss * completion_mask).sum() / completion_mask.sum() (TRL's "bnpo").
-    loss_aggregation: LossAggregation = "token_mean"
+    loss_aggregation: LossAggregation = Field(
+        "token_mean",
+        description="token_mean: one mean over every completion token of the minibatch; sequence_mean: per completion, then over them.",
+    )
 
     def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
         return TokenPolicyObjective(
@@ -320,11 +336,19 @@ class UniGRPOConfig(DLLMObjectiveConfig):
     z-scored advantages, each completion's mean over its masked tokens then the mean over completions."""
 
     name: str = "unigrpo"
-    mask_low: float = Field(0.1, gt=0, lt=1)  # the paper draws the ratio from U[0, 1]; 0.1 / 0.9 are dLLM-RL's
-    mask_high: float = Field(0.9, gt=0, le=1)  # random_masking lower_p / upper_p
-    std: StdConvention = "biased"
+    mask_low: float = Field(
+        0.1, gt=0, lt=1, description="Lowest answer-masking ratio (ratio ~ U[low, high]; the paper U[0, 1], 0.1 / 0.9 are dLLM-RL's)."
+    )
+    mask_high: float = Field(0.9, gt=0, le=1, description="Highest answer-masking ratio.")
+    std: StdConvention = Field(
+        "biased",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (z-scored).",
+    )
     # GRPO's form, as flowrl reads the paper's objective: each completion's mean, then over the G (TRL's "grpo").
-    loss_aggregation: LossAggregation = "sequence_mean"
+    loss_aggregation: LossAggregation = Field(
+        "sequence_mean",
+        description="token_mean: one mean over every completion token of the minibatch; sequence_mean: per completion, then over them.",
+    )
 
     def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
         return TokenPolicyObjective(
@@ -341,14 +365,22 @@ class DCoLTConfig(DLLMObjectiveConfig):
     divided by the number of rows with a non-zero advantage."""
 
     name: str = "dcolt"
-    std: StdConvention = "unbiased"  # LLaDOU: torch's rewards.std(), the N - 1 denominator
-    std_eps: float = Field(1e-4, gt=0)
-    scorer_lr_scale: float = Field(1.0, gt=0)
-    # The head starts as confidence_prior * log(confidence): LLaDA's low-confidence order as it grows, 0 = random head.
-    confidence_prior: float = Field(0.0, ge=0)
-    # True: also score the order of the positions taken at a block's last step (forced: it takes all that remain).
-    block_end_order_term: bool = False
-    loss_aggregation: DCoLTLossAggregation = "nonzero_advantage_mean"
+    std: StdConvention = Field(
+        "unbiased",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (LLaDOU: torch's rewards.std()).",
+    )
+    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    scorer_lr_scale: float = Field(1.0, gt=0, description="The unmasking-policy head's learning rate as a multiple of train.learning_rate.")
+    confidence_prior: float = Field(
+        0.0, ge=0, description="The head starts as prior * log(confidence): LLaDA's low-confidence order as it grows; 0: a random head."
+    )
+    block_end_order_term: bool = Field(
+        False, description="Also score the order of the positions taken at a block's last step (forced: it takes all that remain)."
+    )
+    loss_aggregation: DCoLTLossAggregation = Field(
+        "nonzero_advantage_mean",
+        description="nonzero_advantage_mean: divide by the rows with a non-zero advantage (LLaDOU); sequence_mean: by all rows.",
+    )
 
     def build(self, context: BuildContext | None = None) -> DCoLTObjective:
         block_length = context.sampler.block_length if context is not None else None
@@ -358,7 +390,7 @@ class DCoLTConfig(DLLMObjectiveConfig):
             std_eps=self.std_eps,
             block_length=block_length,
             mask_token_id=mask_token_id,
-            extra_lr_scale=self.scorer_lr_scale,
+            head_lr_scale=self.scorer_lr_scale,
             head=UnmaskingPolicyHead(confidence_prior=self.confidence_prior),
             block_end_order_term=self.block_end_order_term,
             loss_aggregation=self.loss_aggregation,
@@ -369,9 +401,12 @@ class BGPOConfig(DLLMObjectiveConfig):
     """BGPO: linear lower bound of ELBO-GRPO, one backward per Monte Carlo sample."""
 
     name: str = "bgpo"
-    num_mc_samples: int = Field(4, ge=1)
-    std: StdConvention = "biased"
-    naive: bool = False  # the plain ELBO-GRPO baseline: all MC samples in one graph (for comparison)
+    num_mc_samples: int = Field(4, ge=1, description="Monte Carlo samples of the ELBO, one backward each.")
+    std: StdConvention = Field(
+        "biased",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (z-scored).",
+    )
+    naive: bool = Field(False, description="The plain ELBO-GRPO baseline: all MC samples in one graph (for comparison).")
 
     def build(self, context: BuildContext | None = None) -> BGPOObjective:
         return BGPOObjective(**self._common(context), std_eps=1e-4, num_mc_samples=self.num_mc_samples, naive=self.naive)

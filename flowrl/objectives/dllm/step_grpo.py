@@ -75,8 +75,11 @@ class StepGRPOConfig(DLLMObjectiveConfig):
     """step_grpo: per-step PPO on the exact log-probs the entropy-bound sampler records (DiffusionGemma)."""
 
     name: str = "step_grpo"
-    std: StdConvention = "biased"  # Flow-GRPO's z-scored group advantages
-    std_eps: float = Field(1e-4, gt=0)
+    std: StdConvention = Field(
+        "biased",
+        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (Flow-GRPO's z-score).",
+    )
+    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
 
     def check_run(self, config: Any) -> None:
         if config.sampler.name != "entropy_bound":

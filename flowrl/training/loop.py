@@ -1,0 +1,193 @@
+"""One training iteration, for every model, objective and launch:
+
+    batch   = collect(iteration)        # what the objective trains on (modalities/collector.py)
+    batch   = score(batch)              # rewards (and reward gradients); NaN kept, counted, left out of the update
+    batch   = prepare(batch)            # objective.prepare(): advantages / pairs / labels, no grad
+    metrics = update(batch, iteration)  # inner epochs x minibatches: objective.losses() -> engine.step()
+
+Each phase is a fault point (training/fault_injection.py) and is timed into ``perf/*``, both through one helper
+(``Phases``). What differs between images and text is the modality's collector; what differs between objectives is
+what they declare (``Objective``, flowrl/types.py); what differs between launches is the engine (engine.py). The run
+around the iterations (output directory, evaluation, checkpoints, signals) is run.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+
+from .. import seeding
+from ..errors import FlowRLError
+from ..modalities.reward_overlap import RolloutScoring
+from ..types import LossOutput
+from . import fault_injection
+from .engine import Engine, gather_means
+from .roles import POLICY, Roles
+from .run_logger import nanmean
+
+
+class Phases:
+    """The phases of one iteration: each is a fault point (``<name>@<step>``) and adds its seconds to a ``perf/*`` key."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, perf: str) -> Iterator[None]:
+        fault_injection.reached(name, self.step)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[perf] = self.seconds.get(perf, 0.0) + time.perf_counter() - start
+
+
+class TrainingLoop:
+    """collect -> score -> prepare -> update for this process (``rank`` of ``world``)."""
+
+    def __init__(self, config, modality, roles: Roles, engine: Engine, reward, rank: int, world: int):
+        self.config, self.modality, self.roles, self.engine, self.reward = config, modality, roles, engine, reward
+        self.collector, self.objective = modality.collector, modality.objective
+        self.rank, self.world = rank, world
+        self.updating = False  # True while the optimizers may have changed the weights of an unfinished iteration
+        # (iteration, non-finite, all) of the last train.nonfinite_window iterations' rewards; saved in each checkpoint
+        self.nonfinite: deque[tuple[int, int, int]] = deque(maxlen=config.train.nonfinite_window)
+
+    def iteration(self, iteration: int) -> dict[str, float]:
+        rates = self.set_learning_rates(iteration)
+        phases = Phases(iteration + 1)
+        # each finished rollout chunk is handed over to `scoring`: decoded, and with rollout.overlap_reward also scored
+        # on a worker thread while the next chunk is generated (modalities/reward_overlap.py)
+        with contextlib.closing(RolloutScoring(self.reward, self.config.rollout.overlap_reward)) as scoring:
+            with phases("collect", "perf/rollout_s"):
+                batch = self.collect(iteration, scoring)
+            with phases("score", "perf/score_s"):
+                batch = self.score(batch, scoring)
+                reward_metrics = self.reward_metrics(batch, iteration)  # of everything collected, before prepare() reorders
+                self.check_learnable(iteration)  # a batch with nothing to learn from never reaches an optimizer
+        with phases("advantages", "perf/update_s"):
+            batch = self.prepare(batch)
+        self.updating = True
+        with phases("update", "perf/update_s"):
+            metrics = self.update(batch, iteration)
+        self.updating = False
+        return {
+            **metrics,
+            **reward_metrics,
+            **rates,
+            **phases.seconds,
+            "perf/reward_wait_s": phases.seconds["perf/score_s"],  # the loop blocked on the reward: all of it when serial
+            "perf/reward_hidden_s": 0.0,
+            **scoring.perf(),  # decode_s; when overlapped the reward's own score_s and the part of it hidden
+        }
+
+    def set_learning_rates(self, iteration: int) -> dict[str, float]:
+        """Every trained role's optimizer at its schedule's rate for this iteration; the rates logged: the policy's as
+        ``train/learning_rate``, a role clipped apart from the policy under ``train/learning_rate/<role>``."""
+        logged = {}
+        for role in self.roles.trained:
+            rate = role.settings.learning_rate_at(iteration, self.config.train.iterations)
+            for group in role.optimizer.param_groups:
+                group["lr"] = rate
+            if role.clip_with is None:
+                logged["train/learning_rate" if role.name == POLICY else f"train/learning_rate/{role.name}"] = rate
+        return logged
+
+    def collect(self, iteration: int, scoring: RolloutScoring | None = None) -> Any:
+        """This process's batch for ``iteration``: what the objective trains on."""
+        return self.collector.collect(iteration, self.rank, self.world, scoring)
+
+    def score(self, batch: Any, scoring: RolloutScoring | None = None) -> Any:
+        """Attach rewards (and their gradients, where the objective trains on them); non-finite rewards stay NaN and are
+        left out of the update (and counted). A reward that fails for good (a server that stayed down) raises; the run
+        then stops with the last completed iteration on disk."""
+        out, grads = self.collector.score(batch, self.reward, scoring)
+        scores = out.scores.float()  # on the reward's device: the samples' for images, the CPU for text
+        bad = ~torch.isfinite(scores)
+        if bad.any():
+            warnings.warn(
+                f"{int(bad.sum())} of {len(scores)} rewards were NaN or infinite; those samples are left out of the update.", stacklevel=2
+            )
+        batch.rewards = torch.where(bad, torch.full_like(scores, float("nan")), scores)
+        batch.reward_components = {k: v.float().to(scores.device) for k, v in out.extras.items()}
+        if grads is not None:
+            batch.reward_grads = grads
+        return batch
+
+    @torch.no_grad()
+    def prepare(self, batch: Any) -> Any:
+        """The objective's prepare(): advantages, pairs or labels; no gradient."""
+        return self.objective.prepare(self.modality.for_update(batch))
+
+    def update(self, batch: Any, iteration: int) -> dict[str, float]:
+        """The objective's inner epochs over minibatches; one engine step per minibatch. Rows are shuffled in whole
+        units of ``objective.minibatch_unit`` (D3PO's and Diffusion-DPO's pairs stay together)."""
+        tc, unit = self.config.train, self.objective.minibatch_unit
+        gen = seeding.torch_generator(self.config.seed, iteration, self.rank, "update")
+        totals: dict[str, list] = {}
+        for role in self.roles.trained:
+            role.module.train()
+        for epoch in range(tc.inner_epochs):
+            order = (torch.randperm(len(batch) // unit, generator=gen)[:, None] * unit + torch.arange(unit)).flatten()
+            for start in range(0, len(batch), tc.batch_size):
+                minibatch = batch[order[start : start + tc.batch_size]]
+                minibatch.inner_epoch = epoch
+                for k, v in self.step(minibatch, gen).items():
+                    totals.setdefault(k, []).append(v)
+        means = {k: float(torch.stack(v).float().mean()) for k, v in totals.items()}
+        return gather_means(means, self.world)  # the run's metrics, not the main process's share
+
+    def step(self, minibatch: Any, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """One optimizer step of every role the minibatch's losses are for; the losses' metrics averaged, and the norms."""
+        per_step: dict[str, list[torch.Tensor]] = {}
+
+        def record(loss_out: LossOutput) -> None:
+            for k, v in loss_out.metrics.items():
+                per_step.setdefault(k, []).append(v)
+
+        losses = self.objective.losses(self.modality.pipeline, self.modality.sampler, minibatch, gen)
+        norms = self.engine.step(self.roles, losses, record)
+        return {**{k: torch.stack(v).mean() for k, v in per_step.items()}, **norms}
+
+    # -- reward accounting ---------------------------------------------------------------------------------------------
+    def reward_metrics(self, batch: Any, iteration: int) -> dict[str, float]:
+        rewards = torch.cat(gather_object([batch.rewards.cpu()]))
+        finite = torch.isfinite(rewards)
+        self.nonfinite.append((iteration, int((~finite).sum()), len(rewards)))  # every process sees the same gathered counts
+        metrics = {
+            "reward/mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
+            "reward/std": float(rewards[finite].std(unbiased=False)) if finite.any() else float("nan"),
+            "reward/nonfinite_count": int((~finite).sum()),
+        }
+        for name, values in batch.reward_components.items():
+            metrics[f"reward/{name}"] = nanmean(torch.cat(gather_object([values.cpu()])).tolist())
+        return metrics
+
+    def check_learnable(self, iteration: int) -> None:
+        """Stop a run that cannot learn instead of training on nothing: every reward of this iteration non-finite, or
+        more than train.max_nonfinite_fraction of the last train.nonfinite_window iterations' rewards. Rows that are
+        labelled already (offline pairs, SePPO's winners) do not learn from the reward, so they are exempt."""
+        if not self.collector.learns_from_rewards or not self.nonfinite:
+            return
+        tc = self.config.train
+        _, bad, total = self.nonfinite[-1]
+        if total and bad == total:
+            raise FlowRLError(
+                f"all {total} rewards of iteration {iteration + 1} were NaN or infinite (reward components: "
+                f"{', '.join(self.config.reward.components)}), so the run cannot learn"
+            )
+        if len(self.nonfinite) == tc.nonfinite_window:
+            _, bad, total = (sum(x) for x in zip(*self.nonfinite))
+            if total and bad / total > tc.max_nonfinite_fraction:
+                raise FlowRLError(
+                    f"{bad} of {total} rewards of the last {tc.nonfinite_window} iterations were NaN or infinite, more than "
+                    f"train.max_nonfinite_fraction={tc.max_nonfinite_fraction:g}, so the run is not learning"
+                )
