@@ -4,21 +4,14 @@ Qwen3Model with a chat-template tokenizer, AutoencoderKL), saved with ``save_pre
 
 from __future__ import annotations
 
-import functools
+import operator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.tiny_components import (
-    CORPUS,
-    euler_final_latents,
-    family_config,
-    ode_sample,
-    rescoring_ratio_is_one,
-    tiny_vae,
-    two_iterations_change_every_parameter,
-)
+from tests.family_tester import FamilyTesterMixin, Grid, flow_match
+from tests.tiny_components import CORPUS, family_config, ode_sample, tiny_flux_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,7 +81,7 @@ def build_tiny_z_image(directory, scheduler=None):
         axes_dims=[4, 4, 8],
         axes_lens=[256, 32, 32],
     )
-    vae = tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    vae = tiny_flux_vae()
     pipe = ZImagePipeline(
         scheduler=scheduler or FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=vae,
@@ -122,96 +115,78 @@ def z_config(directory, output_dir, **extra):
     )
 
 
-flowrl_euler = functools.partial(euler_final_latents, prompts=PROMPTS)
+class TestZImage(FamilyTesterMixin):
+    """Z-Image(-Turbo): chat-template Qwen3 encoding with per-caption masks, 1 - sigma timesteps, negated outputs,
+    the pipeline's CFG ``c + s (c - u)`` against a negative prompt (flowrl's scale s + 1)."""
 
-
-@pytest.mark.parametrize(("scale", "negative"), [(0.0, None), (4.0, "blurry, low quality")], ids=["turbo_no_cfg", "base_cfg4_negative"])
-def test_matches_diffusers_pipeline(z_dir, scale, negative):
-    """Oracle: chat-template Qwen3 encoding, 1 - sigma timesteps, negated output, the pipeline's sigmas and its CFG
-    ``c + s (c - u)`` (flowrl's scale s + 1) against the negative prompt, as ZImagePipeline.__call__."""
-    from diffusers import ZImagePipeline
-
-    adapter = load(z_dir, negative_prompt=negative or "")
-    pipe = ZImagePipeline.from_pretrained(z_dir)
-    pipe.set_progress_bar_config(disable=True)
-    assert adapter.latent_shape() == (4, 8, 8) and adapter.schedule.shift == 3.0 and not adapter.schedule.dynamic
-    with torch.no_grad():
-        embeds, negatives = pipe.encode_prompt(
-            list(PROMPTS),
-            do_classifier_free_guidance=True,
-            negative_prompt=None if negative is None else [negative] * 2,
-            max_sequence_length=TOKENS,
-        )
-    cond, uncond = adapter.encode(PROMPTS), adapter.unconditional(2)
-    assert cond["prompt_mask"].sum(1).tolist() == [26, 48] == [len(e) for e in embeds]
-    for i in range(2):  # each caption is its real tokens only, as the pipeline's list
-        torch.testing.assert_close(cond["prompt_embeds"][i][cond["prompt_mask"][i]], embeds[i], atol=1e-6, rtol=0)
-        torch.testing.assert_close(uncond["prompt_embeds"][i][uncond["prompt_mask"][i]], negatives[i], atol=1e-6, rtol=0)
-
-    steps = 3
-    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
-
-    def call(output_type):
-        # ZImagePipeline writes the chat-templated texts back into the lists it is given: fresh lists per call
-        return pipe(
-            prompt=list(PROMPTS),
-            negative_prompt=None if negative is None else [negative] * 2,
-            latents=noise.clone(),
-            num_inference_steps=steps,
-            height=16,
-            width=16,
-            guidance_scale=scale,
-            max_sequence_length=TOKENS,
-            output_type=output_type,
-        ).images  # default arguments: the pipeline's own grid
-
-    theirs = call("latent")
-    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
-    ours = flowrl_euler(adapter, noise, steps, scale + 1.0)
-    diff = (ours - theirs).abs().max().item()
-    print(f"Z-Image oracle (diffusers guidance {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
+    name, checkpoint, pipeline_class, prompts = "z_image", "z_dir", "ZImagePipeline", tuple(PROMPTS)
+    grpo_overrides = {"rollout.guidance_scale": 5.0}  # the base model's recipe: true CFG (diffusers' 4.0 = flowrl's 5.0)
     # no CFG: the same float32 operations in the same order (0.0 measured); CFG: flowrl writes u + w (c - u) on the
     # negated outputs where diffusers writes c + s (c - u) before negating, a float32 rounding apart (1.6e-6 measured)
-    assert diff <= (0.0 if scale == 0 else 1e-5)
-    images = call("pt")
-    torch.testing.assert_close(adapter.decode(ours), images, atol=1e-4, rtol=0)
-    assert not any(p.requires_grad for m in adapter.frozen_modules() for p in m.parameters()) and len(adapter.frozen_modules()) == 2
+    oracle_cases = {
+        "turbo_no_cfg": {"guidance_scale": 0.0, "negative": None, "bound": (operator.le, 0.0)},
+        "base_cfg4_negative": {"guidance_scale": 4.0, "negative": "blurry, low quality", "bound": (operator.le, 1e-5)},
+    }
+    oracle_steps, oracle_decode_atol, frozen_modules = 3, 1e-4, 2
+    grids = {
+        "turbo_shift3": Grid(),
+        "dynamic": Grid(flow_match(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)),
+    }
+    grid_call = {"prompt": "a cat", "height": 16, "width": 16, "guidance_scale": 0.0, "max_sequence_length": TOKENS}
+    test_two_adjoint_matching_iterations = None
+    test_two_diffusion_nft_iterations = None
+    test_loads_through_flowrl_and_samples = None
 
+    def config(self, **extra):
+        return z_config(self.directory, self.run_dir, **extra)
 
-def with_scheduler(directory, tmp_path, scheduler):
-    """A copy of the tiny checkpoint with another scheduler config."""
-    import shutil
+    def load(self, directory=None, **options):
+        return load(directory or self.directory, **options)
 
-    copy = tmp_path / f"{Path(directory).name}_{type(scheduler).__name__}"
-    shutil.copytree(directory, copy)
-    shutil.rmtree(copy / "scheduler")
-    scheduler.save_pretrained(copy / "scheduler")
-    return copy
+    def oracle_adapter(self, case):
+        return self.load(negative_prompt=case["negative"] or "")
 
+    def negatives(self, case):
+        return None if case["negative"] is None else [case["negative"]] * 2
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["turbo_shift3", "dynamic"])
-def test_default_grid_is_the_pipelines_for_k_1_to_50(z_dir, tmp_path, dynamic):
-    """flowrl's grid = the sigmas ZImagePipeline sets up with its default arguments for K = 1..50: its float32
-    torch.linspace(1, 1/K, K), shifted by the static shift 3 (Z-Image-Turbo's config) or by exp(mu) of the image
-    token count (a dynamic config, mu = 0.50 at 16 tokens). FLUX's numpy line differs from it for most K, so
-    sampling_grid=flux (FLUX's grid) stays a different, selectable grid."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    def check_conditioning(self, adapter, pipe, case):
+        """Each caption is its real tokens only, as the pipeline's list; the unconditional branch the negative's."""
+        assert adapter.latent_shape() == (4, 8, 8) and adapter.schedule.shift == 3.0 and not adapter.schedule.dynamic
+        with torch.no_grad():
+            embeds, negatives = pipe.encode_prompt(
+                list(PROMPTS), do_classifier_free_guidance=True, negative_prompt=self.negatives(case), max_sequence_length=TOKENS
+            )
+        cond, uncond = adapter.encode(PROMPTS), adapter.unconditional(2)
+        assert cond["prompt_mask"].sum(1).tolist() == [26, 48] == [len(e) for e in embeds]
+        for i in range(2):
+            torch.testing.assert_close(cond["prompt_embeds"][i][cond["prompt_mask"][i]], embeds[i], atol=1e-6, rtol=0)
+            torch.testing.assert_close(uncond["prompt_embeds"][i][uncond["prompt_mask"][i]], negatives[i], atol=1e-6, rtol=0)
 
-    from flowrl.errors import FlowRLError
-    from tests.test_family_stable_diffusion import pipeline_default_grid
+    def pipeline_call(self, pipe, noise, steps, scale, output_type, case):
+        # ZImagePipeline writes the chat-templated texts back into the lists it is given: fresh lists per call
+        call = {"num_inference_steps": steps, "height": 16, "width": 16, "guidance_scale": scale, "max_sequence_length": TOKENS}
+        return pipe(
+            prompt=list(PROMPTS), negative_prompt=self.negatives(case), latents=noise.clone(), output_type=output_type, **call
+        ).images
 
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)
-    directory = with_scheduler(z_dir, tmp_path, scheduler) if dynamic else z_dir
-    adapter, pipe = load(directory), ZImagePipeline.from_pretrained(directory)
-    assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == dynamic
-    for steps in range(1, 51):
-        _, sigmas = pipeline_default_grid(pipe, steps, prompt="a cat", height=16, width=16, guidance_scale=0.0, max_sequence_length=TOKENS)
-        assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
-    flux = load(directory, sampling_grid="flux")
-    assert type(flux.schedule).__name__ == "FlowSchedule"
-    assert sum(not torch.equal(flux.schedule.sigmas(k), adapter.schedule.sigmas(k)) for k in range(1, 51)) > 30
-    with pytest.raises(FlowRLError, match="sampling_grid 'leading' does not apply to z_image"):
-        load(directory, sampling_grid="leading")
+    def flowrl_guidance(self, scale):
+        return scale + 1.0
+
+    def check_grid(self, adapter, grid):
+        """ZImagePipeline's float32 torch.linspace(1, 1/K, K), shifted by the static shift 3 (Z-Image-Turbo's config)
+        or by exp(mu) of the image token count (a dynamic config, mu = 0.50 at 16 tokens)."""
+        assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic == (grid == "dynamic")
+
+    def check_grid_extras(self, adapter, pipe, directory, grid):
+        """FLUX's numpy line differs from it for most K, so sampling_grid=flux (FLUX's grid) stays a different,
+        selectable grid; another family's is refused."""
+        from flowrl.errors import FlowRLError
+
+        flux = load(directory, sampling_grid="flux")
+        assert type(flux.schedule).__name__ == "FlowSchedule"
+        assert sum(not torch.equal(flux.schedule.sigmas(k), adapter.schedule.sigmas(k)) for k in range(1, 51)) > 30
+        with pytest.raises(FlowRLError, match="sampling_grid 'leading' does not apply to z_image"):
+            load(directory, sampling_grid="leading")
 
 
 def test_guidance_turbo_one_forward_base_cfg_two_branches_embedded_refused(z_dir, tmp_path):
@@ -246,23 +221,6 @@ def test_guidance_turbo_one_forward_base_cfg_two_branches_embedded_refused(z_dir
     assert choose_blocks_to_wrap(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), adapter.denoiser) == ["ZImageTransformerBlock"]
     with pytest.raises(FlowRLError, match="guidance embedding"):
         Trainer(load_config(None, z_config(z_dir, tmp_path / "run", **{"rollout.guidance_mode": "embedded"})))
-
-
-def test_two_grpo_iterations_full_finetune_with_cfg(z_dir, tmp_path):
-    """The base model's recipe: true CFG (diffusers' 4.0 = flowrl's 5.0) in rollout and training."""
-    trainer = two_iterations_change_every_parameter(z_config(z_dir, tmp_path / "run", **{"rollout.guidance_scale": 5.0}))
-    print(f"Z-Image re-scoring at unchanged weights: max |log ratio| = {rescoring_ratio_is_one(trainer):.2e}")
-
-
-def test_lora_round_trip_through_diffusers_load_lora_weights(z_dir, tmp_path):
-    """Turbo's recipe (no guidance) with LoRA on Flow-Factory's targets; the checkpoint loads with
-    ZImagePipeline.load_lora_weights and reproduces flowrl's samples; merged export and --lora-only agree."""
-    from diffusers import ZImagePipeline
-
-    from tests.test_family_sd3_flux import lora_round_trip
-
-    overrides = z_config(z_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"})
-    lora_round_trip(ZImagePipeline, "z_image", z_dir, tmp_path, overrides, 1.0)
 
 
 def test_preset_validates():
