@@ -12,6 +12,7 @@ PREEMPTED_EXIT = 143  # 128 + SIGTERM: what a shell, SLURM and Kubernetes read a
 
 EPILOG = """examples:
   flowrl presets
+  flowrl config train                                             (a section's keys, types, defaults, descriptions)
   flowrl train digits/grpo                                        (a shipped preset; or a YAML file)
   flowrl train configs/digits/grpo.yaml train.iterations=10 output_dir=runs/quick
   flowrl sample runs/digits_grpo/checkpoints/step_000030 --prompt "a handwritten seven" -n 8
@@ -40,7 +41,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train with a preset or YAML config and key=value overrides")
+    t = sub.add_parser(
+        "train",
+        help="train with a preset or YAML config and key=value overrides",
+        epilog="every key and what it does: flowrl config [SECTION | objective.NAME | PRESET], or docs/config_reference.md",
+    )
     t.add_argument("config", help="a shipped preset by name (digits/grpo; see flowrl presets) or a YAML file")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iterations=10")
     s = sub.add_parser("sample", help="sample a grid of images from a checkpoint or a pretrained model")
@@ -194,6 +199,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     x.add_argument("--private", action="store_true", help="(--push-to-hub) create the repo private")
     sub.add_parser("presets", help="list the presets shipped with flowrl (flowrl train NAME)")
+    c = sub.add_parser("config", help="explain the config: its sections, or one section's keys with types, defaults and descriptions")
+    c.add_argument(
+        "target",
+        nargs="?",
+        help="a section (train), a part (objective.grpo, pipeline.flux, reward.pickscore), serve-reward, "
+        "or a preset / YAML file to show its values beside the descriptions; none: the list of sections",
+    )
+    c.add_argument("--name", default=None, help="the part's name, for a target pipeline, sampler, objective or reward")
     r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
     r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
     r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
@@ -220,7 +233,7 @@ def _quiet_library_progress() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command not in ("label", "presets"):  # no model loads: no need to import diffusers
+    if args.command not in ("label", "presets", "config"):  # no model loads: no need to import diffusers
         _quiet_library_progress()
     try:
         _check_arguments(args)
@@ -232,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             "serve-reward": _serve_reward,
             "label": _label,
             "presets": _presets,
+            "config": _config,
         }[args.command](args)
     except FlowRLError as e:
         from .training.distributed import report_error
@@ -334,6 +348,18 @@ def _presets(args) -> int:
     print(f"{len(names)} presets shipped in {PRESET_DIR} (flowrl train NAME [key=value ...]):")
     for name in names:
         print(f"  {name:<{width}}  {summary(name)}")
+    return 0
+
+
+def _config(args) -> int:
+    import os
+
+    from .config_reference import config_text
+
+    try:
+        print(config_text(args.target, args.name), flush=True)
+    except BrokenPipeError:  # flowrl config | head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -1,24 +1,27 @@
 """Config sections: the base every part's section builds on.
 
 Each part of a run (a model family, a sampler, an objective) declares its own section next to its code: a
-pydantic model holding its knobs with their defaults, bounds and comments, and a ``build(...)`` that makes the
-runtime object. ``flowrl/config.py`` composes the run from the sections the registries name
+pydantic model holding its knobs with their defaults, bounds and a one-line ``description`` each
+(``Field(default, ge=..., description="...")``; docs/config_reference.md and ``flowrl config`` are generated from
+them), and a ``build(...)`` that makes the runtime object. ``flowrl/config.py`` composes the run from the sections the registries name
 (``flowrl/registry.py``); nothing else lists them. A runtime class takes its parameters from its section and
 writes no default of its own for them, so every default is written once (tests/test_sections.py checks it).
 
 Rewards need no hand-written section: a reward class's constructor is its section (the parameters, their
-annotations and defaults, read by :func:`signature_section`), so a user's reward class validates its
-``reward.kwargs`` the same way flowrl's own do.
+annotations and defaults, read by :func:`signature_section`; their descriptions from the Google-style ``Args:``
+block of the class's or the constructor's docstring), so a user's reward class validates its ``reward.kwargs`` the
+same way flowrl's own do.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUndefinedAnnotation
 
 
@@ -27,6 +30,15 @@ class Section(BaseModel):
     # or garbage, so it is refused at load time like any other invalid value.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """A field a subclass declares again only to change its default (``name: str = "grpo"``) keeps the
+        description its base gave it: pydantic would drop it, and the meaning is written once."""
+        super().__pydantic_init_subclass__(**kwargs)
+        for key, field in cls.model_fields.items():
+            if not field.description:
+                field.description = _inherited_description(cls, key)
+
 
 class PartSection(Section):
     """A section chosen by its ``name`` from a registry (``pipeline``, ``sampler``, ``objective``).
@@ -34,7 +46,7 @@ class PartSection(Section):
     ``modality`` says which kind of model the part belongs to ("images" for image and video models, "text" for
     masked-diffusion language models); a run whose pipeline, sampler and objective disagree is refused."""
 
-    name: str
+    name: str = Field(description="The registered name (or an import path package.module:Class) choosing this part.")
     modality: ClassVar[str] = "images"
     target: ClassVar[Any] = None  # on a section read from a signature: the class it constructs
 
@@ -105,6 +117,15 @@ class PipelineSection(PartSection):
         return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 
 
+def _inherited_description(cls: type[BaseModel], key: str) -> str | None:
+    """The description of field ``key`` in the nearest base of ``cls`` that gives one."""
+    for base in cls.__mro__[1:]:
+        field = getattr(base, "__pydantic_fields__", {}).get(key)
+        if field is not None and field.description:
+            return field.description
+    return None
+
+
 # -- sections read from a signature ---------------------------------------------------------------------------
 def signature_section(target: Any, label: str, base: type[Section] = Section, skip: tuple[str, ...] = ()) -> type[Section]:
     """A section whose fields are ``target``'s keyword parameters (a class's ``__init__`` or a function's),
@@ -119,6 +140,7 @@ def signature_section(target: Any, label: str, base: type[Section] = Section, sk
         hints = typing.get_type_hints(function)
     except Exception:  # an annotation that does not resolve (a name imported only for type checking)
         hints = {}
+    described = documented_args(target)
     fields: dict[str, Any] = {}
     extra = "forbid"
     for pname, p in parameters.items():
@@ -130,7 +152,8 @@ def signature_section(target: Any, label: str, base: type[Section] = Section, sk
             extra = "allow"  # **kwargs: anything goes through to the constructor
             continue
         annotation = hints.get(pname, Any)
-        fields[pname] = (_schema_safe(annotation), ... if p.default is p.empty else p.default)
+        default = ... if p.default is p.empty else p.default
+        fields[pname] = (_schema_safe(annotation), Field(default, description=described.get(pname)))
     namespace = {
         "model_config": ConfigDict(extra=extra, arbitrary_types_allowed=True),
         "__module__": getattr(target, "__module__", __name__),
@@ -139,6 +162,56 @@ def signature_section(target: Any, label: str, base: type[Section] = Section, sk
         namespace["target"] = target
     parent = type(f"{label}SectionBase", (base,), namespace)
     return create_model(f"{label}Section", __base__=parent, __module__=parent.__module__, **fields)
+
+
+_ARG_ENTRY = re.compile(r"^([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*(?:\([^)]*\))?:\s*(.*)$")
+
+
+def documented_args(target: Any) -> dict[str, str]:
+    """Parameter name -> description, from the Google-style ``Args:`` blocks of ``target``'s docstring and its
+    constructor's, then its bases' (a parameter a base class documents needs no second line)::
+
+        Args:
+            timeout: seconds each attempt may take.
+            use, weights: the dimensions to add up
+                (a continuation line joins the description).
+    """
+    owners = [c for c in target.__mro__ if c is not object] if inspect.isclass(target) else [target]
+    found: dict[str, str] = {}
+    for owner in owners:
+        docs = [vars(owner).get("__doc__"), getattr(vars(owner).get("__init__"), "__doc__", None)]
+        for doc in docs if inspect.isclass(owner) else [owner.__doc__]:
+            for key, text in _args_block(doc).items():
+                found.setdefault(key, text)
+    return found
+
+
+def _args_block(doc: str | None) -> dict[str, str]:
+    """The entries of the ``Args:`` block of one docstring (continuation lines joined with a space)."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "Args:"), None)
+    if start is None:
+        return {}
+    header, entry_indent, names = _indent(lines[start]), None, []
+    entries: dict[str, str] = {}
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        indent = _indent(line)
+        if indent <= header:
+            break
+        entry_indent = indent if entry_indent is None else entry_indent
+        match = _ARG_ENTRY.match(line.strip()) if indent == entry_indent else None
+        if match:
+            names = [n.strip() for n in match[1].split(",")]
+            entries.update(dict.fromkeys(names, match[2].strip()))
+        else:
+            entries.update({n: f"{entries[n]} {line.strip()}".strip() for n in names})
+    return entries
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
 
 
 def _schema_safe(annotation: Any) -> Any:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..samplers.masked_image import MaskSchedule
@@ -139,7 +140,9 @@ class AmusedConfig(PipelineConfig):
     masked_image``."""
 
     name: str = "amused"
-    pretrained: str = "digits_masked"
+    pretrained: str = Field(
+        "digits_masked", description="aMUSEd's hub id (amused/amused-256, -512), a local AmusedPipeline directory or digits_masked."
+    )
     adapter: ClassVar[Any] = AmusedAdapter
 
     def default_num_threads(self) -> int | None:

@@ -21,7 +21,13 @@ def _device_spec(v: str) -> str:
     return v
 
 
-DeviceSpec = Annotated[str, AfterValidator(_device_spec)]
+DeviceSpec = Annotated[
+    str,
+    AfterValidator(_device_spec),
+    Field(description='Where the model runs: "auto" lets accelerate place it (a GPU when present), else exactly this device.'),
+]
+ModelDtype = Annotated[Dtype, Field(description="Precision of the model's weights.")]
+PromptLength = Annotated[int | None, Field(description="Left-pad prompts to this many tokens; None: the longest prompt of the batch.")]
 
 
 def resolve_device(spec: str, key: str = "pipeline.device") -> torch.device | None:
@@ -52,7 +58,12 @@ def device_for(spec: str) -> torch.device:
 class LoraConfig(Section):
     """``pipeline.lora``: train low-rank adapters (peft) instead of the whole denoiser / language model."""
 
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | None = None  # None: the family's default
+    r: int = Field(8, ge=1, description="Rank of the low-rank adapters.")
+    alpha: int = Field(16, ge=1, description="LoRA scaling numerator: the adapter's update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on the adapters' input.")
+    target_modules: list[str] | None = Field(None, description="Names of the modules that get adapters; None: the family's default.")
+
+
+OptionalLora = Annotated[
+    LoraConfig | None, Field(description="Train low-rank adapters (peft) with these settings; None: fine-tune the whole model.")
+]

@@ -41,22 +41,34 @@ class PipelineConfig(PipelineSection):
     its adapter and may add fields of its own."""
 
     name: str = "digits"
-    pretrained: str = "digits_flow"  # an embedded model name, a local directory, or a hub id
-    revision: str | None = None  # hub revision (branch, tag or commit)
-    variant: str | None = None  # diffusers weight variant, e.g. "fp16"
-    device: DeviceSpec = "auto"  # "auto" lets accelerate place it (GPU when present); else exactly this one
-    dtype: Dtype = "float32"  # weights of the frozen parts and the base model
-    lora: LoraConfig | None = None  # None: full fine-tuning of the denoiser
-    gradient_checkpointing: bool = False
-    attention: Literal["sdpa", "xformers"] = "sdpa"  # xformers needs the [gpu] extra
-    offload_frozen: bool = False  # keep text encoders / VAE on the CPU except while they run
-    height: int | None = Field(None, ge=8)  # sample size in pixels; None: the family's default
-    width: int | None = Field(None, ge=8)
-    num_frames: int | None = Field(None, ge=1)  # video families
-    max_sequence_length: int | None = Field(None, ge=1)  # text-encoder tokens (T5 families)
-    flow_shift: float | None = Field(None, gt=0)  # rectified-flow families: override the checkpoint's sigma shift
-    # the sampling grid; default: the family's diffusers pipeline grid for the checkpoint (docs/samplers.md)
-    sampling_grid: SamplingGrid = "default"
+    pretrained: str = Field(
+        "digits_flow", description="The checkpoint: an embedded model name, a local directory or a Hugging Face Hub id."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of pretrained; None: the default branch.")
+    variant: str | None = Field(None, description='diffusers weight variant to load, e.g. "fp16"; None: the full-precision files.')
+    device: DeviceSpec = "auto"
+    dtype: Dtype = Field("float32", description="Precision of the frozen parts' weights and of the base model's.")
+    lora: LoraConfig | None = Field(None, description="Train low-rank adapters with these settings; None: fine-tune the whole denoiser.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the denoiser's activations in the backward pass: less memory, more time."
+    )
+    attention: Literal["sdpa", "xformers"] = Field(
+        "sdpa", description="Attention kernel: torch's scaled_dot_product_attention or xformers (needs the [gpu] extra)."
+    )
+    offload_frozen: bool = Field(False, description="Keep the text encoders and the VAE on the CPU except while they run.")
+    height: int | None = Field(None, ge=8, description="Sample height in pixels; None: the family's default.")
+    width: int | None = Field(None, ge=8, description="Sample width in pixels; None: the family's default.")
+    num_frames: int | None = Field(None, ge=1, description="Frames per video (video families); None: the family's default.")
+    max_sequence_length: int | None = Field(
+        None, ge=1, description="Text-encoder tokens per prompt (T5 families); None: the family's default."
+    )
+    flow_shift: float | None = Field(
+        None, gt=0, description="Rectified-flow families: the sigma shift of the sampling grid instead of the checkpoint's."
+    )
+    # docs/samplers.md lists the grids
+    sampling_grid: SamplingGrid = Field(
+        "default", description="The sampling time grid; default: the family's diffusers pipeline grid for the checkpoint."
+    )
     adapter: ClassVar[Any] = None  # the family's adapter class (set by each family's section)
 
     def build(self, device: Any, loaded: Any = None) -> Any:

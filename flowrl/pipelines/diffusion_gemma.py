@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..sections import PipelineSection
-from .common import DeviceSpec, Dtype, LoraConfig
+from .common import DeviceSpec, ModelDtype, OptionalLora, PromptLength
 from .dllm import EMBEDDED_LMS, _config_dict, _device, _dtype, _first_line, _unwrap
 
 TINY_RANDOM = "diffusion_gemma_tiny_random"
@@ -347,11 +347,13 @@ class DiffusionGemmaPipelineConfig(PipelineSection):
     by ``sampler.name: entropy_bound``."""
 
     name: str = "diffusion_gemma"
-    pretrained: str = TINY_RANDOM  # a directory, a hub id, or diffusion_gemma_tiny_random (random weights: plumbing only)
+    pretrained: str = Field(
+        TINY_RANDOM, description="A directory, a hub id, or diffusion_gemma_tiny_random (random weights: plumbing tests only)."
+    )
     device: DeviceSpec = "auto"
-    dtype: Dtype = "float32"
-    lora: LoraConfig | None = None
-    prompt_length: int | None = Field(None, ge=1)  # pad prompts (left) to this length; None = longest in batch
+    dtype: ModelDtype = "float32"
+    lora: OptionalLora = None
+    prompt_length: PromptLength = Field(None, ge=1)
     modality: ClassVar[str] = "text"
 
     def check_run(self, config: Any) -> None:

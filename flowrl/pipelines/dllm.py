@@ -58,7 +58,7 @@ from .block_attention import (
     block_diffusion_training_positions,
     position_ids,
 )
-from .common import DTYPES, DeviceSpec, Dtype, LoraConfig
+from .common import DTYPES, DeviceSpec, ModelDtype, OptionalLora, PromptLength
 
 DLLMFamily = Literal["auto", "llada", "mmada", "dream"]
 FAMILIES: tuple[str, ...] = get_args(DLLMFamily)
@@ -506,15 +506,17 @@ class DLLMPipelineConfig(PipelineSection):
     arith_bd3lm)."""
 
     name: str = "dllm"
-    pretrained: str = "arith_mdlm"  # embedded name, local directory, or hub id
-    family: DLLMFamily = "auto"
-    trust_remote_code: bool = False  # LLaDA/MMaDA/Dream ship their modelling code: opt in explicitly
+    pretrained: str = Field("arith_mdlm", description="The checkpoint: an embedded model name, a local directory or a Hugging Face Hub id.")
+    family: DLLMFamily = Field("auto", description="The model's family (how it is called and masked); auto: read from its config.")
+    trust_remote_code: bool = Field(
+        False, description="Run the modelling code a checkpoint ships (LLaDA, MMaDA, Dream need it): opt in explicitly."
+    )
     device: DeviceSpec = "auto"
-    dtype: Dtype = "float32"
-    lora: LoraConfig | None = None
-    prompt_length: int | None = Field(None, ge=1)  # pad prompts (left) to this length; None = longest in batch
-    mask_token_id: int | None = Field(None, ge=0)  # None: the tokenizer's, the config's or the family's
-    require_bidirectional: bool = True  # refuse a model whose attention is causal
+    dtype: ModelDtype = "float32"
+    lora: OptionalLora = None
+    prompt_length: PromptLength = Field(None, ge=1)
+    mask_token_id: int | None = Field(None, ge=0, description="The mask token's id; None: the tokenizer's, the config's or the family's.")
+    require_bidirectional: bool = Field(True, description="Refuse a model whose attention is causal (not a diffusion LM).")
     modality: ClassVar[str] = "text"
 
     def build(self, device: Any, loaded: Any = None) -> MaskedDiffusionLM:

@@ -185,9 +185,11 @@ class FluxKontextConfig(FluxConfig):
     """``pipeline.name: flux_kontext`` (FLUX.1 Kontext: image editing with the source image from metadata.image)."""
 
     name: str = "flux_kontext"
-    # the source image's size: FluxKontextPipeline's preferred Kontext resolution nearest in aspect ratio (true),
-    # or its own size (false, the pipeline's _auto_resize=False); both floored to multiples of 16
-    condition_auto_resize: bool = True
-    condition_height: int | None = Field(None, ge=8)  # a fixed size for every source image (Flow-Factory's
-    condition_width: int | None = Field(None, ge=8)  # condition_image_size); overrides condition_auto_resize
+    # both floored to multiples of 16
+    condition_auto_resize: bool = Field(
+        True,
+        description="Resize the source image to the preferred Kontext resolution nearest in aspect ratio; false: keep its size.",
+    )
+    condition_height: int | None = Field(None, ge=8, description="A fixed height for every source image; overrides condition_auto_resize.")
+    condition_width: int | None = Field(None, ge=8, description="A fixed width for every source image; overrides condition_auto_resize.")
     adapter: ClassVar[Any] = FluxKontextAdapter

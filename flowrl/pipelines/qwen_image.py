@@ -347,8 +347,10 @@ class QwenImageConfig(PipelineConfig):
     """``pipeline.name: qwen_image`` (Qwen-Image text-to-image)."""
 
     name: str = "qwen_image"
-    negative_prompt: str = " "  # the CFG branch's prompt; Qwen's model card uses " "
-    cfg_norm_rescale: bool = True  # the pipelines' rescale of the guided velocity to the conditional one's norm
+    negative_prompt: str = Field(" ", description='The prompt of the CFG branch (Qwen\'s model card uses " ").')
+    cfg_norm_rescale: bool = Field(
+        True, description="Rescale the guided velocity to the norm of the conditional one (the pipelines' rescale)."
+    )
     adapter: ClassVar[Any] = QwenImageAdapter
 
 
@@ -584,10 +586,14 @@ class QwenImageEditConfig(QwenImageConfig):
     """``pipeline.name: qwen_image_edit`` (Qwen-Image-Edit: one source image from metadata.image)."""
 
     name: str = "qwen_image_edit"
-    condition_area: int = Field(1024 * 1024, ge=32 * 32)  # source image pixels (VAE and VLM); the pipeline's 1024^2
-    # width / height every source image is centre-cropped to first, so that sources of mixed aspect ratios share one
-    # condition geometry (None: the pipeline's behaviour, each image keeps its own ratio; a run then needs one ratio)
-    condition_aspect: float | None = Field(None, gt=0)
+    condition_area: int = Field(
+        1024 * 1024, ge=32 * 32, description="Pixels of the source image the VAE and the VLM see (the pipeline's 1024^2)."
+    )
+    # so that sources of mixed aspect ratios share one condition geometry; None keeps each image's ratio (a run then
+    # needs one ratio)
+    condition_aspect: float | None = Field(
+        None, gt=0, description="Width / height every source image is centre-cropped to first; None: each keeps its own."
+    )
     adapter: ClassVar[Any] = QwenImageEditAdapter
 
 
@@ -595,8 +601,11 @@ class QwenImageEditPlusConfig(QwenImageEditConfig):
     """``pipeline.name: qwen_image_edit_plus`` (Qwen-Image-Edit-2509/2511: source images from metadata.images)."""
 
     name: str = "qwen_image_edit_plus"
-    vlm_condition_area: int = Field(384 * 384, ge=28 * 28)  # pixels of each image Qwen2.5-VL sees; the pipeline's 384^2
-    # the metadata keys of the source images, in order (e.g. a dataset's image columns); None: metadata["images"]
-    # (a list), else metadata["image"]
-    source_images: list[str] | None = None
+    vlm_condition_area: int = Field(
+        384 * 384, ge=28 * 28, description="Pixels of each source image Qwen2.5-VL sees (the pipeline's 384^2)."
+    )
+    source_images: list[str] | None = Field(
+        None,
+        description='Metadata keys of the source images, in order; None: metadata["images"] (a list), else metadata["image"].',
+    )
     adapter: ClassVar[Any] = QwenImageEditPlusAdapter

@@ -271,8 +271,8 @@ class Toy2DConfig(PipelineConfig):
     """``pipeline.name: toy2d``: the exact 2-D two-mode base (``pretrained`` is not read)."""
 
     name: str = "toy2d"
-    shift: float = Field(1.0, gt=0)  # SD3-style time shift of the sampling grid: > 1 puts more steps at high noise
-    hidden: int = Field(64, ge=1)  # width of the fine-tuned MLP's two hidden layers
+    shift: float = Field(1.0, gt=0, description="SD3-style time shift of the sampling grid: > 1 puts more steps at high noise.")
+    hidden: int = Field(64, ge=1, description="Width of the fine-tuned MLP's two hidden layers.")
 
     def build(self, device: Any, loaded: Any = None) -> Toy2DPipeline:
         if loaded is not None:

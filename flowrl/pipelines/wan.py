@@ -736,11 +736,16 @@ class WanImageToVideoAdapter(WanAdapter):
 class _WanSection(PipelineConfig):
     """The fields every Wan section adds (Wan2.2's two experts)."""
 
-    # Wan2.2 A14B: which experts train (high: `transformer`, the steps with t >= boundary_ratio * T; low:
-    # `transformer_2`); None: both. An expert left out keeps no adapter and never changes.
-    train_experts: list[Literal["high", "low"]] | None = Field(None, min_length=1)
-    # Wan2.2 A14B: the CFG scale of the low-noise expert (WanPipeline's guidance_scale_2); None: rollout.guidance_scale
-    guidance_scale_2: float | None = Field(None, ge=0)
+    # An expert left out keeps no adapter and never changes.
+    train_experts: list[Literal["high", "low"]] | None = Field(
+        None,
+        min_length=1,
+        description="Wan2.2 A14B: which experts train (high: transformer, the steps with t >= boundary_ratio * T; low: transformer_2); "
+        "None: both.",
+    )
+    guidance_scale_2: float | None = Field(
+        None, ge=0, description="Wan2.2 A14B: the CFG scale of the low-noise expert; None: rollout.guidance_scale."
+    )
 
 
 class WanConfig(_WanSection):

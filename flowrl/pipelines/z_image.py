@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
@@ -175,5 +176,7 @@ class ZImageConfig(PipelineConfig):
     """``pipeline.name: z_image`` (Z-Image, Z-Image-Turbo)."""
 
     name: str = "z_image"
-    negative_prompt: str = ""  # CFG's unconditional branch (base Z-Image); unused at guidance_scale 1 (Turbo)
+    negative_prompt: str = Field(
+        "", description="The prompt of CFG's unconditional branch (base Z-Image); unused at guidance_scale 1 (Turbo)."
+    )
     adapter: ClassVar[Any] = ZImageAdapter

@@ -46,23 +46,33 @@ class DatasetColumns(Section):
     """``prompts.columns`` of a Hugging Face dataset (``dataset: hf``): which column is the prompt, which become
     metadata (None: every other column), which hold source images (None: the Image columns and one named "image")."""
 
-    prompt: str = "prompt"
-    metadata: list[str] | None = None
-    images: list[str] | None = None
+    prompt: str = Field("prompt", description="The column holding the prompt.")
+    metadata: list[str] | None = Field(None, description="Columns passed to the rewards as metadata; None: every other column.")
+    images: list[str] | None = Field(None, description='Columns holding source images; None: the Image columns and one named "image".')
 
 
 class PromptsConfig(Section):
-    dataset: str = "digits"  # a name in PROMPT_SOURCES, an installed source's name, or an import path "pkg.module:function"
-    eval_size: int = Field(200, ge=1)  # held-out prompts for text datasets
-    train_split: str = "train"
-    eval_split: str = "eval"
-    # dataset "file": one prompt per line (.txt) or JSON lines with a "prompt" key, the other keys being metadata
-    # for the rewards (.jsonl); a bundled name (flowrl/data/prompts/<name>) or a path. dataset "hf": a local
-    # Hugging Face dataset (parquet, arrow, jsonl, csv, a save_to_disk folder; flowrl/prompts/datasets.py)
-    train_file: str | None = None
-    eval_file: str | None = None
-    columns: DatasetColumns = Field(default_factory=DatasetColumns)  # dataset "hf": the column mapping
-    pairs: str | None = None  # Diffusion-DPO's offline preference pairs: a directory (python -m flowrl.preferences.pairs)
+    dataset: str = Field(
+        "digits",
+        description='Where prompts come from: a prompt source\'s name (digits, gsm8k, file, hf, ...) or an import path "pkg.module:function".',
+    )
+    eval_size: int = Field(200, ge=1, description="Held-out prompts drawn from a generated task or a shared evaluation file.")
+    train_split: str = Field("train", description="The split training prompts are read from.")
+    eval_split: str = Field("eval", description="The split held-out evaluation prompts are read from.")
+    # "file": one prompt per line (.txt) or JSON lines with a "prompt" key, the other keys being metadata for the
+    # rewards (.jsonl). "hf": a local Hugging Face dataset (parquet, arrow, jsonl, csv, a save_to_disk folder;
+    # flowrl/prompts/datasets.py)
+    train_file: str | None = Field(
+        None, description='Training prompts of dataset "file" or "hf": a bundled name (flowrl/data/prompts/<name>) or a path.'
+    )
+    eval_file: str | None = Field(None, description='Evaluation prompts of dataset "file" or "hf", as train_file.')
+    columns: DatasetColumns = Field(
+        default_factory=DatasetColumns, description='Dataset "hf": which columns are the prompt, metadata and images.'
+    )
+    pairs: str | None = Field(
+        None,
+        description="Offline preference pairs (Diffusion-DPO, D3PO human labels): a directory from python -m flowrl.preferences.pairs.",
+    )
 
     @model_validator(mode="after")
     def _source(self):

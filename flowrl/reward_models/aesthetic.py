@@ -91,8 +91,10 @@ def load_aesthetic_head(path: str | Path | None, input_dim: int = 768) -> Aesthe
 class AestheticReward(ClipBackedReward):
     """Predicted aesthetic rating (about 1-10) of each image; prompts are ignored.
 
-    pretrained: hub id or directory of the CLIP model (with its processor). head_path: the head file.
-    head_input_dim: the head's input size, which must equal the CLIP projection size (768 for ViT-L/14).
+    Args:
+        pretrained: hub id or directory of the CLIP model (with its processor).
+        head_path: the improved-aesthetic-predictor head's weights file (.pth or .safetensors); required.
+        head_input_dim: the head's input size, which must equal the CLIP projection size (768 for ViT-L/14).
     """
 
     name = "aesthetic"

@@ -23,7 +23,9 @@ class BinaryRewardConfig(Section):
     """``reward.binary.<new name>``: a sparse binary reward: 1 when every named reward's score is strictly above its
     threshold, else 0."""
 
-    all_of: dict[str, float] = Field(min_length=1)  # reward name -> threshold
+    all_of: dict[str, float] = Field(
+        min_length=1, description="Reward name -> threshold its score must be strictly above for the binary reward to be 1."
+    )
 
 
 class ThresholdReward:

@@ -308,7 +308,14 @@ def outside_inference_mode(fn: Callable[[], Any]) -> Any:
 class LazyLoadedModel:
     """A reward whose model loads on first use (``_load`` sets ``_model``) and follows the samples'
     device unless ``device`` pins it. Loading happens outside inference mode so later calls can take
-    gradients through it."""
+    gradients through it.
+
+    Its subclasses' constructors take (described once here, for the config reference):
+
+    Args:
+        device: where the model runs, e.g. "cuda:1"; None: the samples' device.
+        dtype: precision of the model's weights ("float32", "bfloat16" or "float16").
+    """
 
     _model: Any = None
     device: str | None = None
@@ -329,6 +336,12 @@ class ClipBackedReward(LazyLoadedModel):
     Nothing is loaded in ``__init__``; the first call loads the model onto ``device`` (or the samples'
     device when None) in ``dtype``. ``differentiable=True`` preprocesses in torch (gradients reach the
     samples); ``differentiable=False`` uses the real transformers image processor under no_grad.
+
+    Args:
+        pretrained: hub id or directory holding the CLIP model and its processor.
+        processor: where the processor comes from instead (a hub id or a directory); None: pretrained.
+        differentiable: preprocess in torch so gradients reach the samples; false: the transformers image
+            processor (PIL) under no_grad.
     """
 
     name = "clip"

@@ -28,9 +28,9 @@ DEFAULT_MODEL = "openai/clip-vit-large-patch14"
 class ClipScoreReward(ClipBackedReward):
     """``scale * cos(image, prompt)`` (``scale * max(cos, 0)`` with ``clip_negative``).
 
-    pretrained: hub id or directory holding a CLIPModel and its processor (``processor`` overrides
-    where the processor comes from). device None = the samples' device. differentiable=False uses the
-    transformers image processor (PIL) instead of the torch preprocessing and keeps no graph.
+    Args:
+        scale: factor on the cosine similarity.
+        clip_negative: score max(cos, 0): a negative similarity counts as 0.
     """
 
     name = "clip_score"

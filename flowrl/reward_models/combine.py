@@ -93,14 +93,16 @@ class RewardEnsemble:
 
 
 class EnsembleMember(Section):
-    name: str  # a registered reward, an entry point or an import path
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(description="The member reward: a registered name, an entry point or an import path.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="The member's constructor arguments.")
 
 
 class EnsembleConfig(Section):
     """``reward.ensembles.<new name>``: several reward models of the same quantity combined conservatively (WCO / UWO)."""
 
-    members: list[EnsembleMember] = Field(min_length=2)
-    mode: Literal["mean", "wco", "uwo"] = "wco"
-    coefficient: float = Field(1.0, ge=0)  # UWO's lambda
-    uncertainty: Literal["variance", "std"] = "variance"
+    members: list[EnsembleMember] = Field(min_length=2, description="The reward models of the same quantity (two or more).")
+    mode: Literal["mean", "wco", "uwo"] = Field(
+        "wco", description="mean: their mean; wco: worst case, their minimum; uwo: mean - coefficient * uncertainty."
+    )
+    coefficient: float = Field(1.0, ge=0, description="UWO's lambda: the weight of the members' disagreement.")
+    uncertainty: Literal["variance", "std"] = Field("variance", description="UWO's measure of disagreement: the members' variance or std.")

@@ -95,7 +95,11 @@ def target_digits(metadata: Sequence[Mapping[str, Any]]) -> list[int | None]:
 
 
 class DigitClassifierReward:
-    """Score each image by the classifier's probability of the prompted digit (NaN without a digit)."""
+    """Score each image by the classifier's probability of the prompted digit (NaN without a digit).
+
+    Args:
+        path: the classifier's weights file; None: the embedded classifier shipped with flowrl.
+    """
 
     name = "digit_classifier"
     differentiable = True

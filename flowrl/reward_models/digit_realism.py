@@ -20,6 +20,9 @@ from flowrl.types import RewardOutput
 
 
 class DigitRealismReward:
+    """1 - the RMS pixel distance from each sample to the nearest real 8x8 digit of the prompted digit (a held-out
+    judge; see the module docstring)."""
+
     name = "digit_realism"
     differentiable = False
 

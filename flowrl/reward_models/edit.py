@@ -101,8 +101,8 @@ class SourcePreservationReward:
 
 
 class ClipDirectionalReward(ClipBackedReward):
-    """CLIP directional similarity of an edit (module docstring). ``pretrained``: a hub id or a directory holding a
-    CLIPModel and its processor."""
+    """CLIP directional similarity of an edit (module docstring); its arguments are every CLIP reward's
+    (:class:`~flowrl.reward_models.clip_common.ClipBackedReward`)."""
 
     name = "clip_directional"
 

@@ -103,10 +103,12 @@ def resolve_checkpoint(pretrained: str, version: str) -> Path:
 class HPSv2Reward(LazyLoadedModel):
     """HPSv2.1 score of each image for its prompt (cosine; ``scale=100`` for the README's numbers).
 
-    pretrained: hub repo (default ``xswu/HPSv2``), a checkpoint file, or a directory holding it.
-    version: "v2.1" (default) or "v2.0". differentiable=False uses open_clip's own ``preprocess_val``
-    (torchvision, PIL) under no_grad; True uses flowrl's torch preprocessing with the same geometry
-    (resize shortest side to 224 bicubic, center crop 224, OpenAI CLIP mean / std).
+    Args:
+        pretrained: hub repo (default ``xswu/HPSv2``), a checkpoint file, or a directory holding it.
+        version: "v2.1" (default) or "v2.0".
+        differentiable: flowrl's torch preprocessing with open_clip's geometry (resize shortest side to 224
+            bicubic, center crop 224, OpenAI CLIP mean / std); false: open_clip's own preprocess_val under no_grad.
+        scale: factor on the cosine score (100 for the README's numbers).
     """
 
     name = "hpsv2"

@@ -272,9 +272,14 @@ def normalize_scores(raw: Tensor) -> Tensor:
 class ImageRewardReward(LazyLoadedModel):
     """ImageReward score (normalised head output, roughly standard normal over its training set).
 
-    differentiable=True preprocesses in torch (gradients reach the images); False uses transformers'
-    ``CLIPImageProcessor`` with ImageReward's settings (PIL bicubic 224, crop 224, OpenAI mean / std)
-    under no_grad. ``extras["raw"]`` is the head output before normalisation.
+    ``extras["raw"]`` is the head output before normalisation.
+
+    Args:
+        pretrained: hub repo (default THUDM/ImageReward) or a directory holding its checkpoint.
+        tokenizer: the BERT tokenizer of the prompts (a hub id or a directory).
+        differentiable: preprocess in torch (gradients reach the images); false: transformers'
+            CLIPImageProcessor with ImageReward's settings (PIL bicubic 224, crop 224) under no_grad.
+        vision_num_heads: attention heads of the ViT; None: inferred from the checkpoint's width.
     """
 
     name = "image_reward"

@@ -46,7 +46,11 @@ def jpeg_size_kb(samples: Tensor, upscale: int = 1, quality: int = JPEG_QUALITY)
 
 
 class _JpegSizeReward:
-    """score = sign * JPEG size in kilobytes (DDPO's compressibility rewards)."""
+    """score = sign * JPEG size in kilobytes (DDPO's compressibility rewards).
+
+    Args:
+        upscale: enlarge each image by this integer nearest-neighbour factor before encoding (tiny images).
+    """
 
     name = "jpeg_size"
     sign = 1.0

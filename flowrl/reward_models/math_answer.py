@@ -396,6 +396,10 @@ class MathAnswerReward:
     nothing can be extracted, NaN if the row has no gold answer.
 
     ``samples``: list of B completion strings. Extras: ``extracted`` (B,) 0/1, whether an answer was found.
+
+    Args:
+        answer_key: the metadata key holding each prompt's gold answer.
+        timeout_seconds: time limit of one answer's verification (math-verify), in seconds.
     """
 
     name = "math_answer"
@@ -443,6 +447,10 @@ class FormatReward:
     it after the chat template, so the recorded LLaDA completions start inside the reasoning): then a
     completion with ``...</reasoning>`` followed by ``<answer>...</answer>`` and no opening tag of its own
     earns the full 1.0 as well.
+
+    Args:
+        boxed_bonus: added when the answer contains a complete \\boxed{...}.
+        reasoning_prefilled: prompts end with <reasoning> (d1's evaluation): a completion may close it without opening it.
     """
 
     name = "format"

@@ -31,14 +31,27 @@ from .registry import REWARDS, as_reward, build_reward
 
 
 class RewardConfig(Section):
-    components: dict[str, float] = Field(default_factory=lambda: {"digit_classifier": 1.0})  # name -> weight
-    kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # name -> constructor arguments
-    # a component's name -> the reward it is (a registered name, an entry point or an import path), so a component
-    # can be named for its logs (reward/<name>) whatever its source; a name without one is its own source
-    sources: dict[str, str] = Field(default_factory=dict)
-    ensembles: dict[str, EnsembleConfig] = Field(default_factory=dict)  # new component names -> ensembles
-    video_frames: dict[str, FrameSelection] = Field(default_factory=dict)  # component -> frames an image reward scores
-    binary: dict[str, BinaryRewardConfig] = Field(default_factory=dict)  # new component names -> thresholded all-of rewards
+    components: dict[str, float] = Field(
+        default_factory=lambda: {"digit_classifier": 1.0},
+        description="Reward name (registered, an entry point or an import path) -> its weight in the summed reward.",
+    )
+    kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Reward name -> its constructor's arguments (flowrl config reward.NAME lists them)."
+    )
+    # so a component can be named for its logs (reward/<name>) whatever its source
+    sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="A component's own name -> the reward it is (a registered name, an entry point or an import path).",
+    )
+    ensembles: dict[str, EnsembleConfig] = Field(
+        default_factory=dict, description="New component names -> conservative ensembles of several reward models (WCO / UWO)."
+    )
+    video_frames: dict[str, FrameSelection] = Field(
+        default_factory=dict, description="Component -> which frames of a video an image reward scores (the mean over them)."
+    )
+    binary: dict[str, BinaryRewardConfig] = Field(
+        default_factory=dict, description="New component names -> sparse rewards: 1 when every named reward passes its threshold, else 0."
+    )
 
     @field_validator("components")
     @classmethod

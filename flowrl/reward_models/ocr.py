@@ -93,9 +93,10 @@ class OCRReward:
 
     def __init__(self, text_score: float = 0.5, min_side: int = 0) -> None:
         """
-        text_score: recognised lines with a lower confidence are dropped (RapidOCR's default, 0.5).
-        min_side:   images whose shorter side is smaller are upscaled (nearest) to at least this
-                    size first; 0 leaves them as they are.
+        Args:
+            text_score: recognised lines with a lower confidence are dropped (RapidOCR's default, 0.5).
+            min_side: images whose shorter side is smaller are upscaled (nearest) to at least this
+                size first; 0 leaves them as they are.
         """
         self.text_score = float(text_score)
         self.min_side = int(min_side)

@@ -229,36 +229,39 @@ class _Judged:
 class OpenAIJudgeReward:
     """Score images or videos by asking a vision-language model behind an OpenAI-compatible chat endpoint.
 
-    base_url:        the server's API root, e.g. ``http://127.0.0.1:8000/v1`` (``/chat/completions`` is appended; a
-                     URL without a path gets ``/v1``); None reads FLOWRL_JUDGE_URL when the reward is first called.
-    model:           the model name the server serves (vLLM: the ``vllm serve`` argument or ``--served-model-name``).
-    api_key_env:     the environment variable that holds the API key (sent as a Bearer token when set); keys never
-                     go into configs.
-    template:        a preset (``alignment``, ``quality``: a 0-10 number; ``yes_no``) or a template of your own; it is
-                     filled with ``{prompt}``, ``{media}`` ("image" or "video") and any metadata field (``{digit}``);
-                     write literal braces as ``{{`` and ``}}``.
-    score:           "number" or "yes_no"; None takes the preset's ("number" for a template of your own).
-    score_range:     [low, high] of the numbers the template asks for (the preset's, else [0, 10]); an answer
-                     outside is unparsed.
-    normalize:       map numbers to (x - low) / (high - low) in [0, 1]; false keeps the raw number.
-    score_regex:     where to find the number in a chatty answer (its first group, else its whole match), e.g.
-                     ``"Final Score:\\s*([0-9.]+)"``; None takes the first number of the answer.
-    system:          an optional system message.
-    logprobs:        ask for token log-probs in yes/no mode and score P(yes) / (P(yes) + P(no)); a server that
-                     returns none (or refuses them with a 400) leaves the text answer to decide.
-    top_logprobs:    alternatives per token to ask for (vLLM allows 20 unless started with ``--max-logprobs``).
-    max_tokens:      answer length limit; give reasoning models and judges that explain (UnifiedReward) more; None
-                     leaves it out of the request (for APIs that want ``max_completion_tokens`` in ``extra_body``).
-    temperature:     0 for a deterministic judge; None leaves it out of the request.
-    frames:          frames of a video sent, uniformly spaced from the first to the last, as images in one message.
-    image_size:      resize each image so that its longer side is this many pixels (None: as generated).
-    max_concurrency: requests in flight at once.
-    timeout_s:       seconds each socket operation of one attempt may take (connect, send, wait for the answer).
-    retry_for_s:     seconds from a request's first attempt during which connection errors, timeouts, 5xx, 408 and
-                     429 answers are retried with jittered exponential backoff (``backoff_s * 2**k``, at most 30 s,
-                     at least the server's Retry-After); then the reward raises.
-    retries:         at most this many attempts per request (None: as many as ``retry_for_s`` allows).
-    extra_body:      more fields for each request, e.g. ``{"chat_template_kwargs": {"enable_thinking": false}}``.
+    Args:
+        base_url:        the server's API root, e.g. ``http://127.0.0.1:8000/v1`` (``/chat/completions`` is appended; a
+                         URL without a path gets ``/v1``); None reads FLOWRL_JUDGE_URL when the reward is first called.
+        model:           the model name the server serves (vLLM: the ``vllm serve`` argument or ``--served-model-name``).
+        api_key_env:     the environment variable that holds the API key (sent as a Bearer token when set); keys never
+                         go into configs.
+        template:        a preset (``alignment``, ``quality``: a 0-10 number; ``yes_no``) or a template of your own; it is
+                         filled with ``{prompt}``, ``{media}`` ("image" or "video") and any metadata field (``{digit}``);
+                         write literal braces as ``{{`` and ``}}``.
+        score:           "number" or "yes_no"; None takes the preset's ("number" for a template of your own).
+        score_range:     [low, high] of the numbers the template asks for (the preset's, else [0, 10]); an answer
+                         outside is unparsed.
+        normalize:       map numbers to (x - low) / (high - low) in [0, 1]; false keeps the raw number.
+        score_regex:     where to find the number in a chatty answer (its first group, else its whole match), e.g.
+                         ``"Final Score:\\s*([0-9.]+)"``; None takes the first number of the answer.
+        system:          an optional system message.
+        logprobs:        ask for token log-probs in yes/no mode and score P(yes) / (P(yes) + P(no)); a server that
+                         returns none (or refuses them with a 400) leaves the text answer to decide.
+        top_logprobs:    alternatives per token to ask for (vLLM allows 20 unless started with ``--max-logprobs``).
+        max_tokens:      answer length limit; give reasoning models and judges that explain (UnifiedReward) more; None
+                         leaves it out of the request (for APIs that want ``max_completion_tokens`` in ``extra_body``).
+        temperature:     0 for a deterministic judge; None leaves it out of the request.
+        frames:          frames of a video sent, uniformly spaced from the first to the last, as images in one message.
+        image_size:      resize each image so that its longer side is this many pixels (None: as generated).
+        max_concurrency: requests in flight at once.
+        timeout_s:       seconds each socket operation of one attempt may take (connect, send, wait for the answer).
+        retry_for_s:     seconds from a request's first attempt during which connection errors, timeouts, 5xx, 408 and
+                         429 answers are retried with jittered exponential backoff (``backoff_s * 2**k``, at most 30 s,
+                         at least the server's Retry-After); then the reward raises.
+        retries:         at most this many attempts per request (None: as many as ``retry_for_s`` allows).
+        extra_body:      more fields for each request, e.g. ``{"chat_template_kwargs": {"enable_thinking": false}}``.
+        backoff_s:       the base of the retry backoff, in seconds (see retry_for_s).
+        name:            the component's name in logs and errors.
     """
 
     def __init__(

@@ -26,8 +26,8 @@ class FrameSelection(Section):
     """``reward.video_frames.<component>``: score videos with an image reward frame by frame (the mean), or only the
     first frame (the cheap proxy)."""
 
-    first_frame_only: bool = False
-    every_n: int = Field(1, ge=1)
+    first_frame_only: bool = Field(False, description="Score only the first frame (a cheap proxy).")
+    every_n: int = Field(1, ge=1, description="Score frames 0, every_n, 2 * every_n, ... and average them.")
 
 
 def frame_indices(num_frames: int, every_n: int = 1, first_frame_only: bool = False) -> list[int]:

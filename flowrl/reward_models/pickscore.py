@@ -25,7 +25,11 @@ FLOW_GRPO_DIVISOR = 26.0
 
 
 class PickScoreReward(ClipBackedReward):
-    """PickScore of each image for its prompt (``/ 26`` with ``normalize``)."""
+    """PickScore of each image for its prompt (``/ 26`` with ``normalize``).
+
+    Args:
+        normalize: divide by 26 (Flow-GRPO's pickscore_scorer), putting the reward near 0.8-0.9.
+    """
 
     name = "pickscore"
 

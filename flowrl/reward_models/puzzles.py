@@ -137,6 +137,12 @@ class CountdownReward:
     ``allow_trailing_equals`` (default) a single trailing ``= <number>`` is dropped and the left side
     graded (d1's prompt asks for no ``=``; its number check would count the target as a used number).
     Extras: ``well_formed`` (B,) 0/1.
+
+    Args:
+        format_score: the score of a well-formed expression that uses the wrong numbers or misses the target.
+        correct_score: the score of a correct answer.
+        allow_trailing_equals: drop a single trailing "= <number>" and grade the left side.
+        tolerance: how close to the target the expression's value must be.
     """
 
     name = "countdown"

@@ -74,27 +74,30 @@ def parse_endpoint(url: str) -> Endpoint:
 class RemoteReward:
     """Score samples on a flowrl reward server (``flowrl serve-reward``).
 
-    url:         the server, e.g. ``http://127.0.0.1:8123`` (``/score`` is appended), or several replicas as a
-                 list or a comma-separated string; None reads it from the environment variable
-                 FLOWRL_REWARD_URL (comma-separated for several) when the reward is first called.
-    token:       the shared secret; None reads it from the environment variable ``token_env`` (no
-                 Authorization header is sent when neither is set).
-    timeout:     seconds each socket operation of one attempt may take.
-    retry_for:   seconds from the first attempt during which connection errors, timeouts and 5xx answers
-                 are retried (on the next replica at once, when there are several); the last attempt starts
-                 at the latest then (a server restarting must not end a long run, a dead one must end it in
-                 bounded time).
-    backoff:     after the k-th round in which every replica failed (with one server: the k-th failure), the
-                 wait is ``backoff * 2**(k-1)`` seconds (at most 30 s) times a random factor in [0.5, 1.5],
-                 so clients that failed together do not come back together; at least the server's
-                 Retry-After on a 503.
-    retries:     at most this many attempts in all (None: as many as ``retry_for`` allows).
-    batch_size:  samples per request (None: the whole batch in one request); keep it at or below the
-                 server's ``max_batch`` and the body under its ``max_request_bytes``. With several replicas
-                 the chunks are scored on them at the same time.
-    encoding:    "float32" (NPZ, exact), "uint8" (NPZ, 4x smaller, pixels rounded to 1/255) or "png"
-                 (JSON with base64 PNGs, rounded to 1/255; images with 1 or 3 channels only).
-    The reward is never differentiable: gradients do not cross the network.
+    Args:
+        url:         the server, e.g. ``http://127.0.0.1:8123`` (``/score`` is appended), or several replicas as a
+                     list or a comma-separated string; None reads it from the environment variable
+                     FLOWRL_REWARD_URL (comma-separated for several) when the reward is first called.
+        token:       the shared secret; None reads it from the environment variable ``token_env`` (no
+                     Authorization header is sent when neither is set).
+        token_env:   the environment variable holding the shared secret when token is None.
+        timeout:     seconds each socket operation of one attempt may take.
+        retry_for:   seconds from the first attempt during which connection errors, timeouts and 5xx answers
+                     are retried (on the next replica at once, when there are several); the last attempt starts
+                     at the latest then (a server restarting must not end a long run, a dead one must end it in
+                     bounded time).
+        backoff:     after the k-th round in which every replica failed (with one server: the k-th failure), the
+                     wait is ``backoff * 2**(k-1)`` seconds (at most 30 s) times a random factor in [0.5, 1.5],
+                     so clients that failed together do not come back together; at least the server's
+                     Retry-After on a 503.
+        retries:     at most this many attempts in all (None: as many as ``retry_for`` allows).
+        batch_size:  samples per request (None: the whole batch in one request); keep it at or below the
+                     server's ``max_batch`` and the body under its ``max_request_bytes``. With several replicas
+                     the chunks are scored on them at the same time.
+        encoding:    "float32" (NPZ, exact), "uint8" (NPZ, 4x smaller, pixels rounded to 1/255) or "png"
+                     (JSON with base64 PNGs, rounded to 1/255; images with 1 or 3 channels only).
+        name:        the component's name in logs and errors.
+        differentiable: must stay false: the reward is never differentiable, gradients do not cross the network.
     """
 
     def __init__(

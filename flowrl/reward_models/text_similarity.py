@@ -38,7 +38,14 @@ def mean_pool(token_embeddings: Tensor, attention_mask: Tensor) -> Tensor:
 
 
 class TextSimilarityReward(LazyLoadedModel):
-    """score = cosine similarity of the sentence embeddings of ``metadata[caption_key]`` and the prompt."""
+    """score = cosine similarity of the sentence embeddings of ``metadata[caption_key]`` and the prompt.
+
+    Args:
+        pretrained: the sentence-embedding model (hub id or directory; default all-MiniLM-L6-v2).
+        caption_key: the metadata key holding each sample's caption (e.g. from a captioner).
+        max_length: tokens per text at most (the model's max_seq_length).
+        batch_size: texts per forward pass of the embedding model.
+    """
 
     name = "text_similarity"
     differentiable = False

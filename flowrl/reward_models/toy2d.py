@@ -24,7 +24,11 @@ def _points(samples: Tensor, dim: int, name: str) -> Tensor:
 
 
 class LinearReward2D:
-    """r(x) = w . x (``weights`` = w)."""
+    """r(x) = w . x (``weights`` = w).
+
+    Args:
+        weights: the vector w, one entry per coordinate of a point.
+    """
 
     name = "linear2d"
     differentiable = True
@@ -38,7 +42,12 @@ class LinearReward2D:
 
 
 class QuadraticReward2D:
-    """r(x) = -0.5 * scale * ||x - center||^2."""
+    """r(x) = -0.5 * scale * ||x - center||^2.
+
+    Args:
+        center: the point of highest reward.
+        scale: the curvature (> 0): larger is a narrower peak.
+    """
 
     name = "quadratic2d"
     differentiable = True

@@ -140,14 +140,15 @@ class MotionQualityReward:
         min_size: int = 64,
     ) -> None:
         """
-        motion_scale:      half-saturation of the motion term, as a fraction of the shorter frame side
-                           per frame (0.01: motion of 1% of the side per frame gives motion = 0.5).
-        warp_scale:        warping error (fraction of the intensity range) at which consistency = 1/e.
-        static_score:      the score of a perfectly consistent static clip, in [0, 1).
-        smoothness_weight: exponent of the smoothness factor; 0 (default) logs it without using it.
-        smoothness_scale:  mean flow change between consecutive pairs, as a fraction of the shorter side,
-                           at which smoothness = 1/e.
-        min_size:          frames whose shorter side is smaller are upsampled by ceil(min_size / side).
+        Args:
+            motion_scale: half-saturation of the motion term, as a fraction of the shorter frame side
+                per frame (0.01: motion of 1% of the side per frame gives motion = 0.5).
+            warp_scale: warping error (fraction of the intensity range) at which consistency = 1/e.
+            static_score: the score of a perfectly consistent static clip, in [0, 1).
+            smoothness_weight: exponent of the smoothness factor; 0 (default) logs it without using it.
+            smoothness_scale: mean flow change between consecutive pairs, as a fraction of the shorter side,
+                at which smoothness = 1/e.
+            min_size: frames whose shorter side is smaller are upsampled by ceil(min_size / side).
         """
         if motion_scale <= 0 or warp_scale <= 0 or smoothness_scale <= 0:
             raise FlowRLError("motion_quality scales (motion_scale, warp_scale, smoothness_scale) must be positive.")

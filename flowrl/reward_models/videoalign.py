@@ -226,12 +226,20 @@ class VideoAlignReward:
         backend: Any = None,
     ) -> None:
         """
-        checkpoint: the VideoReward checkpoint directory (holds model_config.json).
-        use, weights: dimensions to add up, e.g. ["MQ"] (DanceGRPO), ["VQ", "MQ"], ["Overall"].
-        use_norm:   standardise raw outputs with the checkpoint's statistics (VideoAlign's default).
-        stats:      {"MQ": (mean, std), ...} to use instead of the checkpoint's inference_config.
-        video_fps:  frame rate the mp4 files are written at; VideoAlign samples them at sample_fps
-                    frames per second (None: the checkpoint's data_config), or num_frames frames.
+        Args:
+            checkpoint: the VideoReward checkpoint directory (holds model_config.json).
+            code_dir: a checkout of VideoAlign's code (its inference.py; or set FLOWRL_VIDEOALIGN_CODE).
+            inference_module: an importable module with VideoAlign's inference code, instead of code_dir.
+            use: dimensions to add up, e.g. ["MQ"] (DanceGRPO), ["VQ", "MQ"], ["Overall"].
+            weights: {dimension: weight} of the sum (default 1 each).
+            use_norm: standardise raw outputs with the checkpoint's statistics (VideoAlign's default).
+            stats: {"MQ": (mean, std), ...} to use instead of the checkpoint's inference_config.
+            video_fps: frame rate the mp4 files are written at.
+            sample_fps: frames per second VideoAlign samples the videos at (None: the checkpoint's data_config).
+            num_frames: frames VideoAlign samples per video, instead of sample_fps.
+            backend: an object with VideoAlign's reward(...) method to use instead of building the real one (tests).
+            device: where the model runs; None: CUDA when present, else the CPU.
+            dtype: precision of the model's weights.
         """
         self.use = expand_use(use)
         self.weights = dict(weights or {})

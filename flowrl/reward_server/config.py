@@ -18,20 +18,22 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 class ServerConfig(Section):
     """``flowrl serve-reward`` configuration (YAML). Unknown keys are rejected."""
 
-    reward: RewardConfig  # same shape as a training config's ``reward`` section
-    host: str = "127.0.0.1"  # loopback only; serving other hosts must be asked for explicitly
-    port: int = Field(0, ge=0, le=65535)  # 0: pick a free port (printed on start)
-    token_env: str = DEFAULT_TOKEN_ENV  # environment variable holding the shared secret
-    allow_no_token: bool = False  # serve without a token (anyone who can connect can score)
-    max_request_bytes: int = Field(64 * 2**20, ge=1)  # body limit, and limit of the decoded pixels
-    max_batch: int = Field(256, ge=1)  # samples per request, and per merged model batch
-    device: str = "auto"  # "auto": CUDA when present, else CPU
-    # Dynamic batching: requests of the same sample shape, from any number of clients, are merged into one
-    # reward call of up to max_batch samples. The first request of a batch waits at most max_wait_ms for
-    # others (a full batch goes at once); off for a reward whose score of a sample depends on its batch.
-    coalesce: bool = True
-    max_wait_ms: float = Field(5.0, ge=0, le=60_000)
-    max_connections: int = Field(64, ge=1)  # scoring requests in flight; more get 503 + Retry-After at once
+    reward: RewardConfig = Field(description="The reward served, the same shape as a training config's reward section.")
+    host: str = Field("127.0.0.1", description="Address to listen on; loopback unless another is asked for explicitly.")
+    port: int = Field(0, ge=0, le=65535, description="Port to listen on; 0: a free one (printed on start).")
+    token_env: str = Field(DEFAULT_TOKEN_ENV, description="Environment variable holding the shared secret clients must send.")
+    allow_no_token: bool = Field(False, description="Serve without a token: anyone who can connect can score.")
+    max_request_bytes: int = Field(64 * 2**20, ge=1, description="Largest request body in bytes, and the limit of its decoded pixels.")
+    max_batch: int = Field(256, ge=1, description="Samples per request at most, and per merged model batch.")
+    device: str = Field("auto", description='Where the reward runs: "auto" is CUDA when present, else the CPU.')
+    # Dynamic batching; off for a reward whose score of a sample depends on its batch
+    coalesce: bool = Field(
+        True, description="Merge requests of the same sample shape, from any clients, into one reward call of up to max_batch."
+    )
+    max_wait_ms: float = Field(
+        5.0, ge=0, le=60_000, description="Milliseconds a batch's first request waits for others (a full batch goes at once)."
+    )
+    max_connections: int = Field(64, ge=1, description="Scoring requests in flight at most; more get 503 + Retry-After at once.")
 
     @field_validator("host", "token_env")
     @classmethod

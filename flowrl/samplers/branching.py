@@ -121,5 +121,5 @@ class BranchingConfig(Section):
     window, always ending at the data end) are stochastic with log-probs. The window starts at the last
     ``start_steps`` steps and grows towards the noise end in equal stages to ``end_steps`` (default: all)."""
 
-    start_steps: int = Field(2, ge=1)  # trained steps (from the data end) at the first iteration
-    end_steps: int | None = Field(None, ge=1)  # trained steps in the last stage; None: rollout.num_inference_steps
+    start_steps: int = Field(2, ge=1, description="Trained steps, counted from the data end, at the first iteration.")
+    end_steps: int | None = Field(None, ge=1, description="Trained steps in the last stage; None: rollout.num_inference_steps.")

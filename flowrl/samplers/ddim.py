@@ -120,9 +120,11 @@ class DDIMConfig(SamplerSection):
     """DDIM with eta (eta = 1: DDPM-equivalent, DDPO's default; eta = 0: deterministic) for epsilon / v models."""
 
     name: str = "ddim"
-    eta: float = Field(1.0, ge=0)
-    clip_sample: float | None = None  # clip x0_hat to [-c, c]; None: no clipping
-    reduction: Reduction = "mean"
+    eta: float = Field(1.0, ge=0, description="DDIM's eta: 1 is DDPM-equivalent (DDPO's default), 0 deterministic.")
+    clip_sample: float | None = Field(None, description="Clip the predicted clean sample x0_hat to [-c, c]; None: no clipping.")
+    reduction: Reduction = Field(
+        "mean", description="How a step's log-prob is reduced over the non-batch dimensions: mean (every reference) or sum."
+    )
     prediction_types: ClassVar[tuple[str, ...]] = ("epsilon", "v_prediction")
 
     @property

@@ -363,17 +363,23 @@ class EntropyBoundSamplerConfig(SamplerSection):
     stability 1, confidence 0.005, 256 new tokens)."""
 
     name: str = "entropy_bound"
-    gen_length: int | None = Field(None, ge=1)  # max_new_tokens
-    steps: int | None = Field(None, ge=1)  # max_denoising_steps per canvas
-    entropy_bound: float | None = Field(None, gt=0)
-    t_min: float | None = Field(None, ge=0)
-    t_max: float | None = Field(None, gt=0)
-    stability_threshold: int | None = Field(None, ge=0)
-    confidence_threshold: float | None = Field(None, gt=0)
-    # Factors on the temperature schedule (1 = generate's own) for rollouts and evaluation; DiffusionGemma has no
-    # greedy mode (the canvases are always sampled, the output is the last step's argmax), so evaluation samples too.
-    temperature: float = Field(1.0, gt=0)
-    eval_temperature: float = Field(1.0, gt=0)
+    gen_length: int | None = Field(None, ge=1, description="New tokens generated at most (max_new_tokens).")
+    steps: int | None = Field(None, ge=1, description="Denoising steps per canvas at most (max_denoising_steps).")
+    entropy_bound: float | None = Field(
+        None, gt=0, description="A step keeps the lowest-entropy positions whose summed entropy stays under this."
+    )
+    t_min: float | None = Field(None, ge=0, description="Temperature at a canvas's last step (the schedule falls from t_max).")
+    t_max: float | None = Field(None, gt=0, description="Temperature at a canvas's first step.")
+    stability_threshold: int | None = Field(
+        None, ge=0, description="Stop a canvas early once its argmax canvas stayed unchanged this many steps (and is confident)."
+    )
+    confidence_threshold: float | None = Field(
+        None, gt=0, description="Stop a canvas early when its mean entropy is under this (and it is stable)."
+    )
+    # DiffusionGemma has no greedy mode (the canvases are always sampled, the output is the last step's argmax), so
+    # evaluation samples too.
+    temperature: float = Field(1.0, gt=0, description="Factor on the temperature schedule in rollouts (1: generate's own).")
+    eval_temperature: float = Field(1.0, gt=0, description="Factor on the temperature schedule in evaluation (1: generate's own).")
     remasking: ClassVar[str] = "entropy_bound"  # what decides the kept tokens (read where the masked sampler's rule is)
     modality: ClassVar[str] = "text"
 

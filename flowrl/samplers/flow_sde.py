@@ -148,9 +148,13 @@ class FlowSDEConfig(SamplerSection):
     """Euler-Maruyama on the rectified flow's marginal-preserving reverse SDE (Flow-GRPO, DanceGRPO)."""
 
     name: str = "flow_sde"
-    noise_level: float = Field(0.7, ge=0)  # Flow-GRPO's a, or DanceGRPO's eta
-    diffusion: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
-    reduction: Reduction = "mean"  # of the log-prob over the non-batch dimensions (every reference means)
+    noise_level: float = Field(0.7, ge=0, description="Scale of the SDE's injected noise: Flow-GRPO's a, or DanceGRPO's eta.")
+    diffusion: Literal["flow_grpo", "dance_grpo"] = Field(
+        "flow_grpo", description="The diffusion coefficient: flow_grpo g = a sqrt(sigma / (1 - sigma)), dance_grpo g = eta."
+    )
+    reduction: Reduction = Field(
+        "mean", description="How a step's log-prob is reduced over the non-batch dimensions: mean (every reference) or sum."
+    )
     prediction_types: ClassVar[tuple[str, ...]] = ("flow",)
 
     def build(self, pipeline: Any = None) -> FlowSDESampler:
@@ -161,8 +165,10 @@ class FlowCPSConfig(SamplerSection):
     """Coefficient-preserving sampling (CPS)."""
 
     name: str = "flow_cps"
-    noise_level: float = Field(0.7, ge=0, le=1)
-    reduction: Reduction = "mean"
+    noise_level: float = Field(0.7, ge=0, le=1, description="CPS's a: the step's noise std is sigma_next * sin(a * pi / 2).")
+    reduction: Reduction = Field(
+        "mean", description="How a step's log-prob is reduced over the non-batch dimensions: mean (every reference) or sum."
+    )
     prediction_types: ClassVar[tuple[str, ...]] = ("flow",)
 
     def build(self, pipeline: Any = None) -> FlowCPSSampler:
@@ -173,7 +179,9 @@ class FlowMemorylessConfig(SamplerSection):
     """The memoryless reverse process of a rectified flow (Adjoint Matching's schedule), exact posterior steps."""
 
     name: str = "flow_memoryless"
-    reduction: Reduction = "mean"
+    reduction: Reduction = Field(
+        "mean", description="How a step's log-prob is reduced over the non-batch dimensions: mean (every reference) or sum."
+    )
     prediction_types: ClassVar[tuple[str, ...]] = ("flow",)
 
     @property

@@ -397,16 +397,26 @@ class MaskedSamplerConfig(SamplerSection):
     what generation reads (:func:`flowrl.samplers.text_generation.generate_texts`)."""
 
     name: str = "masked"
-    gen_length: int = Field(16, ge=1)
-    steps: int = Field(8, ge=1)
-    block_length: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0)  # rollouts need > 0 for diversity; evaluation uses eval_temperature
-    eval_temperature: float = Field(0.0, ge=0)
-    remasking: Remasking = "low_confidence"
-    threshold: float | None = Field(None, gt=0, lt=1)  # dynamic confidence-threshold decoding
-    logit_shift: bool = False
-    # exact: prompt + finished blocks in a key-value cache, only the current block runs (block-diffusion models only)
-    kv_cache: KVCache = "none"
+    gen_length: int = Field(16, ge=1, description="Tokens generated per completion (a multiple of block_length).")
+    steps: int = Field(8, ge=1, description="Denoising steps per completion, shared equally by its blocks.")
+    block_length: int = Field(16, ge=1, description="Tokens per semi-autoregressive block, filled in one after the other.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of the tokens in rollouts (> 0 for diverse groups).")
+    eval_temperature: float = Field(0.0, ge=0, description="Sampling temperature in evaluation; 0: greedy.")
+    remasking: Remasking = Field(
+        "low_confidence",
+        description="Which masked positions a step commits: the most confident, random ones, or a learned scorer's (policy, DCoLT).",
+    )
+    threshold: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Dynamic decoding: commit every position whose confidence is above this; None: a fixed count per step.",
+    )
+    logit_shift: bool = Field(False, description="Read position i's prediction at i - 1 (AR-adapted models such as Dream).")
+    # exact runs only the current block: block-diffusion models only (a bidirectional prefix cannot be cached exactly)
+    kv_cache: KVCache = Field(
+        "none", description="exact: keep the prompt and finished blocks in a key-value cache; none: run the whole sequence."
+    )
     modality: ClassVar[str] = "text"
     prediction_types: ClassVar[tuple[str, ...]] = ("masked",)
 

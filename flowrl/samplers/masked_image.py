@@ -167,8 +167,12 @@ class MaskedImageConfig(SamplerSection):
     the embedded digits_masked model); its defaults are AmusedPipeline's."""
 
     name: str = "masked_image"
-    token_temperature: float = Field(1.0, gt=0)  # softmax(logits / T) the tokens are drawn from; aMUSEd samples at 1
-    choice_temperature: tuple[float, float] = (2.0, 0.0)  # Gumbel scale on the confidences, linear over the steps
+    token_temperature: float = Field(
+        1.0, gt=0, description="Temperature T of softmax(logits / T) the tokens are drawn from (aMUSEd samples at 1)."
+    )
+    choice_temperature: tuple[float, float] = Field(
+        (2.0, 0.0), description="Gumbel scale on the confidences that choose the kept tokens, linear from first to last step."
+    )
     prediction_types: ClassVar[tuple[str, ...]] = ("masked_tokens",)
 
     def check_run(self, config: Any) -> None:

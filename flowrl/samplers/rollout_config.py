@@ -13,23 +13,29 @@ from .branching import BranchingConfig
 class RolloutConfig(Section):
     """``rollout``: how training samples are drawn (steps, guidance, SDE window, shared noise, B2-DiffuRL branches)."""
 
-    num_inference_steps: int = Field(10, ge=1)
-    guidance_scale: float = 1.0  # 1.0 = no guidance
-    # How guidance enters rollout and training (docs/guidance.md): "cfg" both, gradient through both
-    # branches; "cfg_detached_uncond" both, unconditional branch without gradient; "cfg_rollout_only"
-    # rollout guided, training re-scores the conditional branch alone; "embedded" the scale is a model
-    # input (FLUX.1-dev guidance embedding), one forward pass.
-    guidance_mode: GuidanceMode = "cfg"
-    same_noise_in_group: bool = True
-    sde_window_size: int | None = Field(None, ge=1)  # None: every step stochastic
-    sde_window_start: int = Field(0, ge=0)
-    sde_window_slide_every: int = Field(0, ge=0)  # iterations between one-step slides (MixGRPO); 0 = fixed
-    batch_size: int = Field(64, ge=1)  # samples per denoiser call during rollout
-    # decode and score each finished chunk of batch_size samples on a worker thread while the next chunk is generated
-    # (docs/rewards.md "Overlapping the reward with the rollout"); the same batch, so the same bits when the reward scores
-    # a row the same in its chunk as in the whole batch
-    overlap_reward: bool = False
-    branching: BranchingConfig | None = None  # B2-DiffuRL: shared prefix, branches, backward progressive window
+    num_inference_steps: int = Field(10, ge=1, description="Denoising steps per rollout sample.")
+    guidance_scale: float = Field(1.0, description="Classifier-free guidance scale; 1.0: no guidance.")
+    # "cfg": both branches, gradient through both; "cfg_detached_uncond": the unconditional branch without gradient;
+    # "cfg_rollout_only": training re-scores the conditional branch alone (off-policy); "embedded": the scale is a
+    # model input (FLUX.1-dev guidance embedding), one forward pass.
+    guidance_mode: GuidanceMode = Field("cfg", description="How guidance enters rollout and training (docs/guidance.md).")
+    same_noise_in_group: bool = Field(True, description="The samples of one prompt group start from the same initial noise.")
+    sde_window_size: int | None = Field(
+        None, ge=1, description="Steps that are stochastic (and trained), the rest deterministic; None: every step."
+    )
+    sde_window_start: int = Field(0, ge=0, description="The first step of the stochastic window.")
+    sde_window_slide_every: int = Field(
+        0, ge=0, description="Iterations between one-step slides of the window (MixGRPO); 0: the window stays fixed."
+    )
+    batch_size: int = Field(64, ge=1, description="Samples per denoiser call during rollout.")
+    # the same batch, so the same bits when the reward scores a row the same in its chunk as in the whole batch
+    # (docs/rewards.md "Overlapping the reward with the rollout")
+    overlap_reward: bool = Field(
+        False, description="Score each finished chunk of batch_size samples on a worker thread while the next is generated."
+    )
+    branching: BranchingConfig | None = Field(
+        None, description="B2-DiffuRL: a shared prefix, branches from it and a backward progressive window; None: off."
+    )
 
     @model_validator(mode="after")
     def _branching_steps(self):
