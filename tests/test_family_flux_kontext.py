@@ -6,20 +6,23 @@ embedding, CLIP + T5, AutoencoderKL) saved as a ``FluxKontextPipeline`` and load
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin
 from tests.tiny_components import (
     family_config,
-    rescoring_ratio_is_one,
+    flux_dynamic_scheduler,
+    ode_sample,
     tiny_clip_text,
+    tiny_flux_transformer,
+    tiny_flux_vae,
     tiny_t5,
     tiny_tokenizer,
-    tiny_vae,
-    two_iterations_change_every_parameter,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,25 +40,9 @@ FLOW_FACTORY_TARGETS = (
 def build_tiny_kontext(directory):
     """FLUX.1-Kontext-dev-shaped: one double- and one single-stream block, guidance embedding, FLUX.1-dev's dynamic
     shift, a 4-channel VAE with FLUX's scaling and shift factors."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
+    from diffusers import FluxKontextPipeline
 
-    torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 4, 8),
-        guidance_embeds=True,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-    )
-    vae = tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    transformer, scheduler, vae = tiny_flux_transformer(guidance_embeds=True), flux_dynamic_scheduler(), tiny_flux_vae()
     FluxKontextPipeline(
         transformer=transformer,
         scheduler=scheduler,
@@ -119,78 +106,78 @@ def kontext_config(directory, output_dir, prompt_files, **extra):
     )
 
 
-def sample(adapter, meta, steps: int = 3, seed: int = 3, guidance_scale: float = 2.5, noise_level: float | None = None, noise=None):
-    """flowrl's deterministic rollout (the ODE sampler, or the Euler step of flow_sde at noise level 0 from
-    ``noise``) with the source images of ``meta``: the trajectory."""
-    from flowrl.config import ODEConfig
-    from flowrl.samplers import FlowSDEConfig, build_sampler
-    from flowrl.samplers.rollout import rollout
+class TestFluxKontext(EmbeddedGuidanceTesterMixin, FamilyTesterMixin):
+    """FLUX.1 Kontext: the source image of each prompt's metadata (resized, VAE mode latents, packed after the
+    generated tokens with RoPE ids of first axis 1), the guidance embedding, the dynamic shift of the output size."""
 
-    extra = {} if noise is None else {"stochastic_steps": torch.zeros(steps, dtype=torch.bool), "initial_noise": noise}
-    sampler = build_sampler(ODEConfig(), adapter) if noise_level is None else FlowSDEConfig(noise_level=noise_level).build()
-    return rollout(
-        adapter,
-        sampler,
-        PROMPTS,
-        meta,
-        torch.arange(len(PROMPTS)),
-        adapter.schedule.sigmas(steps),
-        torch.Generator().manual_seed(seed),
-        guidance_scale,
-        same_noise_in_group=False,
-        **extra,
-    )
+    name, checkpoint, pipeline_class, prompts = "flux_kontext", "kontext_dir", "FluxKontextPipeline", tuple(PROMPTS)
+    grpo_overrides = {"sampler.diffusion": "dance_grpo", "sampler.noise_level": 0.3}  # re-scoring uses the stored source latents
+    # LoRA on Flow-Factory's Kontext targets (the preset's)
+    lora_overrides, lora_guidance_scale = {"pipeline.lora": f"{{r: 4, alpha: 8, target_modules: {FLOW_FACTORY_TARGETS}}}"}, 2.5
+    oracle_steps, oracle_guidance_scale, oracle_bound, oracle_decode_atol = 3, 2.5, (operator.le, 1e-6), 1e-4
+    guidance_embedder, embedded_guidance_scale = "time_text_embed.guidance_embedder", 2.5
+    test_two_adjoint_matching_iterations = None
+    test_two_diffusion_nft_iterations = None
+    test_loads_through_flowrl_and_samples = None
 
+    def config(self, **extra):
+        return kontext_config(self.directory, self.run_dir, self.fixture("prompt_files"), **extra)
 
-def test_matches_diffusers_pipeline_with_source_image_and_embedded_guidance(kontext_dir, prompt_files):
-    """Oracle: the source image's resize, VAE mode latents, packing and RoPE ids (first axis 1) appended to the
-    generated tokens, sigma as time, the guidance input and the dynamic shift of the output size, as
-    FluxKontextPipeline.__call__ (its own grid; max_area = height * width keeps the requested size)."""
-    from diffusers import FluxKontextPipeline
-    from PIL import Image
+    def load(self, directory=None, **options):
+        return load(directory or self.directory, **options)
 
-    from flowrl.pipelines.flux import pack_latents, unpack_latents
+    def metadata(self):
+        return metadata(self.fixture("prompt_files"))
 
-    adapter = load(kontext_dir)
-    pipe = FluxKontextPipeline.from_pretrained(kontext_dir)
-    pipe.set_progress_bar_config(disable=True)
-    assert adapter.guidance_mode == "embedded" and adapter.latent_shape() == (4, 8, 8)
-    meta = metadata(prompt_files, (0, 0))  # one source image, two edits of it (a GRPO group shares its source)
-    cond = adapter.encode(PROMPTS, meta)
-    assert cond["image_latents"].shape == (2, 4, 10, 14)  # 20x28 pixels (multiples of 4 already), 5x7 packed tokens
+    def oracle_inputs(self, case):
+        return list(PROMPTS), metadata(self.fixture("prompt_files"), (0, 0))  # one source image, two edits of it (a GRPO group)
 
-    steps, scale = 3, 2.5
-    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
-    with Image.open(meta[0]["image"]) as img:
-        source = img.convert("RGB")
+    def check_conditioning(self, adapter, pipe, case):
+        assert adapter.guidance_mode == "embedded" and adapter.latent_shape() == (4, 8, 8)
+        cond = adapter.encode(*self.oracle_inputs(case))
+        assert cond["image_latents"].shape == (2, 4, 10, 14)  # 20x28 pixels (multiples of 4 already), 5x7 packed tokens
 
-    def call(output_type):
-        return pipe(
-            image=source,
-            prompt=list(PROMPTS),
-            latents=pack_latents(noise),
-            num_inference_steps=steps,
-            height=SIZE,
-            width=SIZE,
-            max_area=SIZE * SIZE,
-            _auto_resize=False,
-            guidance_scale=scale,
-            max_sequence_length=T5_TOKENS,
-            output_type=output_type,
-        ).images  # default arguments otherwise: the pipeline's own sigmas and mu
+    def pipeline_call(self, pipe, noise, steps, scale, output_type, case):
+        """FluxKontextPipeline.__call__ with its own sigmas and mu; max_area = height * width keeps the requested size."""
+        from PIL import Image
 
-    theirs = unpack_latents(call("latent"), 8, 8)
-    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
-    ours = sample(adapter, meta, steps, guidance_scale=scale, noise_level=0.0, noise=noise).latents[:, -1]
-    diff = (ours - theirs).abs().max().item()
-    print(f"Kontext oracle (embedded guidance {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
-    assert diff <= 1e-6
-    torch.testing.assert_close(adapter.decode(ours), call("pt"), atol=1e-4, rtol=0)
-    # the source image matters: another one changes the prediction
-    other = adapter.encode(PROMPTS, metadata(prompt_files, (1, 1)))
-    x, sigma = noise, torch.tensor(0.7)
-    with torch.no_grad():
-        assert (adapter.predict(x, sigma, cond, scale) - adapter.predict(x, sigma, other, scale)).abs().max() > 1e-4
+        from flowrl.pipelines.flux import pack_latents
+
+        with Image.open(self.oracle_inputs(case)[1][0]["image"]) as img:
+            source = img.convert("RGB")
+        size = {"height": SIZE, "width": SIZE, "max_area": SIZE * SIZE, "_auto_resize": False}
+        call = {"num_inference_steps": steps, "guidance_scale": scale, "max_sequence_length": T5_TOKENS, "output_type": output_type}
+        return pipe(image=source, prompt=list(PROMPTS), latents=pack_latents(noise), **size, **call).images
+
+    def pipeline_latents(self, adapter, ours):
+        from flowrl.pipelines.flux import pack_latents
+
+        return pack_latents(ours)
+
+    def check_oracle(self, adapter, pipe, noise, ours, case):
+        # the source image matters: another one changes the prediction
+        cond = adapter.encode(*self.oracle_inputs(case))
+        other = adapter.encode(PROMPTS, metadata(self.fixture("prompt_files"), (1, 1)))
+        x, sigma = noise, torch.tensor(0.7)
+        with torch.no_grad():
+            assert (adapter.predict(x, sigma, cond, 2.5) - adapter.predict(x, sigma, other, 2.5)).abs().max() > 1e-4
+
+    def grid_call_arguments(self, adapter, pipe):
+        """The dynamic shift of the generated image's token count, the source tokens not counted."""
+        from PIL import Image
+
+        with Image.open(self.fixture("prompt_files") / "source0.png") as img:
+            source = img.convert("RGB")
+        call = {"image": source, "prompt": "a cat", "height": SIZE, "width": SIZE, "max_area": SIZE * SIZE, "_auto_resize": False}
+        return {**call, "max_sequence_length": T5_TOKENS}
+
+    def check_grid(self, adapter, grid):
+        assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic
+
+    def check_lora_run(self, trainer):
+        from peft.utils import get_peft_model_state_dict
+
+        assert any("ff_context" in k for k in get_peft_model_state_dict(trainer.pipeline.denoiser))
 
 
 def test_source_image_size_is_the_pipelines(kontext_dir):
@@ -235,31 +222,10 @@ def test_source_image_size_is_the_pipelines(kontext_dir):
     assert fixed.source_size(Image.new("RGB", (300, 200))) == (12, 20)
 
 
-def test_default_grid_is_the_pipelines_for_k_1_to_50(kontext_dir, prompt_files):
-    """FluxKontextPipeline's grid (linspace(1, 1/K, K), the dynamic shift of the generated image's token count,
-    the source tokens not counted) equals flowrl's for K = 1..50."""
-    from diffusers import FluxKontextPipeline
-    from PIL import Image
-
-    from tests.test_family_stable_diffusion import pipeline_default_grid
-
-    adapter, pipe = load(kontext_dir), FluxKontextPipeline.from_pretrained(kontext_dir)
-    assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic
-    with Image.open(prompt_files / "source0.png") as img:
-        source = img.convert("RGB")
-    for steps in range(1, 51):
-        call = {"image": source, "prompt": "a cat", "height": SIZE, "width": SIZE, "max_area": SIZE * SIZE, "_auto_resize": False}
-        _, sigmas = pipeline_default_grid(pipe, steps, max_sequence_length=T5_TOKENS, **call)
-        assert torch.equal(adapter.schedule.sigmas(steps), sigmas), steps
-
-
-def test_embedded_guidance_one_forward_per_step_and_source_errors(kontext_dir, prompt_files, tmp_path):
-    """One transformer call per step carrying both token sets; the guidance-distilled model refuses other guidance
-    modes (also through the trainer); a missing source image and a batch of differently sized ones fail with one
-    sentence."""
-    from flowrl.config import load_config
+def test_one_forward_per_step_carries_both_token_sets_and_source_errors(kontext_dir, prompt_files):
+    """One transformer call per step carrying both token sets (the guidance checks are the mixin's); a missing
+    source image and a batch of differently sized ones fail with one sentence."""
     from flowrl.errors import FlowRLError
-    from flowrl.trainer import Trainer
 
     adapter = load(kontext_dir)
     calls = []
@@ -267,14 +233,10 @@ def test_embedded_guidance_one_forward_per_step_and_source_errors(kontext_dir, p
         lambda module, args, kwargs, out: calls.append(kwargs["hidden_states"].shape), with_kwargs=True
     )
     try:
-        sample(adapter, metadata(prompt_files), steps=3)
+        ode_sample(adapter, PROMPTS, seed=3, guidance_scale=2.5, metadata=metadata(prompt_files))
     finally:
         hook.remove()
     assert calls == [torch.Size([2, 16 + 35, 16])] * 3  # 16 generated + 35 source tokens of 4 * 4 channels
-    with pytest.raises(FlowRLError, match="guidance-distilled"):
-        adapter.guidance_mode = "cfg"
-    with pytest.raises(FlowRLError, match="rollout.guidance_mode"):
-        Trainer(load_config(None, kontext_config(kontext_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_mode": "cfg"})))
     with pytest.raises(FlowRLError, match="needs a source image per prompt"):
         adapter.encode(PROMPTS, [{}, {}])
     with pytest.raises(FlowRLError, match=r"different sizes \[\(20, 28\), \(28, 20\)\]"):
@@ -283,55 +245,6 @@ def test_embedded_guidance_one_forward_per_step_and_source_errors(kontext_dir, p
     assert fixed.encode(PROMPTS, metadata(prompt_files, (0, 2)))["image_latents"].shape == (2, 4, 8, 12)
     with pytest.raises(FlowRLError, match="multiples of 4"):
         load(kontext_dir, condition_height=18, condition_width=24)
-
-
-def test_two_grpo_iterations_full_finetune(kontext_dir, prompt_files, tmp_path):
-    """Full fine-tuning with the DanceGRPO SDE and the embedded guidance; re-scoring uses the stored source latents."""
-    overrides = kontext_config(
-        kontext_dir, tmp_path / "run", prompt_files, **{"sampler.diffusion": "dance_grpo", "sampler.noise_level": 0.3}
-    )
-    trainer = two_iterations_change_every_parameter(overrides)
-    print(f"Kontext re-scoring at unchanged weights: max |log ratio| = {rescoring_ratio_is_one(trainer):.2e}")
-
-
-def test_lora_round_trip_through_diffusers_load_lora_weights(kontext_dir, prompt_files, tmp_path):
-    """LoRA on Flow-Factory's Kontext targets (the preset's): every tensor trains; FluxKontextPipeline.load_lora_weights
-    loads the checkpoint and, around flowrl's sampler, gives flowrl's samples; merged export and --lora-only agree."""
-    from diffusers import FluxKontextPipeline
-    from peft.utils import get_peft_model_state_dict
-
-    from flowrl.cli import main
-    from flowrl.pipelines import build_pipeline
-
-    overrides = kontext_config(
-        kontext_dir, tmp_path / "run", prompt_files, **{"pipeline.lora": f"{{r: 4, alpha: 8, target_modules: {FLOW_FACTORY_TARGETS}}}"}
-    )
-    trainer = two_iterations_change_every_parameter(overrides)
-    rescoring_ratio_is_one(trainer)
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
-    meta = metadata(prompt_files)
-    ours = sample(trainer.pipeline, meta).samples
-
-    pipe = FluxKontextPipeline.from_pretrained(kontext_dir)
-    pipe.load_lora_weights(checkpoint)
-    ours_lora = get_peft_model_state_dict(trainer.pipeline.denoiser)
-    theirs_lora = get_peft_model_state_dict(pipe.transformer, adapter_name=next(iter(pipe.transformer.peft_config)))
-    assert set(theirs_lora) == set(ours_lora) and any("ff_context" in k for k in ours_lora)
-    assert all(torch.equal(theirs_lora[k].float(), v) for k, v in ours_lora.items())
-    adapter = build_pipeline(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
-    base = sample(adapter, meta).samples
-    adapter.denoiser = pipe.transformer
-    torch.testing.assert_close(sample(adapter, meta).samples, ours, atol=1e-5, rtol=0)
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
-
-    assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 0
-    adapter.denoiser = FluxKontextPipeline.from_pretrained(tmp_path / "merged").transformer
-    torch.testing.assert_close(sample(adapter, meta).samples, ours, atol=1e-4, rtol=0)
-    assert main(["export", str(checkpoint), str(tmp_path / "lora"), "--lora-only"]) == 0
-    pipe = FluxKontextPipeline.from_pretrained(kontext_dir)
-    pipe.load_lora_weights(tmp_path / "lora")
-    adapter.denoiser = pipe.transformer
-    torch.testing.assert_close(sample(adapter, meta).samples, ours, atol=1e-5, rtol=0)
 
 
 def test_preset_validates(prompt_files):
