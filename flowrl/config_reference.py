@@ -348,7 +348,10 @@ def overview_text() -> str:
 def kind_text(kind: str) -> str:
     """``flowrl config objective``: the names a kind can choose, each with its section's summary."""
     registry = registries()[kind]
-    lines = [f"{kind}.name chooses one of these (flowrl config {kind}.NAME shows its keys):", ""]
+    head = f"{kind}.name chooses one of these (flowrl config {kind}.NAME shows its keys):"
+    if kind == "reward":
+        head = "reward.components names rewards from these (flowrl config reward.NAME shows a reward's arguments):"
+    lines = [head, ""]
     width = max(len(n) for n in registry.builtin_names())
     for name in registry.builtin_names():
         target = registry.load(name) if kind == "reward" else registry.section(name)
