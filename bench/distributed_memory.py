@@ -105,13 +105,13 @@ def worker(overrides: list[str], report: Path) -> None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     load_peak, peaks = peak(), []  # loading and sharding, before any step
-    save = trainer.save
+    save = trainer.run.save
 
     def save_after_noting_the_peak():  # fit() saves last: the peak of rollouts, updates and evaluation comes first
         peaks.append(peak())
         return save()
 
-    trainer.save = save_after_noting_the_peak
+    trainer.run.save = save_after_noting_the_peak
     trainer.fit()
     trainer.optimizer.zero_grad(set_to_none=False)  # gradients allocated as during a step (fit() leaves them freed or not by strategy)
 

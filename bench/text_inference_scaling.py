@@ -29,9 +29,11 @@ from flowrl import seeding  # noqa: E402
 from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.masked_svdd import masked_svdd_in_batches  # noqa: E402
 from flowrl.inference.plots import save_scaling_plot  # noqa: E402
+from flowrl.inference.search import Items, TextSearchModel, TextVerifier  # noqa: E402
 from flowrl.inference.text_best_of_n import ORACLE, text_best_of_n  # noqa: E402
 from flowrl.inference.text_candidates import build_scorer, build_scorers  # noqa: E402
 from flowrl.modalities.text import TextModality  # noqa: E402
+from flowrl.objectives import own_modules  # noqa: E402
 from flowrl.reward_models import build_reward_from_config  # noqa: E402
 from flowrl.training.checkpoint import read_weights  # noqa: E402
 
@@ -55,14 +57,19 @@ def measure(args) -> None:
     modality = TextModality(config, torch.device("cpu"))
     if args.checkpoint:
         weights = read_weights(Path(args.checkpoint))
-        if modality.objective.extra_module is not None:
-            modality.objective.extra_module.load_state_dict({k[10:]: v for k, v in weights.items() if k.startswith("objective.")})
+        for prefix, module in own_modules(modality.objective):  # DCoLT's unmasking-policy head
+            module.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
         modality.pipeline.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
     lm, sc, plen = modality.pipeline, config.sampler, config.pipeline.prompt_length
     lm.model.eval()
     grader = build_reward_from_config(config.reward)
     prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
     counter, batch, seed, temp = RowCounter(lm), config.rollout.batch_size, config.eval.seed, args.temperature
+    items = Items(prompts, metadata)
+
+    def model(temperature: float) -> TextSearchModel:  # the run's diffusion LM drawing candidates at ``temperature``
+        return TextSearchModel(lm, sc, plen, temperature, seed, batch, modality.position_scorer)
+
     rules = [r for r in args.select.split(",") if r]
     out_path = Path(args.json)
     # a file from an earlier run of the same measurement keeps its finished phases: only the missing ones run
@@ -88,9 +95,7 @@ def measure(args) -> None:
         return value, counter.rows, time.perf_counter() - start
 
     if "greedy" not in result:
-        greedy, rows, secs = timed(
-            lambda: text_best_of_n(lm, sc, plen, grader, [], prompts, metadata, 1, 0.0, seed, batch, modality.position_scorer)
-        )
+        greedy, rows, secs = timed(lambda: text_best_of_n(model(0.0), TextVerifier([], [], grader), items, 1))
         result["greedy"] = {"accuracy": greedy.accuracy("majority", 1), "forwards_per_item": rows / len(prompts), "seconds": secs}
         save()
     plain_rows = result["greedy"]["forwards_per_item"] * len(prompts)  # the plain sampler's work (greedy or not: same steps)
@@ -100,20 +105,7 @@ def measure(args) -> None:
     )
     if "best_of_n" not in result:
         best, rows, secs = timed(
-            lambda: text_best_of_n(
-                lm,
-                sc,
-                plen,
-                grader,
-                build_scorers(rules, config.reward),
-                prompts,
-                metadata,
-                args.n,
-                temp,
-                seed,
-                batch,
-                modality.position_scorer,
-            )
+            lambda: text_best_of_n(model(temp), TextVerifier(rules, build_scorers(rules, config.reward), grader), items, args.n)
         )
         result["best_of_n"] = {
             "curves": {r: {str(k): v for k, v in c.items()} for r, c in best.curves(rules).items()},
@@ -139,11 +131,7 @@ def measure(args) -> None:
         if str(m) in result["svdd"]:
             print(f"svdd M = {m:>2}: accuracy {result['svdd'][str(m)]['accuracy']:.4f} (earlier run)")
             continue
-        out, rows, secs = timed(
-            lambda m=m: masked_svdd_in_batches(
-                lm, sc, plen, build_scorer("likelihood"), prompts, m, temp, seed, batch, modality.position_scorer
-            )
-        )
+        out, rows, secs = timed(lambda m=m: masked_svdd_in_batches(model(temp), build_scorer("likelihood"), prompts, m))
         acc = float(grader(out.completions, prompts, metadata).scores.float().nanmean())
         assert rows == out.forwards  # the function's own count is the counted work
         result["svdd"][str(m)] = {"accuracy": acc, "forwards_vs_plain": rows / plain_rows, "seconds": secs}

@@ -189,8 +189,8 @@ def run_method(
         config = method_config(method, seed, f"{tmp}/{method}", {"train.iterations": max_iterations, **(overrides or {})})
         trainer = Trainer(config)
         work = DenoiserWork(trainer.module)
-        trainer.collect = work.during("rollout", trainer.collect)  # the instance's own methods, counted
-        trainer.update = work.during("train", trainer.update)
+        trainer.loop.collect = work.during("rollout", trainer.loop.collect)  # the loop's own methods, counted
+        trainer.loop.update = work.during("train", trainer.loop.update)
         evaluate = work.during("eval", lambda: held_out(trainer))
         curve = [{"iteration": 0, "train_s": 0.0, **evaluate(), **work.training_work()}]
         train_s, reached = 0.0, None

@@ -69,7 +69,7 @@ def test_ratio_is_one_at_unchanged_weights_and_only_window_steps_are_trained(tmp
     trainer = b2_trainer(tmp_path, **{"rollout.branching.start_steps": 2})
     rescoring_ratio_is_one(trainer)  # the window steps of iteration 0 (steps 2 and 3 of 4) re-scored
     batch = trainer.collect(0)
-    out = trainer.modality.score(batch, trainer.reward, False)[0]
+    out = trainer.modality.collector.score(batch, trainer.reward)[0]
     batch.rewards = out.scores
     batch = trainer.objective.prepare(batch)
     trained = []

@@ -13,9 +13,9 @@ from tiny_components import two_iterations_change_every_parameter
 
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
-from flowrl.objectives.diffusion_dpo import noised_and_target, training_sigmas
 from flowrl.objectives.functional import diffusion_dpo_loss
 from flowrl.preferences.pairs import PreferencePairs, build_pairs, read_pairs, write_pairs
+from flowrl.samplers.forward_process import noised_and_target, training_sigmas
 
 DPO = CONFIGS / "digits" / "diffusion_dpo.yaml"
 

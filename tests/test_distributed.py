@@ -93,9 +93,9 @@ def test_the_shares_of_two_processes_are_the_one_process_batch_split_in_two(tmp_
 
     cfg = {"train.prompts_per_iteration": 4, "rollout.batch_size": 8, **extra}
     modality = Trainer(load_config(GRPO, fast_overrides(tmp_path / "one", **cfg))).modality
-    whole = modality.collect(1, 0, 1)
+    whole = modality.collector.collect(1, 0, 1)
     modality.config.rollout.batch_size = 3
-    shares = [modality.collect(1, rank, 2) for rank in (0, 1)]
+    shares = [modality.collector.collect(1, rank, 2) for rank in (0, 1)]
     assert [p for s in shares for p in s.prompts] == whole.prompts and len(set(whole.prompts)) > 1
     assert torch.equal(torch.cat([s.group_ids for s in shares]), whole.group_ids)
     latents = torch.cat([s.latents for s in shares])
@@ -359,8 +359,8 @@ def test_the_text_shares_of_two_processes_are_the_one_process_batch_split_in_two
 
     overrides = [f"output_dir={tmp_path}", "train.prompts_per_iteration=4", "train.num_generations=4", "log.progress=false"]
     modality = Trainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", overrides)).modality
-    whole = modality.collect(1, 0, 1)
-    shares = [modality.collect(1, rank, 2) for rank in (0, 1)]
+    whole = modality.collector.collect(1, 0, 1)
+    shares = [modality.collector.collect(1, rank, 2) for rank in (0, 1)]
     assert [p for s in shares for p in s.prompts] == whole.prompts and len(set(whole.prompts)) > 1
     assert [c for s in shares for c in s.completions] == whole.completions and len(set(whole.completions)) > 4
     assert torch.equal(torch.cat([s.mask_seeds for s in shares]), whole.mask_seeds)

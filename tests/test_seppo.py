@@ -300,7 +300,7 @@ def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
         ["objective.name=seppo", f"objective.winners={tmp_path / 'w.jsonl'}", "objective.beta=5000"],
     )
     trainer = two_iterations_change_every_parameter(overrides)
-    winners = trainer.modality.winners
+    winners = trainer.modality.collector.winners
     assert winners.images.shape == (3, 3, 16, 16) and winners.metadata == [{"digit": d} for d in range(3)]
     # the latents are the VAE's mode times its scaling factor (the inverse of the adapter's decode)
     vae = trainer.pipeline.vae

@@ -37,10 +37,10 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from ..samplers.forward_process import noised_and_target, training_sigmas
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption
-from .diffusion_dpo import noised_and_target, training_sigmas
 from .functional import StdConvention, masked_mean
 
 TimeSampling = Literal["uniform", "grid"]

@@ -52,10 +52,10 @@ from pydantic import Field
 from torch import Tensor
 
 from ..errors import FlowRLError
+from ..samplers.forward_process import noised_and_target
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption
-from .diffusion_dpo import noised_and_target
 from .diffusion_nft import swapped_weights
 from .functional import StdConvention, masked_mean
 

@@ -27,37 +27,11 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field
-from torch import Tensor
 
+from ..samplers.forward_process import denoising_errors, noised_and_target, training_sigmas
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .functional import diffusion_dpo_loss
-
-
-def training_sigmas(pipeline: Pipeline, n: int, generator: torch.Generator) -> Tensor:
-    """n noise levels drawn uniformly over the model's training times."""
-    schedule = pipeline.schedule
-    if pipeline.prediction_type == "flow":
-        return 1.0 - torch.rand(n, generator=generator)  # (0, 1]
-    steps = schedule.num_train_timesteps
-    return (torch.randint(0, steps, (n,), generator=generator) + 1).float() / steps
-
-
-def noised_and_target(pipeline: Pipeline, x0: Tensor, noise: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:
-    """The noisy input at ``sigma`` (B,) and the regression target the model was trained on."""
-    shape = (-1,) + (1,) * (x0.ndim - 1)
-    if pipeline.prediction_type == "flow":
-        s = sigma.view(shape)
-        return (1 - s) * x0 + s * noise, noise - x0
-    a = pipeline.schedule.alpha_bar(sigma).view(shape)
-    x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-    return x_t, (noise if pipeline.prediction_type == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * x0)
-
-
-def denoising_errors(pipeline: Pipeline, x_t: Tensor, sigma: Tensor, cond, target: Tensor, guidance_scale: float) -> Tensor:
-    """Per-sample mean squared error of the model's prediction against its regression target (B,)."""
-    pred = pipeline.predict(x_t, sigma, cond, guidance_scale).float()
-    return (pred - target).pow(2).flatten(1).mean(1)
 
 
 @dataclass

@@ -51,11 +51,11 @@ from torch import Tensor
 from .. import seeding
 from ..data.winners import Winners, load_winners, top_fraction
 from ..errors import FlowRLError
+from ..samplers.forward_process import denoising_errors, noised_and_target, training_sigmas
 from ..samplers.rollout import rollout
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .checkpoint_replay import CheckpointReplay, Strategy, running_mean
-from .diffusion_dpo import denoising_errors, noised_and_target, training_sigmas
 from .functional import diffusion_dpo_loss
 
 # Stream tags for seeding.derive_seed, far from seeding.PURPOSES' small numbers: SePPO's own draws per iteration.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -103,6 +104,9 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "module", module)  # DDP / accelerate wrappers
 
 
+POLICY_ADAPTER = "default"  # peft's name of the first adapter: the policy's LoRA
+
+
 class DiffusersAdapter:
     """Base class of the adapters over diffusers components (see the module docstring)."""
 
@@ -134,6 +138,7 @@ class DiffusersAdapter:
         self._prompt_cache: dict[str, Condition] = {}
         self._reference: torch.nn.Module | None = None
         self._use_reference = False
+        self._role_adapters: list[str] = []  # LoRA adapters of other trained roles on this denoiser (add_role_adapter)
         self.denoiser: torch.nn.Module
         self._load_components()
         if config.flow_shift is not None:  # override the checkpoint's (e.g. Wan 720p: 5.0, DanceGRPO's static 3.0)
@@ -356,6 +361,8 @@ class DiffusersAdapter:
 
     # -- training support -----------------------------------------------------------------------
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        if self._role_adapters:  # the policy's own adapter; the others belong to their roles
+            return self.adapter_parameters(POLICY_ADAPTER)
         return [p for p in self.denoiser.parameters() if p.requires_grad]
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
@@ -363,8 +370,64 @@ class DiffusersAdapter:
         model = _unwrap(self.denoiser)
         if not self.has_lora:
             return dict(model.state_dict())
+        if self._role_adapters:
+            return self.adapter_state_dict(POLICY_ADAPTER)
         names = {n for n, p in model.named_parameters() if p.requires_grad}
         return {k: v for k, v in model.state_dict().items() if k in names}
+
+    # -- LoRA adapters of other trained roles on the same base (training/roles.py) -------------------------------------
+    def add_role_adapter(self, name: str, lora) -> None:
+        """A second LoRA adapter on this denoiser, with the policy's LoRA settings, trained by a role of its own (a
+        critic, DMD2's fake score). The policy's adapter stays the active one except inside ``use_adapter(name)``;
+        every adapter's parameters stay trainable, so the engine wraps them all once."""
+        from peft import LoraConfig
+
+        model = _unwrap(self.denoiser)
+        targets = list(lora.target_modules or self.default_lora_targets)
+        config = LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=targets
+        )
+        with warnings.catch_warnings():  # peft warns that a second adapter is being added: that is the point
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            model.add_adapter(config, adapter_name=name)
+        self._role_adapters.append(name)
+        for p in self.adapter_parameters(name):  # trained in fp32 over a bf16/fp16 base, as the policy's adapter
+            p.data = p.data.float()
+        self._activate(POLICY_ADAPTER)
+
+    def _activate(self, adapter: str) -> None:
+        """Make ``adapter`` the one the denoiser runs with; peft's set_adapter freezes the others, which stay trainable."""
+        model = _unwrap(self.denoiser)
+        model.set_adapter(adapter)
+        for name in [POLICY_ADAPTER, *self._role_adapters]:
+            for p in self.adapter_parameters(name):
+                p.requires_grad_(True)
+
+    @contextlib.contextmanager
+    def use_adapter(self, adapter: str) -> Iterator[DiffusersAdapter]:
+        """Inside the block, predict() runs the denoiser with the LoRA adapter ``adapter`` instead of the policy's."""
+        self._activate(adapter)
+        try:
+            yield self
+        finally:
+            self._activate(POLICY_ADAPTER)
+
+    def _adapter_names(self, adapter: str) -> list[str]:
+        return [n for n, _ in _unwrap(self.denoiser).named_parameters() if "lora_" in n and f".{adapter}." in n]
+
+    def adapter_parameters(self, adapter: str) -> list[torch.nn.Parameter]:
+        params = dict(_unwrap(self.denoiser).named_parameters())
+        return [params[n] for n in self._adapter_names(adapter)]
+
+    def adapter_state_dict(self, adapter: str) -> dict[str, Tensor]:
+        names = set(self._adapter_names(adapter))
+        return {k: v for k, v in _unwrap(self.denoiser).state_dict().items() if k in names}
+
+    def load_adapter_state_dict(self, adapter: str, weights: dict[str, Tensor]) -> None:
+        expected = set(self._adapter_names(adapter))
+        if set(weights) != expected:
+            raise RuntimeError(f"adapter '{adapter}' keys differ ({len(set(weights) ^ expected)} mismatched)")
+        _unwrap(self.denoiser).load_state_dict(weights, strict=False)
 
     def load_trainable_state_dict(self, weights: dict[str, Tensor]) -> None:
         model = _unwrap(self.denoiser)

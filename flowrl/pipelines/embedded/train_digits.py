@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ...atomic_files import atomic_directory
 from ...data.digits import EVAL_TEMPLATES, MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
+from ...samplers.forward_process import flow_noised, vp_noised
 from .digits_models import build_text_encoder, build_unet
 
 CFG_DROPOUT = 0.1
@@ -55,16 +56,12 @@ def loss_fn(kind, unet, text_encoder, scheduler, x0, ids, gen):
     ctx = text_encoder(ids).last_hidden_state
     if kind == "flow":
         sigma = torch.rand(b, generator=gen)
-        s = sigma.view(b, 1, 1, 1)
-        x = (1 - s) * x0 + s * noise
+        x, target = flow_noised(x0, noise, sigma.view(b, 1, 1, 1))
         pred = unet(x, sigma * scheduler.config.num_train_timesteps, ctx).sample
-        target = noise - x0
     else:
         t = torch.randint(0, scheduler.config.num_train_timesteps, (b,), generator=gen)
-        ab = scheduler.alphas_cumprod[t].float().view(b, 1, 1, 1)
-        x = ab.sqrt() * x0 + (1 - ab).sqrt() * noise
+        x, target = vp_noised(x0, noise, scheduler.alphas_cumprod[t].float().view(b, 1, 1, 1))
         pred = unet(x, t, ctx).sample
-        target = noise
     return torch.nn.functional.mse_loss(pred, target)
 
 

@@ -39,6 +39,7 @@ from ...data.digits_video import (
     sample_clips,
     vocabulary,
 )
+from ...samplers.forward_process import flow_noised
 from ...samplers.schedules import shift_sigmas
 from ..digits_video import denoise
 
@@ -118,11 +119,10 @@ def flow_loss(transformer, text_encoder, x0, ids, gen):
     b = x0.shape[0]
     noise = torch.randn(x0.shape, generator=gen)
     sigma = shift_sigmas(torch.rand(b, generator=gen), SHIFT)
-    s = sigma.view(b, 1, 1, 1, 1)
-    x = (1 - s) * x0 + s * noise
+    x, target = flow_noised(x0, noise, sigma.view(b, 1, 1, 1, 1))
     ctx = text_encoder(ids).last_hidden_state
     pred = denoise(transformer, x, sigma * 1000, ctx)
-    return torch.nn.functional.mse_loss(pred, noise - x0)
+    return torch.nn.functional.mse_loss(pred, target)
 
 
 def save_model(directory: Path, transformer, text_encoder, tokenizer, scheduler, info: dict) -> None:
