@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_components import (
-    euler_final_latents,
-    family_config,
-    ode_sample,
-    rescoring_ratio_is_one,
-    two_iterations_change_every_parameter,
-)
+from tests.family_tester import FamilyTesterMixin, Grid
+from tests.tiny_components import euler_final_latents, family_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,190 +175,6 @@ def qwen_config(directory, output_dir, name: str = "qwen_image", **extra):
     )
 
 
-def flowrl_euler(adapter, noise: torch.Tensor, steps: int, guidance_scale: float, prompts=PROMPTS, metadata=None) -> torch.Tensor:
-    return euler_final_latents(adapter, noise, steps, guidance_scale, prompts, metadata)
-
-
-# -- text-to-image -----------------------------------------------------------------------------------
-def test_qwen_image_matches_diffusers_pipeline_with_true_cfg(qwen_dir):
-    """Oracle: template + dropped prefix + padded mask, packing, img_shapes, the dynamic shift with the terminal
-    stretch, timestep / 1000, true CFG against " " with the norm rescale, and the VAE decode, as
-    QwenImagePipeline.__call__ (default arguments but the size and the text length)."""
-    from diffusers import QwenImagePipeline
-
-    from flowrl.pipelines.flux import pack_latents, unpack_latents
-
-    adapter, pipe = load("qwen_image", qwen_dir), QwenImagePipeline.from_pretrained(qwen_dir)
-    pipe.set_progress_bar_config(disable=True)
-    assert adapter.latent_shape() == (4, 4, 4) and adapter.guidance_mode == "cfg" and adapter.config.negative_prompt == " "
-    embeds, mask = pipe.encode_prompt(PROMPTS, max_sequence_length=TEXT_TOKENS)
-    cond = adapter.encode(PROMPTS)
-    assert mask is not None and cond["prompt_embeds"].shape == (2, TEXT_TOKENS, 32)
-    length = embeds.shape[1]
-    torch.testing.assert_close(cond["prompt_embeds"][:, :length], embeds, atol=1e-5, rtol=0)
-    assert torch.equal(cond["prompt_embeds_mask"][:, :length], mask) and cond["prompt_embeds_mask"][:, length:].sum() == 0
-    assert cond["prompt_embeds"][:, length:].abs().max() == 0
-
-    steps, scale = 2, 4.0
-    noise = adapter.initial_noise(2, torch.Generator().manual_seed(1))
-    call = dict(
-        prompt=PROMPTS,
-        negative_prompt=" ",
-        true_cfg_scale=scale,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=steps,
-        max_sequence_length=TEXT_TOKENS,
-    )
-    theirs = pipe(latents=pack_latents(noise), output_type="latent", **call).images
-    assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
-    ours = flowrl_euler(adapter, noise, steps, scale)
-    diff = (ours - unpack_latents(theirs, 4, 4)).abs().max().item()
-    print(f"Qwen-Image oracle (true CFG {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
-    assert diff < 1e-5
-    images = pipe(latents=pack_latents(noise), output_type="pt", **call).images
-    torch.testing.assert_close(adapter.decode(ours), images, atol=1e-5, rtol=0)
-    # without the rescale the guided prediction differs: the pipeline's rescale is really applied
-    x, sigma = noise, torch.tensor(0.7)
-    plain = load("qwen_image", qwen_dir, cfg_norm_rescale=False)
-    with torch.no_grad():
-        assert (plain.predict(x, sigma, cond, scale) - adapter.predict(x, sigma, cond, scale)).abs().max() > 1e-3
-    assert not any(p.requires_grad for m in adapter.frozen_modules() for p in m.parameters()) and len(adapter.frozen_modules()) == 2
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # diffusers' K = 1 grid (0 / 0)
-def test_qwen_image_default_grid_is_the_pipelines_for_k_1_to_50(qwen_dir):
-    """flowrl's grid = the sigmas QwenImagePipeline sets up with its default arguments for K = 2..50 at two sizes
-    (mu from the token count, then the shift_terminal stretch to 0.02). At K = 1 diffusers' stretch divides 0 by 0
-    (a NaN sigma); flowrl samples [1, 0]."""
-    from diffusers import QwenImagePipeline
-
-    from tests.test_family_stable_diffusion import pipeline_default_grid
-
-    pipe = QwenImagePipeline.from_pretrained(qwen_dir)
-    embeds, _ = pipe.encode_prompt(["a cat"], max_sequence_length=TEXT_TOKENS)
-    for height, width in ((SIZE, SIZE), (64, 32)):
-        adapter = load("qwen_image", qwen_dir, height=height, width=width)
-        assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic and adapter.schedule.shift_terminal == pytest.approx(0.02)
-        for steps in range(1, 51):
-            _, sigmas = pipeline_default_grid(pipe, steps, prompt_embeds=embeds, height=height, width=width, true_cfg_scale=1.0)
-            ours = adapter.schedule.sigmas(steps)
-            if steps == 1:
-                assert torch.isnan(sigmas[0]) and torch.equal(ours, torch.tensor([1.0, 0.0]))
-                continue
-            assert torch.equal(ours, sigmas), (height, width, steps)
-            assert float(ours[-2]) == pytest.approx(0.02, abs=1e-6)
-    from flowrl.errors import FlowRLError
-
-    assert load("qwen_image", qwen_dir, sampling_grid="linspace").schedule.sigmas(4)[-2] > 0.02  # no stretch there
-    with pytest.raises(FlowRLError, match="does not apply to qwen_image"):
-        load("qwen_image", qwen_dir, sampling_grid="flow_match")
-
-
-def test_qwen_image_two_grpo_iterations_full_finetune_with_cfg(qwen_dir, tmp_path):
-    from flowrl.errors import FlowRLError
-
-    trainer = two_iterations_change_every_parameter(qwen_config(qwen_dir, tmp_path / "run"))
-    rescoring_ratio_is_one(trainer)
-    # the last block's text-stream tail cannot reach the output: frozen, not carried through the optimizer
-    frozen = [n for n, p in trainer.pipeline.denoiser.named_parameters() if not p.requires_grad]
-    assert frozen and all(
-        n.startswith("transformer_blocks.1.") and ("txt_mlp" in n or "added_q" in n or "add_q" in n or "to_add_out" in n) for n in frozen
-    )
-    with pytest.raises(FlowRLError, match="guidance-distilled"):
-        trainer.pipeline.guidance_mode = "embedded"
-
-
-def test_qwen_image_lora_round_trip_through_diffusers_load_lora_weights(qwen_dir, tmp_path):
-    from diffusers import QwenImagePipeline
-
-    lora_round_trip(
-        QwenImagePipeline,
-        "qwen_image",
-        qwen_dir,
-        tmp_path,
-        qwen_config(qwen_dir, tmp_path / "run", **{"pipeline.lora": "{r: 4, alpha: 8}"}),
-        4.0,
-    )
-
-
-def lora_round_trip(pipeline_cls, name: str, directory, tmp_path: Path, overrides: list[str], guidance_scale: float, export: bool = True):
-    """Two LoRA GRPO iterations; the run's checkpoint loaded with ``pipeline_cls.load_lora_weights`` gives flowrl's
-    samples; the merged export and the LoRA-only export too (``export``: needs ``pipeline_cls.from_pretrained``)."""
-    from peft.utils import get_peft_model_state_dict
-
-    from flowrl.pipelines import build_pipeline
-
-    trainer = two_iterations_change_every_parameter(overrides)
-    rescoring_ratio_is_one(trainer)
-    assert "transformer_blocks.1.attn.add_q_proj" not in trainer.pipeline.default_lora_targets
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
-    assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
-    prompts, metadata = sample_inputs(trainer)
-    ours = ode_sample_with(trainer.pipeline, prompts, metadata, guidance_scale)
-
-    def with_transformer(transformer):
-        plain = trainer.config.pipeline.model_copy(update={"lora": None})
-        adapter = build_pipeline(plain, "cpu")
-        if transformer is not None:
-            adapter.denoiser = transformer  # flowrl's sampler around a transformer loaded by diffusers
-        return ode_sample_with(adapter, prompts, metadata, guidance_scale)
-
-    # the user's path: the base checkpoint + load_lora_weights(run checkpoint), nothing of flowrl
-    pipe = load_diffusers(pipeline_cls, directory)
-    pipe.load_lora_weights(checkpoint)
-    ours_lora = get_peft_model_state_dict(trainer.pipeline.denoiser)
-    theirs_lora = get_peft_model_state_dict(pipe.transformer, adapter_name=next(iter(pipe.transformer.peft_config)))
-    assert set(theirs_lora) == set(ours_lora), "diffusers did not load every LoRA tensor"
-    assert all(torch.equal(theirs_lora[k].float(), v) for k, v in ours_lora.items())
-    base = with_transformer(None)
-    torch.testing.assert_close(with_transformer(pipe.transformer), ours, atol=1e-5, rtol=0)
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
-    merged = trainer.pipeline.merged_denoiser()
-    assert not any("lora" in n for n, _ in merged.named_parameters())
-    torch.testing.assert_close(with_transformer(merged), ours, atol=1e-4, rtol=0)
-    if not export:
-        return
-    from flowrl.cli import main
-
-    assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 0
-    torch.testing.assert_close(with_transformer(pipeline_cls.from_pretrained(tmp_path / "merged").transformer), ours, atol=1e-4, rtol=0)
-    assert main(["export", str(checkpoint), str(tmp_path / "lora"), "--lora-only"]) == 0
-    pipe = load_diffusers(pipeline_cls, directory)
-    pipe.load_lora_weights(tmp_path / "lora")
-    torch.testing.assert_close(with_transformer(pipe.transformer), ours, atol=1e-5, rtol=0)
-
-
-def sample_inputs(trainer) -> tuple[list[str], list[dict]]:
-    """Two prompts (with their metadata) of the run's own prompt pool."""
-    from flowrl.prompts import prompts_for
-
-    pool = prompts_for(trainer.config.prompts, "train")[:2]
-    return [p for p, _ in pool], [m for _, m in pool]
-
-
-def ode_sample_with(pipeline, prompts, metadata, guidance_scale: float, seed: int = 3, steps: int = 3) -> torch.Tensor:
-    """Deterministic samples from a fixed seed, with the prompts' metadata (the edit models' source images)."""
-    if not getattr(pipeline, "needs_metadata", False):
-        return ode_sample(pipeline, prompts, seed=seed, steps=steps, guidance_scale=guidance_scale)
-    from flowrl.config import ODEConfig
-    from flowrl.samplers import build_sampler
-    from flowrl.samplers.rollout import rollout
-
-    traj = rollout(
-        pipeline,
-        build_sampler(ODEConfig(), pipeline),
-        prompts,
-        metadata,
-        torch.arange(len(prompts)),
-        pipeline.schedule.sigmas(steps),
-        torch.Generator().manual_seed(seed),
-        guidance_scale,
-        same_noise_in_group=False,
-    )
-    return traj.samples
-
-
 def load_diffusers(pipeline_cls, directory):
     """``pipeline_cls.from_pretrained(directory)``; the edit pipelines get their processor built by
     :func:`qwen2vl_processor` (without torchvision transformers cannot load Qwen2VLProcessor)."""
@@ -487,6 +298,145 @@ def edit_config(directory, output_dir, name: str, prompt_file: str, **extra):
     )
 
 
+# -- the shared checks ------------------------------------------------------------------------------
+class QwenTester(FamilyTesterMixin):
+    """What the Qwen-Image pipelines share: the Qwen2.5-VL text encoder with its templates, true CFG against " "
+    with the norm rescale, packed latents, the dynamic shift with the terminal stretch; LoRA (the last block's
+    text-stream tail is never a target: it cannot reach the output)."""
+
+    lora_guidance_scale = 4.0
+    test_two_adjoint_matching_iterations = None
+    test_two_diffusion_nft_iterations = None
+    test_loads_through_flowrl_and_samples = None
+
+    def load(self, directory=None, **options):
+        return load(self.name, directory or self.directory, **{**self.load_options, **options})
+
+    def diffusers_pipeline(self, directory=None):
+        import diffusers
+
+        return load_diffusers(getattr(diffusers, self.pipeline_class), directory or self.directory)
+
+    def lora_sample_inputs(self, trainer):
+        """Two prompts (with their metadata, the edit models' source images) of the run's own prompt pool."""
+        from flowrl.prompts import prompts_for
+
+        pool = prompts_for(trainer.config.prompts, "train")[:2]
+        return [p for p, _ in pool], [m for _, m in pool] if getattr(trainer.pipeline, "needs_metadata", False) else None
+
+    def check_lora_run(self, trainer):
+        assert "transformer_blocks.1.attn.add_q_proj" not in trainer.pipeline.default_lora_targets
+
+
+class TestQwenImage(QwenTester):
+    """Qwen-Image text-to-image."""
+
+    pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # diffusers' K = 1 grid (0 / 0)
+    name, checkpoint, pipeline_class, prompts = "qwen_image", "qwen_dir", "QwenImagePipeline", tuple(PROMPTS)
+    oracle_decode_atol, frozen_modules = 1e-5, 2
+    grids = {"32x32": Grid(), "64x32": Grid(load={"height": 64, "width": 32})}
+
+    def config(self, **extra):
+        return qwen_config(self.directory, self.run_dir, **extra)
+
+    def check_conditioning(self, adapter, pipe, case):
+        """Template + dropped prefix + padded mask, as QwenImagePipeline.encode_prompt."""
+        assert adapter.latent_shape() == (4, 4, 4) and adapter.guidance_mode == "cfg" and adapter.config.negative_prompt == " "
+        embeds, mask = pipe.encode_prompt(PROMPTS, max_sequence_length=TEXT_TOKENS)
+        cond = adapter.encode(PROMPTS)
+        assert mask is not None and cond["prompt_embeds"].shape == (2, TEXT_TOKENS, 32)
+        length = embeds.shape[1]
+        torch.testing.assert_close(cond["prompt_embeds"][:, :length], embeds, atol=1e-5, rtol=0)
+        assert torch.equal(cond["prompt_embeds_mask"][:, :length], mask) and cond["prompt_embeds_mask"][:, length:].sum() == 0
+        assert cond["prompt_embeds"][:, length:].abs().max() == 0
+
+    def pipeline_call(self, pipe, noise, steps, scale, output_type, case):
+        """Packing, img_shapes, timestep / 1000, true CFG against " " with the norm rescale, the VAE decode, as
+        QwenImagePipeline.__call__ (default arguments but the size and the text length)."""
+        from flowrl.pipelines.flux import pack_latents
+
+        call = {"height": SIZE, "width": SIZE, "num_inference_steps": steps, "max_sequence_length": TEXT_TOKENS}
+        return pipe(
+            prompt=PROMPTS, negative_prompt=" ", true_cfg_scale=scale, latents=pack_latents(noise), output_type=output_type, **call
+        ).images
+
+    def pipeline_latents(self, adapter, ours):
+        from flowrl.pipelines.flux import pack_latents
+
+        return pack_latents(ours)
+
+    def check_oracle(self, adapter, pipe, noise, ours, case):
+        # without the rescale the guided prediction differs: the pipeline's rescale is really applied
+        x, sigma, cond, scale = noise, torch.tensor(0.7), adapter.encode(PROMPTS), self.oracle_guidance_scale
+        plain = self.load(cfg_norm_rescale=False)
+        with torch.no_grad():
+            assert (plain.predict(x, sigma, cond, scale) - adapter.predict(x, sigma, cond, scale)).abs().max() > 1e-3
+
+    def grid_call_arguments(self, adapter, pipe):
+        embeds, _ = pipe.encode_prompt(["a cat"], max_sequence_length=TEXT_TOKENS)
+        height, width = adapter.sample_size()
+        return {"prompt_embeds": embeds, "height": height, "width": width, "true_cfg_scale": 1.0}
+
+    def check_grid(self, adapter, grid):
+        """mu from the token count (two sizes), then the shift_terminal stretch to 0.02."""
+        assert adapter.schedule.grid == "flux" and adapter.schedule.dynamic and adapter.schedule.shift_terminal == pytest.approx(0.02)
+
+    def compare_grid(self, adapter, steps, timesteps, sigmas, grid):
+        """K = 2..50; at K = 1 diffusers' stretch divides 0 by 0 (a NaN sigma) and flowrl samples [1, 0]."""
+        ours = adapter.schedule.sigmas(steps)
+        if steps == 1:
+            assert torch.isnan(sigmas[0]) and torch.equal(ours, torch.tensor([1.0, 0.0]))
+            return
+        assert torch.equal(ours, sigmas), (grid, steps)
+        assert float(ours[-2]) == pytest.approx(0.02, abs=1e-6)
+
+    def check_grid_extras(self, adapter, pipe, directory, grid):
+        from flowrl.errors import FlowRLError
+
+        assert self.load(sampling_grid="linspace").schedule.sigmas(4)[-2] > 0.02  # no stretch there
+        with pytest.raises(FlowRLError, match="does not apply to qwen_image"):
+            self.load(sampling_grid="flow_match")
+
+    def check_grpo_run(self, trainer):
+        from flowrl.errors import FlowRLError
+
+        # the last block's text-stream tail cannot reach the output: frozen, not carried through the optimizer
+        frozen = [n for n, p in trainer.pipeline.denoiser.named_parameters() if not p.requires_grad]
+        assert frozen and all(
+            n.startswith("transformer_blocks.1.") and ("txt_mlp" in n or "added_q" in n or "add_q" in n or "to_add_out" in n)
+            for n in frozen
+        )
+        with pytest.raises(FlowRLError, match="guidance-distilled"):
+            trainer.pipeline.guidance_mode = "embedded"
+
+
+class TestQwenImageEdit(QwenTester):
+    """Qwen-Image-Edit: one source image a prompt, from a .jsonl prompt file (the sampler oracle is
+    test_qwen_image_edit_matches_diffusers_pipeline_with_true_cfg below); the `flowrl export` checks are the
+    text-to-image model's."""
+
+    name, checkpoint, pipeline_class, prompt_file = "qwen_image_edit", "edit_dir", "QwenImageEditPipeline", "edit"
+    load_options, lora_export = {"condition_area": CONDITION_AREA}, False
+    test_sampler_equals_the_diffusers_pipeline = None
+    test_default_grid_is_the_pipelines_for_k_1_to_50 = None
+
+    def config(self, **extra):
+        return edit_config(self.directory, self.run_dir, self.name, self.fixture("sources")[self.prompt_file], **extra)
+
+    def check_grpo_run(self, trainer):
+        """The stored condition carries the images' latents and the negative branch."""
+        traj = trainer.collect(0)
+        assert traj.cond["image_latents"].shape[1] == 36 and traj.cond["image_shapes"][0].tolist() == [[6, 6]]  # 96 x 96 sources
+        assert not torch.equal(traj.cond["prompt_embeds"], traj.cond["negative_prompt_embeds"])
+
+
+class TestQwenImageEditPlus(TestQwenImageEdit):
+    """Qwen-Image-Edit-Plus: two source images a prompt, Edit-2511's zero_cond_t."""
+
+    name, checkpoint, pipeline_class, prompt_file = "qwen_image_edit_plus", "edit_plus_dir", "QwenImageEditPlusPipeline", "plus"
+    test_two_grpo_iterations = None
+
+
 @pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit_plus"])
 def test_qwen_image_edit_matches_diffusers_pipeline_with_true_cfg(request, sources, monkeypatch, plus):
     """Oracle for both edit pipelines: the source images' resizing, the processor's inputs (vision tokens
@@ -551,41 +501,11 @@ def test_qwen_image_edit_matches_diffusers_pipeline_with_true_cfg(request, sourc
     )
     theirs = pipe(latents=pack_latents(noise), output_type="latent", **call).images
     assert torch.equal(pipe.scheduler.sigmas, adapter.schedule.sigmas(steps))
-    ours = flowrl_euler(adapter, noise, steps, scale, prompt, metadata)
+    ours = euler_final_latents(adapter, noise, steps, scale, prompt, metadata)
     diff = (ours - unpack_latents(theirs, 4, 4)).abs().max().item()
     print(f"{name} oracle ({len(images)} source images, true CFG {scale}, {steps} steps): max |flowrl - diffusers| = {diff:.2e}")
     assert diff < 1e-5
     torch.testing.assert_close(adapter.decode(ours), pipe(latents=pack_latents(noise), output_type="pt", **call).images, atol=1e-5, rtol=0)
-
-
-def test_qwen_image_edit_two_grpo_iterations_full_finetune_with_cfg(edit_dir, sources, tmp_path):
-    """Two GRPO iterations of Qwen-Image-Edit, source images from a .jsonl prompt file: every trainable tensor
-    moves, re-scoring gives ratio 1, the stored condition carries the images' latents and the negative branch."""
-    trainer = two_iterations_change_every_parameter(edit_config(edit_dir, tmp_path / "run", "qwen_image_edit", sources["edit"]))
-    rescoring_ratio_is_one(trainer)
-    traj = trainer.collect(0)
-    assert traj.cond["image_latents"].shape[1] == 36 and traj.cond["image_shapes"][0].tolist() == [[6, 6]]  # 96 x 96 sources
-    assert not torch.equal(traj.cond["prompt_embeds"], traj.cond["negative_prompt_embeds"])
-
-
-def test_qwen_image_edit_lora_round_trip_through_diffusers_load_lora_weights(edit_dir, sources, tmp_path):
-    """Qwen-Image-Edit (one source image a prompt): LoRA GRPO, ratio 1, and the checkpoint loaded with
-    QwenImageEditPipeline.load_lora_weights reproduces flowrl's edited samples."""
-    from diffusers import QwenImageEditPipeline
-
-    overrides = edit_config(edit_dir, tmp_path / "run", "qwen_image_edit", sources["edit"], **{"pipeline.lora": "{r: 4, alpha: 8}"})
-    lora_round_trip(QwenImageEditPipeline, "qwen_image_edit", edit_dir, tmp_path, overrides, 4.0, export=False)
-
-
-def test_qwen_image_edit_plus_lora_round_trip_through_diffusers_load_lora_weights(edit_plus_dir, sources, tmp_path):
-    """Qwen-Image-Edit-Plus (two source images a prompt, Edit-2511's zero_cond_t): LoRA GRPO, ratio 1, and the
-    checkpoint loaded with QwenImageEditPlusPipeline.load_lora_weights reproduces flowrl's edited samples."""
-    from diffusers import QwenImageEditPlusPipeline
-
-    overrides = edit_config(
-        edit_plus_dir, tmp_path / "run", "qwen_image_edit_plus", sources["plus"], **{"pipeline.lora": "{r: 4, alpha: 8}"}
-    )
-    lora_round_trip(QwenImageEditPlusPipeline, "qwen_image_edit_plus", edit_plus_dir, tmp_path, overrides, 4.0, export=False)
 
 
 def test_qwen_image_edit_refuses_what_it_cannot_batch(edit_dir, sources):
