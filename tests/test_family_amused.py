@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_components import family_config, rescoring_ratio_is_one, two_iterations_change_every_parameter
+from tests.family_tester import FamilyTesterMixin
+from tests.tiny_components import family_config, two_iterations_change_every_parameter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,22 +132,29 @@ def test_step_log_prob_is_the_committed_tokens_log_softmax(adapter, sampler):
             assert (x_next[x != mask] == x[x != mask]).all()  # committed tokens are never re-masked or changed
 
 
-@pytest.mark.parametrize("objective", ["grpo", "ddpo"])
-def test_two_grpo_iterations_full_finetune(amused_dir, tmp_path, objective):
-    """Two GRPO (DDPO) iterations through the decoder-read ink reward change every transformer weight; the first
-    ratio is 1."""
-    trainer = two_iterations_change_every_parameter(
-        family_config(
-            "amused",
-            amused_dir,
-            tmp_path / "run",
-            sampler="masked_image",
-            **{"rollout.guidance_scale": 3.0, "objective.clip_range": 10.0, "objective.name": objective},
-        )
-    )
-    assert trainer.objective.name == objective
-    assert trainer.pipeline.prediction_type == "masked_tokens"
-    assert rescoring_ratio_is_one(trainer, atol=0.0) == 0.0
+class TestAmused(FamilyTesterMixin):
+    """aMUSEd's token steps: GRPO through the decoder-read ink reward changes every transformer weight, and the first
+    ratio is exactly 1 (a token's log-prob is recomputed bit for bit). The sampler oracle, the LoRA round trip (into
+    a UVit2DModel) and the masked-token refusals are this module's own checks."""
+
+    name, checkpoint, sampler, prediction_type = "amused", "amused_dir", "masked_image", "masked_tokens"
+    grpo_overrides = {"rollout.guidance_scale": 3.0, "objective.clip_range": 10.0, "objective.name": "grpo"}
+    ratio_atol = 0.0
+    test_sampler_equals_the_diffusers_pipeline = None
+    test_default_grid_is_the_pipelines_for_k_1_to_50 = None
+    test_two_adjoint_matching_iterations = None
+    test_two_diffusion_nft_iterations = None
+    test_lora_round_trip_through_diffusers_load_lora_weights = None
+    test_loads_through_flowrl_and_samples = None
+
+    def check_grpo_run(self, trainer):
+        assert trainer.objective.name == self.grpo_overrides["objective.name"]
+
+
+class TestAmusedDDPO(TestAmused):
+    """The same with DDPO's objective."""
+
+    grpo_overrides = {**TestAmused.grpo_overrides, "objective.name": "ddpo"}
 
 
 def test_two_grpo_iterations_lora(amused_dir, tmp_path):
@@ -214,24 +222,18 @@ def test_best_of_one_is_the_plain_evaluation(trainer):
     per-item stream, drawn in the same order), so best-of-1 is the evaluation; further candidates continue the
     item's stream and differ (the all-masked start holds no randomness: the steps' draws make the candidates)."""
     from flowrl.inference.best_of_n import best_of_n
+    from flowrl.inference.search import ImageSearchModel, Items
 
     metrics, grid = trainer.evaluate(return_samples=True)
     held = trainer.modality.held_out
     assert trainer.modality.eval_sampler is trainer.sampler
 
+    model = ImageSearchModel(
+        trainer.pipeline, trainer.modality.eval_sampler, held.sigmas, held.guidance_scale, trainer.config.eval.batch_size
+    )
+
     def best(n):
-        return best_of_n(
-            trainer.pipeline,
-            trainer.modality.eval_sampler,
-            trainer.reward,
-            held.prompts,
-            held.metadata,
-            n,
-            held.sigmas,
-            held.generator(),
-            held.guidance_scale,
-            trainer.config.eval.batch_size,
-        )
+        return best_of_n(model, trainer.reward, Items(held.prompts, held.metadata), n, held.generator())
 
     one, three = best(1), best(3)
     assert one.scaling_curve()[1] == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
@@ -245,13 +247,15 @@ def test_svdd_with_one_candidate_is_a_plain_rollout(trainer):
     """SVDD on image tokens: M = 1 is exactly the stochastic rollout with the same generator (the look-ahead is the
     greedy fill of every masked token, which selects nothing at M = 1); with M = 3 the kept final candidate is each
     item's best and its reward is that of the returned samples."""
+    from flowrl.inference.search import ImageSearchModel, Items
     from flowrl.inference.svdd import svdd_sample
     from flowrl.samplers.rollout import rollout
 
     held = trainer.modality.held_out
     prompts, metadata = held.prompts[:4], held.metadata[:4]
     pipeline, sampler, reward = trainer.pipeline, trainer.sampler, trainer.reward
-    ours = svdd_sample(pipeline, sampler, reward, prompts, metadata, 1, held.sigmas, torch.Generator().manual_seed(7), held.guidance_scale)
+    model, items = ImageSearchModel(pipeline, sampler, held.sigmas, held.guidance_scale), Items(prompts, metadata)
+    ours = svdd_sample(model, reward, items, 1, torch.Generator().manual_seed(7))
     plain = rollout(
         pipeline,
         sampler,
@@ -264,7 +268,7 @@ def test_svdd_with_one_candidate_is_a_plain_rollout(trainer):
         initial_noise=pipeline.initial_noise(4, None),
     )
     assert torch.equal(ours.samples, plain.samples)
-    three = svdd_sample(pipeline, sampler, reward, prompts, metadata, 3, held.sigmas, torch.Generator().manual_seed(7), held.guidance_scale)
+    three = svdd_sample(model, reward, items, 3, torch.Generator().manual_seed(7))
     assert torch.equal(three.scores, three.step_scores[-1].max(1).values)
     torch.testing.assert_close(reward(three.samples, prompts, metadata).scores.float(), three.scores, atol=1e-6, rtol=0)
 
