@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.best_of_n import best_of_n  # noqa: E402
 from flowrl.inference.plots import save_scaling_plot  # noqa: E402
+from flowrl.inference.search import ImageSearchModel, Items  # noqa: E402
 from flowrl.inference.svdd import svdd_in_batches  # noqa: E402
-from flowrl.samplers.rollout import start_noise  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
 from flowrl.training.checkpoint import read_weights  # noqa: E402
 
@@ -45,13 +45,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(load_config(REPO / "configs" / "digits" / "grpo.yaml", [f"output_dir={tmp}", "log.progress=false"]))
         pipe, held, reward, batch = trainer.pipeline, trainer.modality.held_out, trainer.reward, trainer.config.rollout.batch_size
-        ode, sde = trainer.modality.eval_sampler, trainer.sampler
+        ode = ImageSearchModel(pipe, trainer.modality.eval_sampler, held.sigmas, held.guidance_scale, batch)
+        sde = ImageSearchModel(pipe, trainer.sampler, held.sigmas, held.guidance_scale, batch)
+        items = Items(held.prompts, held.metadata)
 
         def best(n):
             start = time.perf_counter()
-            curve = best_of_n(
-                pipe, ode, reward, held.prompts, held.metadata, n, held.sigmas, held.generator(), held.guidance_scale, batch
-            ).scaling_curve()
+            curve = best_of_n(ode, reward, items, n, held.generator()).scaling_curve()
             print(
                 f"  best-of-{n}: {time.perf_counter() - start:.0f} s; " + ", ".join(f"N={k}: {v:.4f}" for k, v in curve.items()), flush=True
             )
@@ -61,9 +61,7 @@ def main() -> None:
         lines["base digits_flow, best-of-N (ODE)"] = best(args.n)
         svdd = {}
         for m in args.svdd:
-            gen = held.generator()
-            noise = start_noise(pipe, len(held), gen)  # the plain evaluation's start noise
-            result = svdd_in_batches(pipe, sde, reward, held.prompts, held.metadata, m, held.sigmas, gen, held.guidance_scale, batch, noise)
+            result = svdd_in_batches(sde, reward, items, m, held.generator())  # from the plain evaluation's start noise
             svdd[m] = float(result.scores[torch.isfinite(result.scores)].mean())
             print(f"  svdd M={m}: {svdd[m]:.4f}", flush=True)
         lines["base digits_flow, SVDD-PM (SDE, M = N per step)"] = svdd

@@ -28,8 +28,8 @@ sys.path.insert(0, str(REPO))
 from flowrl.config import load_config  # noqa: E402
 from flowrl.inference.best_of_n import best_of_n  # noqa: E402
 from flowrl.inference.noise_search import zero_order_search  # noqa: E402
+from flowrl.inference.search import ImageSearchModel, Items  # noqa: E402
 from flowrl.inference.svdd import svdd_in_batches  # noqa: E402
-from flowrl.samplers.rollout import start_noise  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
 
 
@@ -57,36 +57,18 @@ def main() -> None:
         )
         counter = ForwardCounter(trainer.pipeline)
         pipe, held, reward, batch = trainer.pipeline, trainer.modality.held_out, trainer.reward, trainer.config.rollout.batch_size
-        ode, sde = trainer.modality.eval_sampler, trainer.sampler
+        ode = ImageSearchModel(pipe, trainer.modality.eval_sampler, held.sigmas, held.guidance_scale, batch)
+        sde = ImageSearchModel(pipe, trainer.sampler, held.sigmas, held.guidance_scale, batch)
+        items = Items(held.prompts, held.metadata)
 
-        def plain_start():  # the plain evaluation's generator and start noise
-            gen = held.generator()
-            return gen, start_noise(pipe, len(held), gen)
-
-        def best(m):
-            return best_of_n(pipe, ode, reward, held.prompts, held.metadata, m, held.sigmas, held.generator(), held.guidance_scale, batch)
+        def best(m):  # every search draws from the plain evaluation's streams: its start noise first
+            return best_of_n(ode, reward, items, m, held.generator())
 
         def zero_order(m):
-            gen, noise = plain_start()
-            return zero_order_search(
-                pipe,
-                ode,
-                reward,
-                held.prompts,
-                held.metadata,
-                max(1, (m - 1) // 3),
-                3,
-                0.5,
-                held.sigmas,
-                gen,
-                held.guidance_scale,
-                batch,
-                initial_noise=noise,
-            )
+            return zero_order_search(ode, reward, items, max(1, (m - 1) // 3), 3, 0.5, held.generator())
 
         def svdd(m):
-            gen, noise = plain_start()
-            return svdd_in_batches(pipe, sde, reward, held.prompts, held.metadata, m, held.sigmas, gen, held.guidance_scale, batch, noise)
+            return svdd_in_batches(sde, reward, items, m, held.generator())
 
         def measure(fn):
             counter.rows, start = 0, time.perf_counter()

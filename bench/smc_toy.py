@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from flowrl.evaluation.toy2d import MEAN_TOLERANCE, STD_RELATIVE_TOLERANCE, WEIGHT_TOLERANCE  # noqa: E402
+from flowrl.inference.search import ImageSearchModel, Items  # noqa: E402
+from flowrl.inference.sections import SMCConfig  # noqa: E402
 from flowrl.inference.smc import smc_sample, weighted_set, weighted_toy_comparison  # noqa: E402
 from flowrl.pipelines.toy2d import TWO_MODES, Toy2DPipeline, tilted_target  # noqa: E402
 from flowrl.reward_models import build_reward  # noqa: E402
@@ -49,18 +51,9 @@ def run(reward_name: str, lam: float, n: int, budget: int, steps: int, tempering
     pipe, reward = Toy2DPipeline(), build_reward(reward_name)
     items = max(1, budget // n)
     start = time.perf_counter()
-    result = smc_sample(
-        pipe,
-        FlowSDEConfig().build(),
-        reward,
-        [""] * items,
-        [{}] * items,
-        n,
-        pipe.schedule.sigmas(steps),
-        torch.Generator().manual_seed(seed),
-        lam=lam,
-        tempering=tempering,
-    )
+    model = ImageSearchModel(pipe, FlowSDEConfig().build(), pipe.schedule.sigmas(steps))
+    smc = SMCConfig(n=n, lam=lam, tempering=tempering)
+    result = smc_sample(model, reward, Items([""] * items, [{}] * items), smc, torch.Generator().manual_seed(seed))
     seconds = time.perf_counter() - start
     points, weights = weighted_set(result)
     c = weighted_toy_comparison(points, weights, tilted_target(TWO_MODES, reward, lam))

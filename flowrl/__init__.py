@@ -15,7 +15,7 @@ The Python API (the CLI is a thin layer over it)::
 Parts from your own package can also be named in a config: ``reward.components: {"my_pkg.scores:sharpness": 1.0}``,
 ``objective.name: my_pkg.objectives:MyObjectiveConfig``, or registered (``flowrl.register_reward``) or declared as
 entry points (groups ``flowrl.rewards``, ``flowrl.objectives``, ``flowrl.pipelines``, ``flowrl.samplers``,
-``flowrl.prompts``). Importing flowrl is cheap: torch and the rest load with the first name used.
+``flowrl.prompts``, ``flowrl.searches``). Importing flowrl is cheap: torch and the rest load with the first name used.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "register_family",
     "register_sampler",
     "register_prompt_source",
+    "register_search",
     "__version__",
 ]
 
@@ -101,3 +102,12 @@ def register_prompt_source(name: str, target: Any, *, overwrite: bool = False) -
     from .prompts import PROMPT_SOURCES
 
     PROMPT_SOURCES.register(name, target, overwrite=overwrite)
+
+
+def register_search(name: str, target: Any, *, overwrite: bool = False) -> None:
+    """Let ``flowrl eval --search NAME`` (and an evaluation spec's method) name ``target``: a ``SearchSection`` subclass
+    with ``search(model, verifier, items)`` (docs/inference_scaling.md, "A search is a part"), or a plain class whose
+    constructor's keywords are its settings and whose objects have that ``search``."""
+    from .inference import SEARCHES
+
+    SEARCHES.register(name, target, overwrite=overwrite)

@@ -75,110 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("samples.png"),
         help="a .png grid (images; videos also as MP4 / GIF), or a .npy file: the final samples as a float32 array (N, ...)",
     )
-    e = sub.add_parser(
-        "eval",
-        help="held-out evaluation reward of a checkpoint or a config's starting model; or grade the generations recorded in a .jsonl file",
-    )
-    e.add_argument("source", nargs="?", help="checkpoint directory, YAML config, or .jsonl of recorded generations")
-    e.add_argument("overrides", nargs="*")
-    e.add_argument(
-        "--spec",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="re-run exactly the evaluation recorded in FILE (an eval spec: a line `flowrl eval` printed, a run's "
-        "summary.json, or a spec file), say whether its number came back bit for bit and which recorded fields differ; "
-        "exit 1 when the number differs",
-    )
-    e.add_argument("--field", default="llada_generation_256", help="(.jsonl) the field holding the generations")
-    e.add_argument("--gold-field", default="ground_truth", help="(.jsonl) the field holding the gold answer")
-    e.add_argument(
-        "--best-of",
-        type=int,
-        default=None,
-        metavar="N",
-        help="Best-of-N: keep the best of N candidates per held-out item (by the run's reward); prints the "
-        "reward at N = 1, 2, 4, ... and writes the chosen samples' grid to --out",
-    )
-    e.add_argument(
-        "--stop-at",
-        type=float,
-        default=None,
-        metavar="REWARD",
-        help="(--best-of, image and video models) stop an item's search once a candidate's reward reaches REWARD; "
-        "prints the candidates drawn per item",
-    )
-    e.add_argument(
-        "--svdd",
-        type=int,
-        default=None,
-        metavar="M",
-        help="SVDD-PM: sample the held-out items keeping, at every step, the best of M candidates from the "
-        "rollout sampler by the reward of their predicted x0; writes the grid to --out",
-    )
-    e.add_argument(
-        "--smc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="SMC: N particles per held-out item on the rollout sampler, weighted by exp(lambda_t r(x0_hat)) with lambda_t "
-        "rising linearly to --smc-lambda and resampled when the ESS falls below --smc-ess-threshold N, targeting "
-        "p_base(x) exp(lambda r(x)); one particle per item drawn by its final weight; writes the grid to --out",
-    )
-    e.add_argument(
-        "--noise-search",
-        type=int,
-        default=None,
-        metavar="ROUNDS",
-        help="zero-order search over each held-out item's start noise (ODE samples): ROUNDS rounds of --noise-neighbors "
-        "candidates sqrt(1 - s^2) e + s d around the best noise so far, 1 + ROUNDS x neighbours samples per item; "
-        "0 is the plain evaluation; writes the grid to --out",
-    )
-    e.add_argument("--noise-neighbors", type=int, default=None, metavar="K", help="(--noise-search) candidates per round (default 3)")
-    e.add_argument(
-        "--noise-step", type=float, default=None, metavar="S", help="(--noise-search) step size s in (0, 1] (default 0.5; 1: fresh noises)"
-    )
-    e.add_argument(
-        "--rbf",
-        type=int,
-        default=None,
-        metavar="M",
-        help="rollover budget forcing (FlowRBF): M candidates per step on average from the rollout sampler, the first "
-        "whose predicted-x0 reward beats the best so far taken at once and the step's unspent budget rolled over to "
-        "the next step; M = 1 is the plain SDE rollout; writes the grid to --out",
-    )
-    e.add_argument(
-        "--smc-lambda",
-        type=float,
-        default=None,
-        metavar="LAMBDA",
-        help="(--smc) the tilt lambda of the target p_base exp(lambda r); default 10 for image / video rewards, 1 for a "
-        "diffusion LM's --select score (likelihood: the model's distribution squared)",
-    )
-    e.add_argument(
-        "--smc-ess-threshold",
-        type=float,
-        default=None,
-        metavar="FRACTION",
-        help="(--smc) resample an item when its effective sample size falls below this fraction of N (default 0.5; "
-        "0 never, 1 at every step)",
-    )
-    e.add_argument(
-        "--select",
-        default=None,
-        metavar="RULES",
-        help="(diffusion LMs) how --best-of / --svdd / --smc choose without the gold answer, comma-separated: majority "
-        "(self-consistency over the extracted answers; --best-of only), likelihood (the model's own), a reward's name "
-        "(e.g. format), or reward (the run's reward, if it does not read the gold answer); default majority,likelihood "
-        "for --best-of, likelihood for --svdd and --smc",
-    )
-    e.add_argument(
-        "--out",
-        type=Path,
-        default=Path("best_of_n.png"),
-        help="(--best-of, --svdd, --smc) grid of the chosen samples; for diffusion LMs the accuracy-vs-N plot, "
-        "the chosen completions going to the same name with .jsonl",
-    )
+    _add_eval_parser(sub)
     x = sub.add_parser(
         "export", help="write a run checkpoint as a standalone diffusers model directory (merged weights) or as a diffusers LoRA file"
     )
@@ -220,6 +117,107 @@ def _parser() -> argparse.ArgumentParser:
     )
     lb.add_argument("--port", type=int, default=8765, help="port (0 = any free port)")
     return p
+
+
+# flowrl eval's search flags: metavar, type and help. Each sets a field of a search's section (inference/sections.py),
+# which holds its default and bounds: {description} and {default} are that field's.
+_SEARCH_FLAGS = {
+    "--best-of": (
+        "N",
+        int,
+        "Best-of-N: keep the best of N candidates per held-out item (by the run's reward); prints the reward at N = 1, 2, 4, "
+        "... and writes the chosen samples' grid to --out",
+    ),
+    "--stop-at": (
+        "REWARD",
+        float,
+        "(--best-of, image and video models) stop an item's search once a candidate's reward reaches REWARD; prints the "
+        "candidates drawn per item",
+    ),
+    "--svdd": (
+        "M",
+        int,
+        "SVDD-PM: sample the held-out items keeping, at every step, the best of M candidates from the rollout sampler by "
+        "the reward of their predicted x0; writes the grid to --out",
+    ),
+    "--smc": (
+        "N",
+        int,
+        "SMC: N particles per held-out item on the rollout sampler, weighted by exp(lambda_t r(x0_hat)) with lambda_t rising "
+        "linearly to --smc-lambda and resampled when the ESS falls below --smc-ess-threshold N, targeting p_base(x) "
+        "exp(lambda r(x)); one particle per item drawn by its final weight; writes the grid to --out",
+    ),
+    "--noise-search": (
+        "ROUNDS",
+        int,
+        "zero-order search over each held-out item's start noise (ODE samples): ROUNDS rounds of --noise-neighbors "
+        "candidates sqrt(1 - s^2) e + s d around the best noise so far, 1 + ROUNDS x neighbours samples per item; 0 is the "
+        "plain evaluation; writes the grid to --out",
+    ),
+    "--noise-neighbors": ("K", int, "(--noise-search) {description} (default {default})"),
+    "--noise-step": ("S", float, "(--noise-search) {description}, in (0, 1] (default {default})"),
+    "--rbf": (
+        "M",
+        int,
+        "rollover budget forcing (FlowRBF): M candidates per step on average from the rollout sampler, the first whose "
+        "predicted-x0 reward beats the best so far taken at once and the step's unspent budget rolled over to the next "
+        "step; M = 1 is the plain SDE rollout; writes the grid to --out",
+    ),
+    "--smc-lambda": ("LAMBDA", float, "(--smc) {description}"),
+    "--smc-ess-threshold": ("FRACTION", float, "(--smc) {description} (default {default}; 0 never, 1 at every step)"),
+    "--select": (
+        "RULES",
+        str,
+        "(diffusion LMs) how --best-of / --svdd / --smc choose without the gold answer, comma-separated: majority "
+        "(self-consistency over the extracted answers; --best-of only), likelihood (the model's own), a reward's name "
+        "(e.g. format), or reward (the run's reward, if it does not read the gold answer); default majority,likelihood "
+        "for --best-of, likelihood for --svdd and --smc",
+    ),
+}
+
+
+def _add_eval_parser(sub) -> None:
+    """``flowrl eval``: a plain held-out evaluation, a search (``--best-of``, ``--svdd``, ``--smc``, ``--noise-search``,
+    ``--rbf``, or any registered search by ``--search NAME``), a spec re-run, or grading recorded generations."""
+    from .inference.flags import flag_fields
+
+    e = sub.add_parser(
+        "eval",
+        help="held-out evaluation reward of a checkpoint or a config's starting model; or grade the generations recorded in a .jsonl file",
+    )
+    e.add_argument("source", nargs="?", help="checkpoint directory, YAML config, or .jsonl of recorded generations")
+    e.add_argument("overrides", nargs="*")
+    e.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="re-run exactly the evaluation recorded in FILE (an eval spec: a line `flowrl eval` printed, a run's "
+        "summary.json, or a spec file), say whether its number came back bit for bit and which recorded fields differ; "
+        "exit 1 when the number differs",
+    )
+    e.add_argument("--field", default="llada_generation_256", help="(.jsonl) the field holding the generations")
+    e.add_argument("--gold-field", default="ground_truth", help="(.jsonl) the field holding the gold answer")
+    fields = flag_fields()
+    for flag, (metavar, kind, text) in _SEARCH_FLAGS.items():
+        info = fields[flag]
+        e.add_argument(flag, type=kind, default=None, metavar=metavar, help=text.format(description=info.description, default=info.default))
+    e.add_argument(
+        "--search",
+        nargs="+",
+        default=None,
+        metavar=("NAME", "KEY=VALUE"),
+        help="a search by name, with its settings: flowrl's own (best_of, svdd, smc, noise_search, rbf: --search best_of "
+        "n=8 is --best-of 8), one registered with flowrl.register_search or installed (entry point group "
+        "flowrl.searches), or an import path package.module:Class (docs/inference_scaling.md)",
+    )
+    e.add_argument(
+        "--out",
+        type=Path,
+        default=Path("best_of_n.png"),
+        help="(searches) grid of the chosen samples; for diffusion LMs the accuracy-vs-N plot, "
+        "the chosen completions going to the same name with .jsonl",
+    )
 
 
 def _quiet_library_progress() -> None:
@@ -286,38 +284,29 @@ def _check_arguments(args) -> None:
             from .visualize import image_format
 
             image_format(args.out)  # an --out extension that names no image format: one sentence, before any model loads
-    searching = args.command == "eval" and any(v is not None for v in (args.best_of, args.svdd, args.smc, args.noise_search, args.rbf))
+    searching = args.command == "eval" and args.spec is None and _eval_search(args) is not None  # bounds refused here
     if searching:
         from .visualize import image_format
 
         image_format(args.out)
-    if args.command == "eval":
-        at_least_one("--best-of", args.best_of)
-        at_least_one("--svdd", args.svdd)
-        at_least_one("--smc", args.smc)
-        at_least_one("--rbf", args.rbf)
-        if args.noise_search is not None and args.noise_search < 0:
-            raise FlowRLError(f"--noise-search must be 0 or more rounds, got {args.noise_search}.")
-        if args.noise_neighbors is not None and args.noise_neighbors < 1:
-            raise FlowRLError(f"--noise-neighbors must be at least 1, got {args.noise_neighbors}.")
-        if args.noise_step is not None and not 0 < args.noise_step <= 1:
-            raise FlowRLError(f"--noise-step is a step size in (0, 1], got {args.noise_step}.")
-        if args.noise_search is None and (args.noise_neighbors is not None or args.noise_step is not None):
-            raise FlowRLError("--noise-neighbors and --noise-step set up --noise-search; give --noise-search ROUNDS too.")
-        if sum(v is not None for v in (args.best_of, args.svdd, args.smc, args.noise_search, args.rbf)) > 1:
-            raise FlowRLError("give only one of --best-of, --svdd, --smc, --noise-search and --rbf.")
-        if args.smc_lambda is not None and not math.isfinite(args.smc_lambda):
-            raise FlowRLError(f"--smc-lambda must be a finite number, got {args.smc_lambda}.")
-        if args.smc_ess_threshold is not None and not 0 <= args.smc_ess_threshold <= 1:
-            raise FlowRLError(f"--smc-ess-threshold is a fraction of the particles, in [0, 1]; got {args.smc_ess_threshold}.")
-        if args.stop_at is not None and (args.best_of is None or not math.isfinite(args.stop_at)):
-            raise FlowRLError(f"--stop-at ends a --best-of search at a finite reward; give --best-of N and a number, got {args.stop_at}.")
-        if args.smc is None and args.spec is None and (args.smc_lambda is not None or args.smc_ess_threshold is not None):
-            raise FlowRLError("--smc-lambda and --smc-ess-threshold set up --smc; give --smc N too.")
     if args.command in ("serve-reward", "label") and args.port is not None and not 0 <= args.port <= 65535:
         raise FlowRLError(f"--port must be in 0-65535, got {args.port}.")
     if args.command == "sample" or searching:
         _check_writable(args.out)
+
+
+def _search_flags(args) -> dict:
+    """The search flags given on the command line (``--best-of``: 4), each set up by a search's section."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in _SEARCH_FLAGS}
+    return {flag: value for flag, value in given.items() if value is not None}
+
+
+def _eval_search(args):
+    """The search ``flowrl eval`` is asked for (None: the plain evaluation), its bounds and combinations checked."""
+    from .inference.flags import search_from_flags
+
+    name, *settings = args.search or [None]
+    return search_from_flags(_search_flags(args), name, settings)
 
 
 def _check_writable(path: Path) -> None:
@@ -410,13 +399,11 @@ def _config_for_source(source: str, overrides: list[str]):
 
 
 def _eval(args) -> int:
-    from .eval_command import SMC_DEFAULT_LAMBDA, evaluate_again, run_evaluation
+    from .eval_command import evaluate_again, run_evaluation
     from .training.run_logger import json_line
 
     if args.spec is not None:
-        searches = (args.best_of, args.stop_at, args.svdd, args.smc, args.smc_lambda, args.smc_ess_threshold, args.select)
-        searches += (args.noise_search, args.noise_neighbors, args.noise_step, args.rbf)
-        if args.source is not None or args.overrides or any(v is not None for v in searches):
+        if args.source is not None or args.overrides or _search_flags(args) or args.search is not None:
             raise FlowRLError(
                 "--spec re-runs the recorded evaluation as it was; give it alone (no source, overrides or search flags such as --best-of or --select)."
             )
@@ -430,34 +417,9 @@ def _eval(args) -> int:
         print(format_report(result))
         print(json_line({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
         return 0
+    search = _eval_search(args)
     config, checkpoint = _config_for_source(args.source, args.overrides)
-    if config.pipeline.modality != "text" and args.select is not None:
-        raise FlowRLError("--select chooses among a diffusion LM's completions; image best-of-N, SVDD and SMC select by the run's reward.")
-    if args.best_of is not None:
-        method = {"name": "best_of", "n": args.best_of, **({"stop_at": args.stop_at} if args.stop_at is not None else {})}
-    elif args.svdd is not None:
-        method = {"name": "svdd", "m": args.svdd}
-    elif args.smc is not None:
-        default_lambda = SMC_DEFAULT_LAMBDA["text" if config.pipeline.modality == "text" else "images"]
-        method = {
-            "name": "smc",
-            "n": args.smc,
-            "lambda": args.smc_lambda if args.smc_lambda is not None else default_lambda,
-            "ess_threshold": args.smc_ess_threshold if args.smc_ess_threshold is not None else 0.5,
-            "tempering": "linear",
-            "resampling": "systematic",
-        }
-    elif args.noise_search is not None:
-        neighbors = args.noise_neighbors if args.noise_neighbors is not None else 3
-        step = args.noise_step if args.noise_step is not None else 0.5
-        method = {"name": "noise_search", "rounds": args.noise_search, "neighbors": neighbors, "step": step}
-    elif args.rbf is not None:
-        method = {"name": "rbf", "m": args.rbf}
-    else:
-        method = {"name": "plain"}
-    if config.pipeline.modality == "text" and method["name"] != "plain":
-        method["select"] = args.select
-    print(json_line(run_evaluation(config, checkpoint, method, args.out)))  # NaN -> null
+    print(json_line(run_evaluation(config, checkpoint, search or {"name": "plain"}, args.out)))  # NaN -> null
     return 0
 
 

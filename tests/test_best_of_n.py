@@ -11,6 +11,7 @@ import torch
 from conftest import CONFIGS, fast_overrides
 
 from flowrl.config import load_config
+from flowrl.inference.search import ImageSearchModel, Items
 from flowrl.types import RewardOutput
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
@@ -23,24 +24,20 @@ def trainer(tmp_path_factory):
     return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("bon"), **{"eval.samples_per_prompt": 2})))
 
 
+def _model(trainer, batch_size=None) -> ImageSearchModel:
+    """The run's model with the plain evaluation's sampler and time grid, as ``flowrl eval --best-of`` searches it."""
+    held = trainer.modality.held_out
+    return ImageSearchModel(
+        trainer.pipeline, trainer.modality.eval_sampler, held.sigmas, held.guidance_scale, batch_size or trainer.config.eval.batch_size
+    )
+
+
 def _best_of(trainer, n, stop_at=None):
     """Best-of-N on the run's held-out setting, as ``flowrl eval --best-of`` calls it."""
     from flowrl.inference.best_of_n import best_of_n
 
     held = trainer.modality.held_out
-    return best_of_n(
-        trainer.pipeline,
-        trainer.modality.eval_sampler,
-        trainer.reward,
-        held.prompts,
-        held.metadata,
-        n,
-        held.sigmas,
-        held.generator(),
-        held.guidance_scale,
-        trainer.config.eval.batch_size,
-        stop_at=stop_at,
-    )
+    return best_of_n(_model(trainer), trainer.reward, Items(held.prompts, held.metadata), n, held.generator(), stop_at=stop_at)
 
 
 def test_best_of_one_is_the_plain_evaluation(trainer):
@@ -83,20 +80,9 @@ def test_nonfinite_rewards_are_never_chosen(trainer):
     from flowrl.inference.best_of_n import best_of_n
 
     held = trainer.modality.held_out
-    prompts, metadata, sigmas, guidance, gen = held.prompts[:3], held.metadata[:3], held.sigmas, held.guidance_scale, held.generator()[:3]
+    items = Items(held.prompts[:3], held.metadata[:3])
     with pytest.warns(UserWarning, match="NaN or infinite"):  # one call per round of 3 prompts: rounds 1 and 3 fail
-        result = best_of_n(
-            trainer.pipeline,
-            trainer.modality.eval_sampler,
-            _FailsEverySecondCall(),
-            prompts,
-            metadata,
-            4,
-            sigmas,
-            gen,
-            guidance,
-            batch_size=4,
-        )
+        result = best_of_n(_model(trainer, batch_size=4), _FailsEverySecondCall(), items, 4, held.generator()[:3])
     assert torch.isnan(result.scores[:, 1::2]).all() and torch.isfinite(result.scores[:, 0::2]).all()
     assert set(result.best.tolist()) <= {0, 2}
     torch.testing.assert_close(result.scores.gather(1, result.best[:, None]).squeeze(1), result.scores[:, 0::2].max(1).values)

@@ -189,6 +189,7 @@ def test_best_of_n_and_svdd_through_flowrl_eval(lm, tmp_path):
 
     from flowrl.config import load_config
     from flowrl.eval_command import run_evaluation
+    from flowrl.inference.search import Items, TextSearchModel, TextVerifier
     from flowrl.inference.text_best_of_n import text_best_of_n
     from flowrl.inference.text_candidates import LikelihoodScorer
     from flowrl.prompts import prompts_for
@@ -201,9 +202,8 @@ def test_best_of_n_and_svdd_through_flowrl_eval(lm, tmp_path):
     best = run_evaluation(config, None, {"name": "best_of", "n": 2, "select": "majority,likelihood"}, tmp_path / "best.png")
     assert best["eval/reward/mean@1/majority"] == best["eval/reward/mean@1/likelihood"]  # N = 1: both keep candidate 0
     grader = build_reward("format")
-    direct = text_best_of_n(
-        lm, config.sampler, config.pipeline.prompt_length, grader, [LikelihoodScorer()], prompts, [{}] * 3, 2, 1.0, config.eval.seed, 4
-    )
+    model = TextSearchModel(lm, config.sampler, config.pipeline.prompt_length, 1.0, config.eval.seed, 4)
+    direct = text_best_of_n(model, TextVerifier(["likelihood"], [LikelihoodScorer()], grader), Items(prompts, [{}] * 3), 2)
     assert [row[0] for row in direct.completions] == plain.completions
     assert torch.allclose(direct.scores["likelihood"][:, 0], plain.log_likelihood())
     one = run_evaluation(config, None, {"name": "svdd", "m": 1, "select": "likelihood"}, tmp_path / "svdd1.png")

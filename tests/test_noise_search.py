@@ -12,6 +12,7 @@ from conftest import CONFIGS, fast_overrides
 from flowrl.config import load_config
 from flowrl.inference.best_of_n import best_of_n
 from flowrl.inference.noise_search import _neighbors, zero_order_search
+from flowrl.inference.search import ImageSearchModel, Items
 from flowrl.samplers.rollout import start_noise
 
 
@@ -24,37 +25,17 @@ def trainer(tmp_path_factory):
     )
 
 
-def _items(trainer, n=8):
+def _model(trainer, batch_size=16):
+    """The run's model with the plain evaluation's (ODE) sampler and time grid."""
     held = trainer.modality.held_out
-    return held.prompts[:n], held.metadata[:n], held.sigmas, held.guidance_scale
+    return ImageSearchModel(trainer.pipeline, trainer.modality.eval_sampler, held.sigmas, held.guidance_scale, batch_size)
 
 
 def test_one_round_of_fresh_neighbours_is_best_of_n(trainer):
-    prompts, metadata, sigmas, guidance = _items(trainer)
-    zo = zero_order_search(
-        trainer.pipeline,
-        trainer.modality.eval_sampler,
-        trainer.reward,
-        prompts,
-        metadata,
-        1,
-        3,
-        1.0,
-        sigmas,
-        torch.Generator().manual_seed(4),
-        guidance,
-    )
-    bon = best_of_n(
-        trainer.pipeline,
-        trainer.modality.eval_sampler,
-        trainer.reward,
-        prompts,
-        metadata,
-        4,
-        sigmas,
-        torch.Generator().manual_seed(4),
-        guidance,
-    )
+    held = trainer.modality.held_out
+    items = Items(held.prompts[:8], held.metadata[:8])
+    zo = zero_order_search(_model(trainer), trainer.reward, items, 1, 3, 1.0, torch.Generator().manual_seed(4))
+    bon = best_of_n(_model(trainer), trainer.reward, items, 4, torch.Generator().manual_seed(4))
     torch.testing.assert_close(zo.scores, bon.scores.max(1).values)
     torch.testing.assert_close(zo.samples, bon.samples)
     assert zo.evaluations == 4
@@ -65,21 +46,8 @@ def test_pivot_reward_never_decreases_and_round_zero_is_the_evaluation(trainer):
     held = trainer.modality.held_out  # the search starts from the noise the plain evaluation draws
     gen = held.generator()
     noise = start_noise(trainer.pipeline, len(held), gen)
-    result = zero_order_search(
-        trainer.pipeline,
-        trainer.modality.eval_sampler,
-        trainer.reward,
-        held.prompts,
-        held.metadata,
-        3,
-        2,
-        0.5,
-        held.sigmas,
-        gen,
-        held.guidance_scale,
-        trainer.config.rollout.batch_size,
-        initial_noise=noise,
-    )
+    model = _model(trainer, trainer.config.rollout.batch_size)
+    result = zero_order_search(model, trainer.reward, Items(held.prompts, held.metadata), 3, 2, 0.5, gen, initial_noise=noise)
     assert result.history[0].mean().item() == pytest.approx(metrics["eval/reward/mean"], abs=1e-6)
     assert (result.history[1:] >= result.history[:-1]).all()
     assert result.history[-1].mean() > result.history[0].mean()

@@ -14,6 +14,7 @@ from conftest import CONFIGS, fast_overrides
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.inference.rbf import rbf_sample
+from flowrl.inference.search import ImageSearchModel, Items
 from flowrl.samplers.rollout import rollout
 from flowrl.types import RewardOutput
 
@@ -27,32 +28,31 @@ def trainer(tmp_path_factory):
     return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("rbf"), **{"eval.samples_per_prompt": 1})))
 
 
-def _items(trainer, n=4):
+def _setting(trainer, n=4, sampler=None):
+    """The run's model stepping with its rollout sampler (or ``sampler``), and its first ``n`` held-out items."""
     held = trainer.modality.held_out
-    return held.prompts[:n], held.metadata[:n], held.sigmas, held.guidance_scale
+    model = ImageSearchModel(trainer.pipeline, sampler or trainer.sampler, held.sigmas, held.guidance_scale)
+    return model, Items(held.prompts[:n], held.metadata[:n])
 
 
 def _rbf(trainer, m, reward=None, seed=3, **kwargs):
-    prompts, metadata, sigmas, guidance = _items(trainer)
-    reward = reward or trainer.reward
-    return rbf_sample(
-        trainer.pipeline, trainer.sampler, reward, prompts, metadata, m, sigmas, torch.Generator().manual_seed(seed), guidance, **kwargs
-    )
+    model, items = _setting(trainer)
+    return rbf_sample(model, reward or trainer.reward, items, m, torch.Generator().manual_seed(seed), **kwargs)
 
 
 def test_one_candidate_per_step_is_a_plain_stochastic_rollout(trainer):
-    prompts, metadata, sigmas, guidance = _items(trainer)
-    noise = trainer.pipeline.initial_noise(len(prompts), torch.Generator().manual_seed(5))
+    model, items = _setting(trainer)
+    noise = trainer.pipeline.initial_noise(len(items), torch.Generator().manual_seed(5))
     ours = _rbf(trainer, 1, seed=7, initial_noise=noise)
     plain = rollout(
         trainer.pipeline,
         trainer.sampler,
-        prompts,
-        metadata,
-        torch.arange(len(prompts)),
-        sigmas,
+        items.prompts,
+        items.metadata,
+        torch.arange(len(items)),
+        model.sigmas,
         torch.Generator().manual_seed(7),
-        guidance,
+        model.guidance_scale,
         initial_noise=noise,
     )
     torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
@@ -71,7 +71,7 @@ class _Counting:
 
 
 def test_the_budget_rolls_over_as_the_rule_says(trainer):
-    k, m = _items(trainer)[2].numel() - 1, 3
+    k, m = _setting(trainer)[0].sigmas.numel() - 1, 3
     flat = _rbf(trainer, m, reward=_Counting(rising=False))  # nothing ever beats the start: M at every step
     assert flat.candidates.eq(m).all() and not flat.rolled_over.any()
     rising = _rbf(trainer, m, reward=_Counting(rising=True))  # every first candidate beats all before it
@@ -88,17 +88,15 @@ def test_the_budget_rolls_over_as_the_rule_says(trainer):
             assert bool(real.rolled_over[s, i]) or used == allowance
             allowance = m + allowance - used
     assert real.rolled_over.any() and (real.candidates > m).any()  # the budget moved on the real reward
-    prompts, metadata, *_ = _items(trainer)
-    rescored = trainer.reward(real.samples, prompts, metadata).scores.float()
+    items = _setting(trainer)[1]
+    rescored = trainer.reward(real.samples, items.prompts, items.metadata).scores.float()
     torch.testing.assert_close(rescored, real.scores, atol=1e-5, rtol=0)
 
 
 def test_deterministic_sampler_is_refused(trainer):
-    prompts, metadata, sigmas, guidance = _items(trainer, 2)
+    model, items = _setting(trainer, 2, sampler=trainer.modality.eval_sampler)
     with pytest.raises(FlowRLError, match="deterministic"):
-        rbf_sample(
-            trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 2, sigmas, torch.Generator(), guidance
-        )
+        rbf_sample(model, trainer.reward, items, 2, torch.Generator())
 
 
 def test_cli_rbf_prints_its_cost_and_a_spec_that_reruns_bit_for_bit(tmp_path, capsys):

@@ -74,19 +74,21 @@ def test_a_subset_superset_or_reordering_of_the_held_out_prompts_gives_the_same_
 def test_best_of_n_and_noise_search_start_from_the_plain_evaluation_samples(trainer):
     from flowrl.inference.best_of_n import best_of_n
     from flowrl.inference.noise_search import zero_order_search
+    from flowrl.inference.search import ImageSearchModel, Items
 
     held = trainer.modality.held_out
     plain = _evaluate_items(trainer, list(range(len(held))))
-    common = (trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, held.prompts, held.metadata)
     size = trainer.config.eval.batch_size  # the contract: the same rows per denoiser call as the evaluation
+    model = ImageSearchModel(trainer.pipeline, trainer.modality.eval_sampler, held.sigmas, held.guidance_scale, size)
+    items = Items(held.prompts, held.metadata)
     assert len(held) % size != 0  # so the last batch is padded, in both
-    bon = best_of_n(*common, 3, held.sigmas, held.generator(), held.guidance_scale, batch_size=size)
+    bon = best_of_n(model, trainer.reward, items, 3, held.generator())
     # candidate 0 of every item is the plain evaluation's sample
-    first = best_of_n(*common, 1, held.sigmas, held.generator(), held.guidance_scale, batch_size=size)
+    first = best_of_n(model, trainer.reward, items, 1, held.generator())
     torch.testing.assert_close(first.samples, plain, atol=0, rtol=0)
     torch.testing.assert_close(bon.scores[:, 0], first.scores[:, 0], atol=0, rtol=0)
     # with per-item streams, one round of fresh neighbours is still exactly best-of-(1 + neighbours)
-    zo = zero_order_search(*common, 1, 2, 1.0, held.sigmas, held.generator(), held.guidance_scale, batch_size=size)
+    zo = zero_order_search(model, trainer.reward, items, 1, 2, 1.0, held.generator())
     torch.testing.assert_close(zo.samples, bon.samples, atol=0, rtol=0)
 
 

@@ -12,6 +12,7 @@ from conftest import CONFIGS, fast_overrides
 
 from flowrl.config import load_config
 from flowrl.inference.cost import SearchCost, metered
+from flowrl.inference.search import ImageSearchModel, Items, TextSearchModel, TextVerifier
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 P = 4  # held-out items searched
@@ -32,11 +33,15 @@ def trainer(tmp_path_factory):
     return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("cost"), **{"eval.samples_per_prompt": 1})))
 
 
-def _setup(trainer):
+def _setup(trainer, stochastic=False, batch_size=16, meter=True):
+    """A counted cost, the run's model (metered) stepping with its rollout sampler when ``stochastic`` (else the plain
+    evaluation's), the reward (metered) and the first P held-out items."""
     held = trainer.modality.held_out
     cost = SearchCost()
-    pipeline, reward = metered(cost, pipeline=trainer.pipeline, verifiers=[trainer.reward])
-    return cost, pipeline, reward, held.prompts[:P], held.metadata[:P], held.sigmas, held.guidance_scale
+    pipeline, reward = metered(cost, pipeline=trainer.pipeline, verifiers=[trainer.reward]) if meter else (trainer.pipeline, trainer.reward)
+    sampler = trainer.sampler if stochastic else trainer.modality.eval_sampler
+    model = ImageSearchModel(pipeline, sampler, held.sigmas, held.guidance_scale, batch_size)
+    return cost, model, reward, Items(held.prompts[:P], held.metadata[:P])
 
 
 def _seconds_add_up(cost: SearchCost) -> None:
@@ -50,45 +55,21 @@ def _seconds_add_up(cost: SearchCost) -> None:
 def test_best_of_n_counts_n_rollouts_and_the_padding_of_early_stopped_rounds(trainer):
     from flowrl.inference.best_of_n import best_of_n
 
-    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
-    k, n, batch = sigmas.numel() - 1, 3, 3
+    k, n, batch = trainer.modality.held_out.sigmas.numel() - 1, 3, 3
+    cost, model, reward, items = _setup(trainer, batch_size=batch)
     with cost:
-        best_of_n(
-            pipeline, trainer.modality.eval_sampler, reward, prompts, metadata, n, sigmas, torch.Generator().manual_seed(0), guidance, batch
-        )
+        best_of_n(model, reward, items, n, torch.Generator().manual_seed(0))
     batches = math.ceil(P / batch)  # 4 items in batches of 3: the second padded to 3 rows
     assert (cost.denoiser_rows, cost.denoiser_calls) == (n * batches * batch * k, n * batches * k)
     assert (cost.verifier_rows, cost.verifier_calls) == (n * P, n * batches)  # padding rows are never scored
     _seconds_add_up(cost)
 
-    full = best_of_n(
-        trainer.pipeline,
-        trainer.modality.eval_sampler,
-        trainer.reward,
-        prompts,
-        metadata,
-        n,
-        sigmas,
-        torch.Generator().manual_seed(0),
-        guidance,
-        batch,
-    )
+    _, plain_model, plain_reward, _ = _setup(trainer, batch_size=batch, meter=False)
+    full = best_of_n(plain_model, plain_reward, items, n, torch.Generator().manual_seed(0))
     threshold = float(full.scores[:, 0].median())
-    cost, pipeline, reward, *_ = _setup(trainer)
+    cost, model, reward, items = _setup(trainer, batch_size=batch)
     with cost:
-        stopped = best_of_n(
-            pipeline,
-            trainer.modality.eval_sampler,
-            reward,
-            prompts,
-            metadata,
-            n,
-            sigmas,
-            torch.Generator().manual_seed(0),
-            guidance,
-            batch,
-            stop_at=threshold,
-        )
+        stopped = best_of_n(model, reward, items, n, torch.Generator().manual_seed(0), stop_at=threshold)
     active = [int((stopped.draws > j).sum()) for j in range(n)]  # items still searching in round j
     assert active[0] == P and active[-1] < P
     assert cost.denoiser_rows == k * sum(math.ceil(a / batch) * batch for a in active)
@@ -98,24 +79,23 @@ def test_best_of_n_counts_n_rollouts_and_the_padding_of_early_stopped_rounds(tra
 def test_svdd_counts_one_plus_m_times_k_minus_one_forwards(trainer):
     from flowrl.inference.svdd import svdd_sample
 
-    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
-    k, m = sigmas.numel() - 1, 3
+    cost, model, reward, items = _setup(trainer, stochastic=True)
+    k, m = model.sigmas.numel() - 1, 3
     with cost:
-        svdd_sample(pipeline, trainer.sampler, reward, prompts, metadata, m, sigmas, torch.Generator().manual_seed(0), guidance)
+        svdd_sample(model, reward, items, m, torch.Generator().manual_seed(0))
     assert (cost.denoiser_rows, cost.denoiser_calls) == (P * (1 + m * (k - 1)), k)
     assert (cost.verifier_rows, cost.verifier_calls) == (P * m * k, k)
     _seconds_add_up(cost)
 
 
 def test_smc_counts_n_rollouts_and_n_k_reward_rows(trainer):
+    from flowrl.inference.sections import SMCConfig
     from flowrl.inference.smc import smc_sample
 
-    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
-    k, n = sigmas.numel() - 1, 3
+    cost, model, reward, items = _setup(trainer, stochastic=True)
+    k, n = model.sigmas.numel() - 1, 3
     with cost:
-        result = smc_sample(
-            pipeline, trainer.sampler, reward, prompts, metadata, n, sigmas, torch.Generator().manual_seed(0), guidance, lam=10.0
-        )
+        result = smc_sample(model, reward, items, SMCConfig(n=n, lam=10.0), torch.Generator().manual_seed(0))
     assert cost.denoiser_rows == P * n * k == P * result.denoiser_calls
     assert cost.verifier_rows == P * n * k == P * result.reward_calls
     _seconds_add_up(cost)
@@ -124,23 +104,10 @@ def test_smc_counts_n_rollouts_and_n_k_reward_rows(trainer):
 def test_noise_search_counts_one_plus_rounds_times_neighbours_rollouts(trainer):
     from flowrl.inference.noise_search import zero_order_search
 
-    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
-    k, rounds, neighbors = sigmas.numel() - 1, 2, 2
+    cost, model, reward, items = _setup(trainer, batch_size=P)
+    k, rounds, neighbors = model.sigmas.numel() - 1, 2, 2
     with cost:
-        result = zero_order_search(
-            pipeline,
-            trainer.modality.eval_sampler,
-            reward,
-            prompts,
-            metadata,
-            rounds,
-            neighbors,
-            0.5,
-            sigmas,
-            torch.Generator().manual_seed(0),
-            guidance,
-            P,
-        )
+        result = zero_order_search(model, reward, items, rounds, neighbors, 0.5, torch.Generator().manual_seed(0))
     assert result.evaluations == 1 + rounds * neighbors
     assert (cost.denoiser_rows, cost.denoiser_calls) == (result.evaluations * P * k, result.evaluations * k)
     assert (cost.verifier_rows, cost.verifier_calls) == (result.evaluations * P, result.evaluations)
@@ -150,10 +117,10 @@ def test_noise_search_counts_one_plus_rounds_times_neighbours_rollouts(trainer):
 def test_rbf_spends_m_k_candidates_and_counts_its_look_aheads(trainer):
     from flowrl.inference.rbf import rbf_sample
 
-    cost, pipeline, reward, prompts, metadata, sigmas, guidance = _setup(trainer)
-    k, m = sigmas.numel() - 1, 3
+    cost, model, reward, items = _setup(trainer, stochastic=True)
+    k, m = model.sigmas.numel() - 1, 3
     with cost:
-        result = rbf_sample(pipeline, trainer.sampler, reward, prompts, metadata, m, sigmas, torch.Generator().manual_seed(0), guidance)
+        result = rbf_sample(model, reward, items, m, torch.Generator().manual_seed(0))
     assert result.candidates.sum(0).eq(m * k).all()  # every item spends its whole budget
     assert torch.equal(result.reward_rows, torch.full((P,), 1 + m * k))  # the start noise's x0_hat and every candidate
     assert torch.equal(result.denoiser_rows, 1 + m * k - result.candidates[-1])  # the last step's candidates need no look-ahead
@@ -178,35 +145,38 @@ def text():
     return config, modality, build_reward_from_config(config.reward), prompts, metadata
 
 
-def _text_metered(modality):
+def _text_metered(config, modality):
+    """A counted cost, the diffusion LM (metered) at temperature 1 with seed 0 and P items per batch, and the
+    likelihood score (metered)."""
     from flowrl.inference.text_candidates import build_scorer
 
     cost = SearchCost()
     lm, scorer = metered(cost, lm=modality.pipeline, verifiers=[build_scorer("likelihood")])
-    return cost, lm, scorer
+    return cost, TextSearchModel(lm, config.sampler, config.pipeline.prompt_length, 1.0, 0, P), scorer
 
 
 def test_text_searches_count_their_forwards_and_scored_rows(text):
     from flowrl.inference.masked_smc import masked_smc_in_batches
     from flowrl.inference.masked_svdd import masked_svdd_in_batches
+    from flowrl.inference.sections import SMCConfig
     from flowrl.inference.text_best_of_n import text_best_of_n
 
     config, modality, grader, prompts, metadata = text
     sc, n = config.sampler, 2
-    cost, lm, scorer = _text_metered(modality)
+    cost, model, scorer = _text_metered(config, modality)
     with cost:
-        text_best_of_n(lm, sc, config.pipeline.prompt_length, grader, [scorer], prompts, metadata, n, 1.0, 0, P)
+        text_best_of_n(model, TextVerifier(["likelihood"], [scorer], grader), Items(prompts, metadata), n)
     assert (cost.denoiser_rows, cost.denoiser_calls) == (n * P * sc.steps, n * sc.steps)  # one forward per unmasking step
     assert (cost.verifier_rows, cost.verifier_calls) == (n * P, n)  # the grader measures; it is not counted
 
-    cost, lm, scorer = _text_metered(modality)
+    cost, model, scorer = _text_metered(config, modality)
     with cost:
-        svdd = masked_svdd_in_batches(lm, sc, config.pipeline.prompt_length, scorer, prompts, n, 1.0, 0, P)
+        svdd = masked_svdd_in_batches(model, scorer, prompts, n)
     assert cost.denoiser_rows == svdd.forwards == P * (1 + n * (sc.steps - 1))
     assert cost.verifier_rows == P * n * sc.steps
 
-    cost, lm, scorer = _text_metered(modality)
+    cost, model, scorer = _text_metered(config, modality)
     with cost:
-        smc = masked_smc_in_batches(lm, sc, config.pipeline.prompt_length, scorer, prompts, n, 1.0, 0, P, lam=1.0)
+        smc = masked_smc_in_batches(model, scorer, prompts, SMCConfig(n=n, lam=1.0))
     assert cost.denoiser_rows == P * smc.denoiser_calls and cost.verifier_rows == P * smc.reward_calls == P * n * sc.steps
     assert cost.denoiser_seconds > 0 and cost.wall_seconds >= cost.denoiser_seconds + cost.verifier_seconds

@@ -21,6 +21,8 @@ from flowrl.config import load_config
 from flowrl.errors import FlowRLError
 from flowrl.evaluation.toy2d import MEAN_TOLERANCE, STD_RELATIVE_TOLERANCE, WEIGHT_TOLERANCE
 from flowrl.inference.candidates import sample_and_score
+from flowrl.inference.search import ImageSearchModel, Items, TextSearchModel
+from flowrl.inference.sections import SMCConfig
 from flowrl.inference.smc import (
     effective_sample_size,
     resample_indices,
@@ -63,6 +65,13 @@ def flow():
     return _digits(GRPO)
 
 
+def _smc(parts, held, reward, p, generator, sampler=None, **settings):
+    """``smc_sample`` on the first ``p`` held-out items with the rollout sampler (or ``sampler``); ``settings``: the SMC
+    section's (n 1, lambda 10 unless given)."""
+    model = ImageSearchModel(parts.pipeline, sampler or parts.sampler, held.sigmas, held.guidance_scale)
+    return smc_sample(model, reward, Items(held.prompts[:p], held.metadata[:p]), SMCConfig(**{"n": 1, "lam": 10.0, **settings}), generator)
+
+
 class _Count:
     """Counts the rows a callable is run on (the first argument's length)."""
 
@@ -86,14 +95,14 @@ def test_one_particle_is_a_plain_stochastic_rollout(path, flow):
     gen = held.generator()[:p]
     noise = keyed_noise(pipe, gen)
     plain = rollout(pipe, sampler, prompts, metadata, torch.arange(p), held.sigmas, gen, held.guidance_scale, initial_noise=noise)
-    ours = smc_sample(pipe, sampler, reward, prompts, metadata, 1, held.sigmas, held.generator()[:p], held.guidance_scale, lam=10.0)
+    ours = _smc(parts, held, reward, p, held.generator()[:p])
     torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
     assert ours.particles.shape == (p, 1, *plain.samples.shape[1:]) and (ours.log_weights == 0).all()
     assert not ours.resampled.any() and (ours.ess == 1).all()
     torch.testing.assert_close(ours.scores, reward(plain.samples, prompts, metadata).scores.float(), atol=0, rtol=0)
     # one generator for the whole batch: the same draws in the same order
     plain = rollout(pipe, sampler, prompts, metadata, torch.arange(p), held.sigmas, torch.Generator().manual_seed(3), held.guidance_scale)
-    ours = smc_sample(pipe, sampler, reward, prompts, metadata, 1, held.sigmas, torch.Generator().manual_seed(3), held.guidance_scale)
+    ours = _smc(parts, held, reward, p, torch.Generator().manual_seed(3), lam=1.0)
     torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
 
 
@@ -103,12 +112,11 @@ def test_one_particle_in_batches_is_the_plain_evaluation_with_the_rollout_sample
     p, batch = 7, 4  # two batches, the second padded
     prompts, metadata = held.prompts[:p], held.metadata[:p]
     gen = held.generator()[:p]
-    samples, scores, _ = sample_and_score(
-        parts.pipeline, parts.sampler, reward, prompts, metadata, start_noise(parts.pipeline, p, gen), held.sigmas, gen, 1.0, batch
-    )
-    ours = smc_in_batches(parts.pipeline, parts.sampler, reward, prompts, metadata, 1, held.sigmas, held.generator()[:p], 1.0, batch)
-    torch.testing.assert_close(ours.samples, samples, atol=0, rtol=0)
-    torch.testing.assert_close(ours.scores, scores, atol=0, rtol=0)
+    model, items = ImageSearchModel(parts.pipeline, parts.sampler, held.sigmas, 1.0, batch), Items(prompts, metadata)
+    plain = sample_and_score(model, reward, items, start_noise(parts.pipeline, p, gen), gen)
+    ours = smc_in_batches(model, reward, items, SMCConfig(n=1, lam=1.0), held.generator()[:p])
+    torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
+    torch.testing.assert_close(ours.scores, plain.scores, atol=0, rtol=0)
 
 
 # ------------------------------------------------------------------ counted work, resampling
@@ -122,18 +130,7 @@ def test_counted_calls_are_the_rows_run_and_equal_their_formulas(flow, tempering
     predict, score = _Count(pipe.predict), _Count(reward)
     pipe.predict = predict
     try:
-        result = smc_sample(
-            pipe,
-            parts.sampler,
-            score,
-            held.prompts[:p],
-            held.metadata[:p],
-            n,
-            held.sigmas,
-            held.generator()[:p],
-            lam=30.0,
-            tempering=tempering,
-        )
+        result = _smc(parts, held, score, p, held.generator()[:p], n=n, lam=30.0, tempering=tempering)
     finally:
         del pipe.predict
     assert result.denoiser_calls == n * k and predict.rows == p * n * k  # N plain rollouts: the valuing output is the next step's
@@ -146,18 +143,7 @@ def test_counted_calls_are_the_rows_run_and_equal_their_formulas(flow, tempering
 def test_resampling_keeps_the_particle_count_and_never_picks_a_dead_particle(flow):
     config, parts, reward, held = flow
     p, n = 4, 4
-    result = smc_sample(
-        parts.pipeline,
-        parts.sampler,
-        reward,
-        held.prompts[:p],
-        held.metadata[:p],
-        n,
-        held.sigmas,
-        held.generator()[:p],
-        lam=100.0,
-        ess_threshold=1.0,
-    )
+    result = _smc(parts, held, reward, p, held.generator()[:p], n=n, lam=100.0, ess_threshold=1.0)
     assert result.resampled[:-1].all() and result.resample_count.tolist() == [STEPS - 1] * p  # ESS < N at every step but the last
     assert result.particles.shape == (p, n, 1, 8, 8) and result.samples.shape == (p, 1, 8, 8)
     torch.testing.assert_close(result.weights.sum(1), torch.ones(p, dtype=torch.float64))
@@ -176,16 +162,18 @@ def test_resampling_keeps_the_particle_count_and_never_picks_a_dead_particle(flo
 
 
 def test_bad_arguments_are_refused(flow):
+    from flowrl.inference import search_section
+
     config, parts, reward, held = flow
-    args = (parts.pipeline, parts.sampler, reward, held.prompts[:2], held.metadata[:2], 2, held.sigmas, torch.Generator())
     with pytest.raises(FlowRLError, match="deterministic"):
-        smc_sample(parts.pipeline, parts.eval_sampler, *args[2:])
-    with pytest.raises(FlowRLError, match="ESS threshold"):
-        smc_sample(*args, ess_threshold=1.5)
+        _smc(parts, held, reward, 2, torch.Generator(), sampler=parts.eval_sampler, n=2)
     with pytest.raises(FlowRLError, match="ends at lambda"):
-        smc_sample(*args, lam=2.0, tempering=[0.0] * (STEPS + 1))
-    with pytest.raises(FlowRLError, match="resampling"):
-        smc_sample(*args, resampling="stratified")
+        _smc(parts, held, reward, 2, torch.Generator(), n=2, lam=2.0, tempering=[0.0] * (STEPS + 1))
+    # the section's bounds, one sentence naming the setting
+    with pytest.raises(FlowRLError, match=r"^search 'smc': ess_threshold must be in \[0, 1\], got 1\.5\.$"):
+        search_section({"name": "smc", "n": 2, "ess_threshold": 1.5})
+    with pytest.raises(FlowRLError, match=r"^search 'smc': resampling is invalid: input should be 'systematic' or 'multinomial'"):
+        search_section({"name": "smc", "n": 2, "resampling": "stratified"})
 
 
 # ------------------------------------------------------------------ the 2-D toy: the weights are right
@@ -197,7 +185,8 @@ def _toy(reward_name: str, lam: float, n: int, seed: int = 0):
     pipe, reward = Toy2DPipeline(), build_reward(reward_name)
     p = BUDGET // n
     sigmas = pipe.schedule.sigmas(TOY_STEPS)
-    result = smc_sample(pipe, FlowSDEConfig().build(), reward, [""] * p, [{}] * p, n, sigmas, torch.Generator().manual_seed(seed), lam=lam)
+    model, items = ImageSearchModel(pipe, FlowSDEConfig().build(), sigmas), Items([""] * p, [{}] * p)
+    result = smc_sample(model, reward, items, SMCConfig(n=n, lam=lam), torch.Generator().manual_seed(seed))
     points, weights = weighted_set(result)
     return result, weighted_toy_comparison(points, weights, tilted_target(TWO_MODES, reward, lam))
 
@@ -245,9 +234,8 @@ def test_masked_smc_one_particle_is_the_plain_evaluation_and_counts_its_rows(tex
     config, modality, grader, prompts = text
     lm, k = modality.pipeline, config.sampler.steps
     _, plain = modality.evaluate(grader, 0, 1)
-    one = masked_smc_in_batches(
-        lm, config.sampler, config.pipeline.prompt_length, build_scorer("likelihood"), prompts, 1, 1.0, config.eval.seed, 8
-    )
+    model = TextSearchModel(lm, config.sampler, config.pipeline.prompt_length, 1.0, config.eval.seed, 8)
+    one = masked_smc_in_batches(model, build_scorer("likelihood"), prompts, SMCConfig(n=1, lam=1.0))
     assert one.completions == [r["completion"] for r in plain]
     assert one.denoiser_calls == k and one.reward_calls == k
     logits, scorer = _Count(lm.logits), _Count(build_scorer("likelihood"))
@@ -255,7 +243,8 @@ def test_masked_smc_one_particle_is_the_plain_evaluation_and_counts_its_rows(tex
     lm.logits = logits
     try:
         n, p = 4, 6
-        result = masked_smc(lm, config.sampler, None, scorer, prompts[:p], n, 1.0, torch.Generator().manual_seed(3), ess_threshold=1.0)
+        model = TextSearchModel(lm, config.sampler, None, 1.0, config.eval.seed, 8)
+        result = masked_smc(model, scorer, prompts[:p], SMCConfig(n=n, lam=1.0, ess_threshold=1.0), torch.Generator().manual_seed(3))
     finally:
         del lm.logits
     assert result.denoiser_calls == 1 + n * (k - 1) and logits.rows == p * result.denoiser_calls  # as SVDD with M = N

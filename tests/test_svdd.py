@@ -11,6 +11,7 @@ from conftest import CONFIGS, fast_overrides
 
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
+from flowrl.inference.search import ImageSearchModel, Items
 from flowrl.inference.svdd import svdd_sample
 from flowrl.samplers.rollout import rollout
 
@@ -24,46 +25,36 @@ def trainer(tmp_path_factory):
     return Trainer(load_config(GRPO, fast_overrides(tmp_path_factory.mktemp("svdd"), **{"eval.samples_per_prompt": 1})))
 
 
-def _items(trainer, n=6):
+def _setting(trainer, n=6, sampler=None):
+    """The run's model stepping with its rollout sampler (or ``sampler``), and its first ``n`` held-out items."""
     held = trainer.modality.held_out
-    return held.prompts[:n], held.metadata[:n], held.sigmas, held.guidance_scale
+    model = ImageSearchModel(trainer.pipeline, sampler or trainer.sampler, held.sigmas, held.guidance_scale)
+    return model, Items(held.prompts[:n], held.metadata[:n])
 
 
 def test_one_candidate_is_a_plain_stochastic_rollout(trainer):
-    prompts, metadata, sigmas, guidance = _items(trainer)
-    noise = trainer.pipeline.initial_noise(len(prompts), torch.Generator().manual_seed(5))
-    ours = svdd_sample(
-        trainer.pipeline,
-        trainer.sampler,
-        trainer.reward,
-        prompts,
-        metadata,
-        1,
-        sigmas,
-        torch.Generator().manual_seed(7),
-        guidance,
-        initial_noise=noise,
-    )
+    model, items = _setting(trainer)
+    noise = trainer.pipeline.initial_noise(len(items), torch.Generator().manual_seed(5))
+    ours = svdd_sample(model, trainer.reward, items, 1, torch.Generator().manual_seed(7), initial_noise=noise)
     plain = rollout(
         trainer.pipeline,
         trainer.sampler,
-        prompts,
-        metadata,
-        torch.arange(len(prompts)),
-        sigmas,
+        items.prompts,
+        items.metadata,
+        torch.arange(len(items)),
+        model.sigmas,
         torch.Generator().manual_seed(7),
-        guidance,
+        model.guidance_scale,
         initial_noise=noise,
     )
     torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
 
 
 def test_best_lookahead_is_kept_and_the_final_score_is_the_samples_reward(trainer):
-    prompts, metadata, sigmas, guidance = _items(trainer)
-    result = svdd_sample(
-        trainer.pipeline, trainer.sampler, trainer.reward, prompts, metadata, 4, sigmas, torch.Generator().manual_seed(0), guidance
-    )
-    assert result.step_scores.shape == (sigmas.shape[0] - 1, len(prompts), 4)
+    model, items = _setting(trainer)
+    prompts, metadata = items.prompts, items.metadata
+    result = svdd_sample(model, trainer.reward, items, 4, torch.Generator().manual_seed(0))
+    assert result.step_scores.shape == (model.sigmas.shape[0] - 1, len(prompts), 4)
     # At the last step the candidates are final samples, so the kept one carries its row's best score,
     # and re-scoring the returned samples gives exactly that score.
     torch.testing.assert_close(result.scores, result.step_scores[-1].max(1).values)
@@ -72,11 +63,9 @@ def test_best_lookahead_is_kept_and_the_final_score_is_the_samples_reward(traine
 
 
 def test_deterministic_sampler_is_refused(trainer):
-    prompts, metadata, sigmas, guidance = _items(trainer, 2)
+    model, items = _setting(trainer, 2, sampler=trainer.modality.eval_sampler)
     with pytest.raises(FlowRLError, match="deterministic"):
-        svdd_sample(
-            trainer.pipeline, trainer.modality.eval_sampler, trainer.reward, prompts, metadata, 2, sigmas, torch.Generator(), guidance
-        )
+        svdd_sample(model, trainer.reward, items, 2, torch.Generator())
 
 
 def test_cli_svdd(tmp_path, capsys):

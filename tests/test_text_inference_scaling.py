@@ -19,6 +19,7 @@ from conftest import CONFIGS
 from flowrl.config import RewardConfig, load_config
 from flowrl.errors import FlowRLError
 from flowrl.inference.masked_svdd import masked_svdd, masked_svdd_in_batches
+from flowrl.inference.search import Items, TextSearchModel, TextVerifier
 from flowrl.inference.text_best_of_n import ORACLE, text_best_of_n
 from flowrl.inference.text_candidates import RewardScorer, answer_key, build_scorer, build_scorers, majority_choice
 from flowrl.reward_models import build_reward_from_config
@@ -53,23 +54,24 @@ def setup():
     return config, modality, grader, prompts, metadata
 
 
+def _model(setup, temperature=None, batch_size=None, prompt_length=...) -> TextSearchModel:
+    """The run's diffusion LM as ``flowrl eval`` searches it (its eval temperature, seed and rollout batch size)."""
+    config, modality, *_ = setup
+    return TextSearchModel(
+        modality.pipeline,
+        config.sampler,
+        config.pipeline.prompt_length if prompt_length is ... else prompt_length,
+        config.sampler.eval_temperature if temperature is None else temperature,
+        config.eval.seed,
+        batch_size or config.rollout.batch_size,
+    )
+
+
 @pytest.fixture(scope="module")
 def best(setup):
     config, modality, grader, prompts, metadata = setup
-    scorers = [build_scorer("likelihood"), build_scorer("format")]
-    return text_best_of_n(
-        modality.pipeline,
-        config.sampler,
-        config.pipeline.prompt_length,
-        grader,
-        scorers,
-        prompts,
-        metadata,
-        N,
-        config.sampler.eval_temperature,
-        config.eval.seed,
-        config.rollout.batch_size,
-    )
+    verifier = TextVerifier(["likelihood", "format"], [build_scorer("likelihood"), build_scorer("format")], grader)
+    return text_best_of_n(_model(setup), verifier, Items(prompts, metadata), N)
 
 
 @pytest.fixture(scope="module")
@@ -178,19 +180,8 @@ def test_gold_graders_never_select_and_rewards_never_see_the_gold_answer(setup):
     fmt_only = RewardConfig(components={"format": 1.0})
     assert [s.name for s in build_scorers(["majority", "reward", "likelihood", "format"], fmt_only)] == ["reward", "likelihood", "format"]
     probe = _SeesMetadata()
-    result = text_best_of_n(
-        modality.pipeline,
-        config.sampler,
-        config.pipeline.prompt_length,
-        grader,
-        [RewardScorer("len", probe)],
-        prompts[:4],
-        metadata[:4],
-        2,
-        1.0,
-        config.eval.seed,
-        8,
-    )
+    verifier = TextVerifier(["len"], [RewardScorer("len", probe)], grader)
+    result = text_best_of_n(_model(setup, 1.0, 8), verifier, Items(prompts[:4], metadata[:4]), 2)
     assert probe.seen == [{}] * 8 and all("answer" in m for m in metadata[:4])
     assert torch.equal(
         result.scores["len"], torch.tensor([[float(len(c)) for c in row] for row in result.completions], dtype=torch.float64)
@@ -199,7 +190,7 @@ def test_gold_graders_never_select_and_rewards_never_see_the_gold_answer(setup):
     with pytest.raises(FlowRLError, match="no finite score"):
         RewardScorer("math_answer", grader)(["1 + 1 = 2 . <answer> 2 </answer>"], ["q"], torch.zeros(1))
     with pytest.raises(FlowRLError, match="identical completions"):
-        text_best_of_n(modality.pipeline, config.sampler, config.pipeline.prompt_length, grader, [], prompts, metadata, 2, 0.0, 0, 8)
+        text_best_of_n(_model(setup, 0.0, 8), TextVerifier([], [], grader), Items(prompts, metadata), 2)
 
 
 class _CountRows:
@@ -221,17 +212,7 @@ def test_svdd_with_one_candidate_is_the_plain_evaluation(setup, plain):
     config, modality, _, prompts, _ = setup
     counter = _CountRows(modality.pipeline)
     try:
-        result = masked_svdd_in_batches(
-            modality.pipeline,
-            config.sampler,
-            config.pipeline.prompt_length,
-            build_scorer("likelihood"),
-            prompts,
-            1,
-            1.0,
-            config.eval.seed,
-            config.rollout.batch_size,
-        )
+        result = masked_svdd_in_batches(_model(setup, 1.0), build_scorer("likelihood"), prompts, 1)
     finally:
         counter.restore()
     assert result.completions == [r["completion"] for r in plain[1]]
@@ -243,16 +224,7 @@ def test_svdd_counts_its_forwards_and_keeps_the_best_look_ahead(setup):
     m, k = 3, config.sampler.steps
     counter = _CountRows(modality.pipeline)
     try:
-        result = masked_svdd(
-            modality.pipeline,
-            config.sampler,
-            config.pipeline.prompt_length,
-            build_scorer("likelihood"),
-            prompts[:6],
-            m,
-            1.0,
-            torch.Generator().manual_seed(3),
-        )
+        result = masked_svdd(_model(setup, 1.0), build_scorer("likelihood"), prompts[:6], m, torch.Generator().manual_seed(3))
     finally:
         counter.restore()
     assert result.forwards == counter.rows == 6 * (1 + m * (k - 1))  # first step's forward + M look-aheads on all but the last step
@@ -260,19 +232,10 @@ def test_svdd_counts_its_forwards_and_keeps_the_best_look_ahead(setup):
     torch.testing.assert_close(result.scores, result.step_scores[-1].max(1).values, atol=0, rtol=0)
     assert result.completion_ids.ne(modality.pipeline.mask_token_id).all()
     # choosing by the model's likelihood raises the likelihood of what comes out over M = 1 from the same generator
-    one = masked_svdd(
-        modality.pipeline,
-        config.sampler,
-        config.pipeline.prompt_length,
-        build_scorer("likelihood"),
-        prompts[:6],
-        1,
-        1.0,
-        torch.Generator().manual_seed(3),
-    )
+    one = masked_svdd(_model(setup, 1.0), build_scorer("likelihood"), prompts[:6], 1, torch.Generator().manual_seed(3))
     assert float(result.scores.mean()) > float(one.scores.mean())
     with pytest.raises(FlowRLError, match="majority"):
-        masked_svdd(modality.pipeline, config.sampler, None, type("M", (), {"name": "majority"})(), prompts[:2], 2, 1.0, torch.Generator())
+        masked_svdd(_model(setup, 1.0, prompt_length=None), type("M", (), {"name": "majority"})(), prompts[:2], 2, torch.Generator())
 
 
 def test_cli_best_of_n_and_svdd_on_a_dllm_config(tmp_path, capsys):

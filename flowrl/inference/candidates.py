@@ -1,56 +1,47 @@
-"""Generate and score one candidate per prompt, in batches: the step every search over start noises repeats."""
+"""Generate and score one candidate per item, in batches: the step every search over start noises repeats."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..samplers.rollout import padded_rows, rollout
 from ..seeding import RowGenerators
-from ..types import Pipeline, Sampler
+from .batching import in_batches
+from .search import ImageSearchModel, Items
+
+
+@dataclass
+class Scored:
+    samples: Tensor  # (P, *S) decoded, on the CPU
+    scores: Tensor  # (P,) float32 rewards, NaN where the reward failed
+    extras: dict[str, Tensor]  # reward component -> (P,)
 
 
 @torch.no_grad()
-def sample_and_score(
-    pipeline: Pipeline,
-    sampler: Sampler,
-    reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    noise: Tensor,
-    sigmas: Tensor,
-    generator: torch.Generator | RowGenerators,
-    guidance_scale: float,
-    batch_size: int,
-) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Sample prompt i from start noise ``noise[i]``, ``batch_size`` prompts at a time, and score it. Every
-    batch has exactly ``batch_size`` rows (the last padded with copies of its last item, dropped unscored), so
-    a sample's bits do not depend on how many items are searched beside it.
+def sample_and_score(model: ImageSearchModel, reward, items: Items, noise: Tensor, generator: torch.Generator | RowGenerators) -> Scored:
+    """Sample item i from start noise ``noise[i]`` with ``model.sampler``, ``model.batch_size`` items at a time, and
+    score it. Every batch has exactly ``batch_size`` rows (the last padded with copies of its last item, dropped
+    unscored), so a sample's bits do not depend on how many items are searched beside it."""
 
-    Returns the decoded samples (P, *S) on the CPU, their rewards (P,) float32 (NaN where the reward
-    failed) and the reward's components (name -> (P,))."""
-    samples, scores, extras = [], [], []
-    for start in range(0, len(prompts), batch_size):
-        idx = list(range(start, min(start + batch_size, len(prompts))))
-        rows, streams = padded_rows(idx, batch_size, generator)
+    def batch(idx: list[int]) -> Scored:
+        rows, streams = padded_rows(idx, model.batch_size, generator)
         traj = rollout(
-            pipeline,
-            sampler,
-            [prompts[i] for i in rows],
-            [metadata[i] for i in rows],
+            model.pipeline,
+            model.sampler,
+            [items.prompts[i] for i in rows],
+            [items.metadata[i] for i in rows],
             torch.tensor(rows),
-            sigmas,
+            model.sigmas,
             streams,
-            guidance_scale,
+            model.guidance_scale,
             initial_noise=noise[rows],
             same_noise_in_group=False,
         )
         kept = traj.samples[: len(idx)]
         out = reward(kept, traj.prompts[: len(idx)], traj.metadata[: len(idx)])
-        samples.append(kept.cpu())
-        scores.append(out.scores.float().cpu())
-        extras.append({k: v.float().cpu() for k, v in out.extras.items()})
-    return torch.cat(samples), torch.cat(scores), {k: torch.cat([e[k] for e in extras]) for k in extras[0]}
+        return Scored(kept.cpu(), out.scores.float().cpu(), {k: v.float().cpu() for k, v in out.extras.items()})
+
+    return in_batches(len(items), model.batch_size, batch)

@@ -33,33 +33,12 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.masked import (
-    MaskedSamplerConfig,
-    _check_args,
-    _num_to_unmask,
-    _scores,
-    _token_log_probs,
-    decode_completions,
-    gumbel_sample,
-    shift_logits,
-    transfer_schedule,
-)
-from ..samplers.masked import _Recorder as Recorder
-from ..samplers.text_generation import candidate_streams, encode_prompts
 from ..seeding import RowGenerators
-from ..types import MaskedLM
-from .masked_svdd import _keep
-from .smc import (
-    check_smc_arguments,
-    draw_one,
-    effective_sample_size,
-    normalise,
-    potential,
-    resample_indices,
-    reweight,
-    tempering_schedule,
-)
-from .text_candidates import MAJORITY, TextScorer, check_candidates_differ
+from .batching import PER_ITEM, STEPS, joined
+from .masked_search import UnmaskingBatch, keep_rows, text_in_batches
+from .search import Items, SearchOutcome, TextSearchModel, TextVerifier
+from .smc import ParticleWeights, _weighted_mean, draw_one, normalise, smc_summary, tempering_schedule
+from .text_candidates import MAJORITY, TextScorer, check_candidates_differ, grade_choices, progress_bar
 
 
 @dataclass
@@ -72,11 +51,11 @@ class MaskedSMCResult:
     particle_ids: Tensor  # (P, N, G)
     log_weights: Tensor  # (P, N) float64, normalised per item
     values: Tensor  # (P, N) float64 every final particle's score
-    ess: Tensor  # (S, P) ESS after the reweighting at each executed step, before any resampling
-    resampled: Tensor  # (S, P) bool
-    lambdas: list[float]  # (S,) lambda_j used at each executed step (the last is lambda)
-    denoiser_calls: int  # rows through lm.logits per item
-    reward_calls: int  # rows scored per item
+    ess: Tensor = joined(STEPS)  # (S, P) ESS after the reweighting at each executed step, before any resampling
+    resampled: Tensor = joined(STEPS)  # (S, P) bool
+    lambdas: list[float] = joined(STEPS)  # (S,) lambda_j used at each executed step (the last is lambda)
+    denoiser_calls: int = joined(PER_ITEM)  # rows through lm.logits per item
+    reward_calls: int = joined(PER_ITEM)  # rows scored per item
 
     @property
     def resample_count(self) -> Tensor:
@@ -85,188 +64,97 @@ class MaskedSMCResult:
 
 @torch.no_grad()
 def masked_smc(
-    lm: MaskedLM,
-    sampler: MaskedSamplerConfig,
-    prompt_length: int | None,
-    scorer: TextScorer,
-    prompts: Sequence[str],
-    n: int,
-    temperature: float,
-    generator: torch.Generator | RowGenerators,
-    lam: float = 1.0,
-    ess_threshold: float = 0.5,
-    tempering: str | Sequence[float] = "linear",
-    resampling: str = "systematic",
-    position_scorer=None,
+    model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], smc, generator: torch.Generator | RowGenerators
 ) -> MaskedSMCResult:
-    """One completion per prompt by SMC with ``n`` particles (batch = prompts x n rows); with per-prompt streams, prompt
-    i's particles draw in turn from prompt i's stream, then its resampling and final uniforms."""
-    check_smc_arguments(n, ess_threshold, resampling)
+    """One completion per prompt by SMC with ``smc.n`` particles toward p_base exp(``smc.lam`` score) (``smc``: an
+    :class:`~flowrl.inference.sections.SMCConfig`, its lambda given; batch = prompts x n rows); with per-prompt streams,
+    prompt i's particles draw in turn from prompt i's stream, then its resampling and final uniforms."""
+    n = smc.n
     if getattr(scorer, "name", None) == MAJORITY:
         raise FlowRLError("SMC weights each particle by its own score; majority voting needs a set of finished answers, use --best-of.")
-    check_candidates_differ("--smc", n, temperature, sampler.remasking)
-    sc = sampler
-    num_blocks = _check_args(sc.gen_length, sc.steps, sc.block_length, sc.remasking, sc.threshold, position_scorer)
-    steps_per_block = sc.steps // num_blocks
-    schedule = transfer_schedule(sc.block_length, steps_per_block)
-    lambdas = tempering_schedule(tempering, lam, sc.steps)
-    ids, mask = encode_prompts(lm, prompts, prompt_length)
-    p, length = ids.shape
-    dev = ids.device
-    rows = torch.arange(p, device=dev).repeat_interleave(n)  # particle b of item i is row i n + b
-    part_gen = generator[rows.tolist()] if isinstance(generator, RowGenerators) else generator
-    ids_n, prompts_n = ids[rows], [q for q in prompts for _ in range(n)]
-    attention_mask = torch.cat([mask[rows], torch.ones((p * n, sc.gen_length), dtype=mask.dtype, device=dev)], dim=1)
-    rec = _keep(Recorder.start(ids, sc.gen_length, lm.mask_token_id), rows)
-    positions = torch.arange(sc.gen_length, device=dev)
-    forwards = scored = 0
-
-    def completion_logits(completion: Tensor, keep_rows: Tensor | None) -> Tensor:
-        nonlocal forwards
-        x_ids = ids_n if keep_rows is None else ids_n[keep_rows]
-        x_mask = attention_mask if keep_rows is None else attention_mask[keep_rows]
-        forwards += completion.shape[0]
-        logits = lm.logits(torch.cat([x_ids, completion], dim=1), attention_mask=x_mask)
-        return (shift_logits(logits) if sc.logit_shift else logits)[:, length:]
-
-    log_w = torch.zeros(p, n, dtype=torch.float64)
-    phi = torch.zeros(p, n, dtype=torch.float64)
-    values = torch.zeros(p, n, dtype=torch.float64)
-    ess, resampled, used = [], [], []
+    check_candidates_differ("--smc", n, model.temperature, model.sampler.remasking)
+    lambdas = tempering_schedule(smc.tempering, smc.lam, model.sampler.steps)
+    batch = UnmaskingBatch(model, prompts, n, generator)
+    p = batch.items
+    batch.rec = keep_rows(batch.start(), batch.rows)
+    weights = ParticleWeights.start(p, n, torch.float64)
+    used, scored = [], 0
     logits = None  # each particle's logits (P N, G, V), carried over from the forward that valued its state
-    for block in range(num_blocks):
-        in_block = (positions >= block * sc.block_length) & (positions < (block + 1) * sc.block_length)
-        for s in range(steps_per_block):
-            eligible = (rec.unmask_step < 0) & in_block
-            if not eligible.any() or (sc.threshold is None and schedule[s] == 0):
-                continue  # nothing to commit, as in generate
-            if logits is None:  # only the first step: every particle of an item is the same fully masked state
-                first = torch.arange(p, device=dev) * n
-                logits = completion_logits(rec.completion[first], first)[torch.arange(p, device=dev).repeat_interleave(n)]
-            # the sampler's own transition for every particle, drawing randomness in generate's order and shapes
-            x0 = gumbel_sample(logits, temperature, part_gen, exclude=lm.mask_token_id)
-            log_p = _token_log_probs(logits, x0)
-            scores = _scores(logits, log_p, rec.completion, sc.remasking, position_scorer, part_gen, temperature)
-            scores = scores.masked_fill(~eligible, float("-inf"))
-            k = _num_to_unmask(scores, eligible, schedule[s], sc.threshold, s == steps_per_block - 1)
-            rec.commit(x0, log_p, scores, k, block * steps_per_block + s)
-            remaining = rec.unmask_step < 0
-            done = not bool(remaining.any())
-            lam_j = lam if done else float(lambdas[block * steps_per_block + s + 1])
-            look = None if done else completion_logits(rec.completion, None)  # the next step's forward, and the look-ahead
-            if lam_j != 0 or done:
-                if look is not None:  # one-shot completion: every masked position filled with its most likely token
-                    fill = gumbel_sample(look, 0.0, exclude=lm.mask_token_id)
-                    filled = torch.where(remaining, fill.to(rec.completion.dtype), rec.completion)
-                    log_lik = torch.where(remaining, _token_log_probs(look, fill), rec.token_log_probs.double()).sum(1)
-                else:
-                    filled, log_lik = rec.completion, rec.token_log_probs.double().sum(1)
-                texts = decode_completions(lm.tokenizer, filled, lm.eos_token_id)
-                scored += len(texts)
-                values = scorer(texts, prompts_n, log_lik).double().cpu().view(p, n)
-            phi_new = potential(lam_j, values)
-            log_w = reweight(log_w, phi, phi_new)
-            phi = phi_new
-            used.append(lam_j)
-            ess.append(effective_sample_size(log_w))
-            low = ess[-1] < ess_threshold * n if not done and n > 1 else torch.zeros(p, dtype=torch.bool)
-            resampled.append(low)
-            logits = look
-            if low.any():
-                items = low.nonzero().squeeze(1).tolist()
-                ancestors = resample_indices(log_w[items], items, generator, resampling)
-                take = torch.arange(p * n).view(p, n)
-                take[items] = torch.tensor(items)[:, None] * n + ancestors
-                take = take.flatten()
-                rec = _keep(rec, take.to(dev))
-                logits = logits[take.to(dev)]
-                phi, values = phi.flatten()[take].view(p, n), values.flatten()[take].view(p, n)
-                log_w[items] = 0.0
-    log_w = normalise(log_w)
+    for step, s, eligible in batch.steps():
+        rec = batch.rec
+        if logits is None:  # only the first step: every particle of an item is the same fully masked state
+            first = torch.arange(p, device=batch.device) * n
+            logits = batch.logits(rec.completion[first], first)[torch.arange(p, device=batch.device).repeat_interleave(n)]
+        batch.transition(logits, rec, eligible, s, step)  # every particle's own step, in generate's order and shapes
+        done = not bool((rec.unmask_step < 0).any())
+        lam_j = smc.lam if done else float(lambdas[step + 1])
+        logits = None if done else batch.logits(rec.completion)  # the next step's forward, and the look-ahead
+        values = None
+        if lam_j != 0 or done:
+            values = batch.value(scorer, rec, logits)
+            scored += p * n
+        used.append(lam_j)
+        low = weights.reweight(lam_j, values, None if done else smc.ess_threshold)
+        if low.any():
+            take = weights.resample(low, generator, smc.resampling)
+            batch.rec = keep_rows(rec, take.to(batch.device))
+            logits = logits[take.to(batch.device)]
+    return _masked_smc_result(batch, batch.rec, weights, used, generator, scored)
+
+
+def _masked_smc_result(batch: UnmaskingBatch, rec, weights: ParticleWeights, used: list[float], generator, scored: int) -> MaskedSMCResult:
+    """Every item's weighted particles, and one of each drawn by its final weight."""
+    p, n = batch.items, batch.width
+    log_w = normalise(weights.log_w)
     chosen = draw_one(log_w, generator)
     pick = torch.arange(p) * n + chosen
-    texts = decode_completions(lm.tokenizer, rec.completion, lm.eos_token_id)
+    texts = batch.decode(rec)
+    ess, resampled = weights.history(p)
     return MaskedSMCResult(
         completions=[texts[int(i)] for i in pick],
-        completion_ids=rec.completion[pick.to(dev)],
+        completion_ids=rec.completion[pick.to(batch.device)],
         chosen=chosen,
-        scores=values.gather(1, chosen[:, None]).squeeze(1),
+        scores=weights.values.gather(1, chosen[:, None]).squeeze(1),
         particles=[texts[i * n : (i + 1) * n] for i in range(p)],
         particle_ids=rec.completion.view(p, n, -1),
         log_weights=log_w,
-        values=values,
-        ess=torch.stack(ess) if ess else torch.zeros(0, p, dtype=torch.float64),
-        resampled=torch.stack(resampled) if resampled else torch.zeros(0, p, dtype=torch.bool),
+        values=weights.values,
+        ess=ess,
+        resampled=resampled,
         lambdas=used,
-        denoiser_calls=forwards // p,
+        denoiser_calls=batch.forwards // p,
         reward_calls=scored // p,
     )
 
 
-def masked_smc_in_batches(
-    lm: MaskedLM,
-    sampler: MaskedSamplerConfig,
-    prompt_length: int | None,
-    scorer: TextScorer,
-    prompts: Sequence[str],
-    n: int,
-    temperature: float,
-    seed: int,
-    batch_size: int,
-    lam: float = 1.0,
-    ess_threshold: float = 0.5,
-    tempering: str | Sequence[float] = "linear",
-    resampling: str = "systematic",
-    position_scorer=None,
-    progress=None,
-) -> MaskedSMCResult:
-    """:func:`masked_smc` over many prompts, ``max(1, batch_size // n)`` prompts (x ``n`` particles) at a time, each prompt
-    with its own stream keyed by its text as the plain evaluation draws (N = 1 reproduces it exactly). ``progress``:
-    called with the number of prompts done after each chunk."""
-    chunk = max(1, batch_size // n)
-    parts = []
-    for i in range(0, len(prompts), chunk):
-        batch = prompts[i : i + chunk]
-        parts.append(
-            masked_smc(
-                lm,
-                sampler,
-                prompt_length,
-                scorer,
-                batch,
-                n,
-                temperature,
-                candidate_streams(seed, batch, 0),
-                lam,
-                ess_threshold,
-                tempering,
-                resampling,
-                position_scorer,
-            )
-        )
-        if progress is not None:
-            progress(len(batch))
-    same_steps = len({r.ess.shape[0] for r in parts}) == 1
-    if len({r.denoiser_calls for r in parts}) != 1:  # dynamic decoding: chunks may run different numbers of steps
-        calls, rewards = sum(r.denoiser_calls * len(r.chosen) for r in parts), sum(r.reward_calls * len(r.chosen) for r in parts)
-        denoiser_calls, reward_calls = round(calls / len(prompts)), round(rewards / len(prompts))
-    else:
-        denoiser_calls, reward_calls = parts[0].denoiser_calls, parts[0].reward_calls
-    return MaskedSMCResult(
-        completions=[c for r in parts for c in r.completions],
-        completion_ids=torch.cat([r.completion_ids for r in parts]),
-        chosen=torch.cat([r.chosen for r in parts]),
-        scores=torch.cat([r.scores for r in parts]),
-        particles=[row for r in parts for row in r.particles],
-        particle_ids=torch.cat([r.particle_ids for r in parts]),
-        log_weights=torch.cat([r.log_weights for r in parts]),
-        values=torch.cat([r.values for r in parts]),
-        ess=torch.cat([r.ess for r in parts], 1) if same_steps else torch.zeros(0, len(prompts), dtype=torch.float64),
-        resampled=torch.cat([r.resampled for r in parts], 1) if same_steps else torch.zeros(0, len(prompts), dtype=torch.bool),
-        lambdas=parts[0].lambdas if same_steps else [],
-        denoiser_calls=denoiser_calls,
-        reward_calls=reward_calls,
+def masked_smc_in_batches(model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], smc, progress=None) -> MaskedSMCResult:
+    """:func:`masked_smc` over many prompts, ``max(1, model.batch_size // n)`` prompts (x ``n`` particles) at a time, each
+    prompt with its own stream keyed by its text as the plain evaluation draws (N = 1 reproduces it exactly). Chunks
+    that ran different numbers of steps (dynamic decoding) leave ``ess``, ``resampled`` and ``lambdas`` empty."""
+    return text_in_batches(model, prompts, smc.n, lambda batch, streams: masked_smc(model, scorer, batch, smc, streams), progress)
+
+
+def text_smc_search(section, model: TextSearchModel, verifier: TextVerifier, items: Items) -> SearchOutcome:
+    """``flowrl eval --smc N`` on a diffusion LM: the run's reward of the drawn completions, and the weighted estimate
+    of the ``--select`` score under the tilted target."""
+    n, lam, threshold, rule = section.n, float(section.lam), float(section.ess_threshold), section.rules[0]
+    with progress_bar(f"smc-{n}", len(items), "item") as progress:
+        result = masked_smc_in_batches(model, verifier.scorers[0], items.prompts, section, progress=progress)
+    metrics, rows = grade_choices(verifier, items, result.completions, result.scores, f"smc{n}", rule)
+    for row, particles, log_w in zip(rows, result.particles, result.log_weights):
+        row.update(particles=particles, weights=[round(float(w), 6) for w in log_w.exp()])
+    weighted = _weighted_mean(result.log_weights, result.values)
+    metrics[f"eval/smc{n}/weighted_{rule}"] = float(weighted.nanmean())  # the self-normalised estimate of E_target[score]
+    metrics[f"eval/smc{n}/resamples_per_item"] = float(result.resample_count.double().mean())
+    calls = (result.denoiser_calls, result.reward_calls)
+    measured = f"run's reward of the drawn completions {metrics[f'eval/reward/mean@smc{n}/{rule}']:.4f}"
+    return SearchOutcome(
+        metrics=metrics,
+        lines=[smc_summary(section, len(items), metrics[f"eval/smc{n}/resamples_per_item"], calls, measured)],
+        extra={"denoiser_calls_per_item": calls[0], "reward_calls_per_item": calls[1]},
+        settings={"smc": n, "lambda": lam, "ess_threshold": threshold, "select": rule},
+        rows=rows,
     )
 
 
-__all__: Sequence[str] = ["MaskedSMCResult", "masked_smc", "masked_smc_in_batches"]
+__all__: Sequence[str] = ["MaskedSMCResult", "masked_smc", "masked_smc_in_batches", "text_smc_search"]

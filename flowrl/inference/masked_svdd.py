@@ -28,21 +28,10 @@ import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
-from ..samplers.masked import (
-    MaskedSamplerConfig,
-    _check_args,
-    _num_to_unmask,
-    _Recorder,
-    _scores,
-    _token_log_probs,
-    decode_completions,
-    gumbel_sample,
-    shift_logits,
-    transfer_schedule,
-)
-from ..samplers.text_generation import candidate_streams, encode_prompts
 from ..seeding import RowGenerators
-from ..types import MaskedLM
+from .batching import STEPS, TOTAL, joined
+from .masked_search import UnmaskingBatch, keep_rows, text_in_batches
+from .search import TextSearchModel
 from .text_candidates import MAJORITY, TextScorer, check_candidates_differ
 
 
@@ -51,145 +40,56 @@ class MaskedSVDDResult:
     completions: list[str]  # (P,) the decoded final completions
     completion_ids: Tensor  # (P, G)
     scores: Tensor  # (P,) the verifier-free score of the final completions
-    step_scores: list[Tensor]  # per executed step, (P, M): every candidate's look-ahead score
-    forwards: int  # rows run through lm.logits (one row = one sequence through the model once)
+    step_scores: list[Tensor] = joined(STEPS)  # per executed step, (P, M): every candidate's look-ahead score
+    forwards: int = joined(TOTAL)  # rows run through lm.logits (one row = one sequence through the model once)
 
 
-def _keep(rec: _Recorder, rows: Tensor) -> _Recorder:
-    return _Recorder(
-        completion=rec.completion[rows],
-        unmask_step=rec.unmask_step[rows],
-        unmask_rank=rec.unmask_rank[rows],
-        token_log_probs=rec.token_log_probs[rows],
-        committed=rec.committed[rows],
-    )
-
-
-@torch.no_grad()
-def masked_svdd(
-    lm: MaskedLM,
-    sampler: MaskedSamplerConfig,
-    prompt_length: int | None,
-    scorer: TextScorer,
-    prompts: Sequence[str],
-    m: int,
-    temperature: float,
-    generator: torch.Generator | RowGenerators,
-    position_scorer=None,
-) -> MaskedSVDDResult:
-    """One completion per prompt by SVDD with ``m`` candidates per unmasking step (batch = prompts x m rows);
-    with per-prompt streams, prompt i's m candidates draw in turn from prompt i's stream."""
+def check_svdd(scorer: TextScorer, m: int, temperature: float, remasking: str) -> None:
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
     if getattr(scorer, "name", None) == MAJORITY:
         raise FlowRLError("SVDD values each candidate on its own; majority voting needs a set of finished answers, use --best-of.")
-    check_candidates_differ("--svdd", m, temperature, sampler.remasking)
-    sc = sampler
-    num_blocks = _check_args(sc.gen_length, sc.steps, sc.block_length, sc.remasking, sc.threshold, position_scorer)
-    steps_per_block = sc.steps // num_blocks
-    schedule = transfer_schedule(sc.block_length, steps_per_block)
-    ids, mask = encode_prompts(lm, prompts, prompt_length)
-    p, length = ids.shape
-    rows = torch.arange(p, device=ids.device).repeat_interleave(m)  # candidate-major within an item
-    cand_gen = generator[rows.tolist()] if isinstance(generator, RowGenerators) else generator
-    ids_m, prompts_m = ids[rows], [q for q in prompts for _ in range(m)]
-    attention_mask = torch.cat([mask[rows], torch.ones((p * m, sc.gen_length), dtype=mask.dtype, device=mask.device)], dim=1)
-    rec = _Recorder.start(ids, sc.gen_length, lm.mask_token_id)
-    positions = torch.arange(sc.gen_length, device=ids.device)
-    forwards, step_scores = 0, []
+    check_candidates_differ("--svdd", m, temperature, remasking)
 
-    def completion_logits(completion: Tensor, keep_rows: Tensor | None) -> Tensor:
-        nonlocal forwards
-        x_ids = ids_m if keep_rows is None else ids_m[keep_rows]
-        x_mask = attention_mask if keep_rows is None else attention_mask[keep_rows]
-        forwards += completion.shape[0]
-        logits = lm.logits(torch.cat([x_ids, completion], dim=1), attention_mask=x_mask)
-        return (shift_logits(logits) if sc.logit_shift else logits)[:, length:]
 
-    logits = None  # the kept states' logits (P, G, V), carried over from the look-ahead that valued them
-    for block in range(num_blocks):
-        in_block = (positions >= block * sc.block_length) & (positions < (block + 1) * sc.block_length)
-        for s in range(steps_per_block):
-            eligible = (rec.unmask_step < 0) & in_block
-            if not eligible.any() or (sc.threshold is None and schedule[s] == 0):
-                continue  # nothing to commit, as in generate
-            if logits is None:  # only the first step: later states were valued (and forwarded) as candidates
-                logits = completion_logits(rec.completion, torch.arange(p, device=ids.device) * m)
-            cand_logits, cand_eligible = logits[rows], eligible[rows]
-            # the sampler's own transition, M times per item, drawing randomness in generate's order and shapes
-            x0 = gumbel_sample(cand_logits, temperature, cand_gen, exclude=lm.mask_token_id)
-            log_p = _token_log_probs(cand_logits, x0)
-            scores = _scores(cand_logits, log_p, rec.completion[rows], sc.remasking, position_scorer, cand_gen, temperature)
-            scores = scores.masked_fill(~cand_eligible, float("-inf"))
-            k = _num_to_unmask(scores, cand_eligible, schedule[s], sc.threshold, s == steps_per_block - 1)
-            cand = _keep(rec, rows)
-            cand.commit(x0, log_p, scores, k, block * steps_per_block + s)
-            remaining = cand.unmask_step < 0
-            if remaining.any():  # look-ahead: fill every masked position with its most likely token in one pass
-                look = completion_logits(cand.completion, None)
-                fill = gumbel_sample(look, 0.0, exclude=lm.mask_token_id)
-                filled = torch.where(remaining, fill.to(cand.completion.dtype), cand.completion)
-                log_lik = torch.where(remaining, _token_log_probs(look, fill), cand.token_log_probs.double()).sum(1)
-            else:
-                look, filled, log_lik = None, cand.completion, cand.token_log_probs.double().sum(1)
-            texts = decode_completions(lm.tokenizer, filled, lm.eos_token_id)
-            value = scorer(texts, prompts_m, log_lik).double().view(p, m)
-            step_scores.append(value)
-            # the first best candidate; a NaN value is never kept while a finite one exists
-            best = torch.where(torch.isfinite(value), value, float("-inf")).argmax(1).to(ids.device)
-            chosen = torch.arange(p, device=ids.device) * m + best
-            rec = _keep(cand, chosen)
-            logits = None if look is None else look[chosen]
-    final = step_scores[-1].gather(1, best[:, None].cpu()).squeeze(1) if step_scores else torch.full((p,), float("nan"))
+@torch.no_grad()
+def masked_svdd(
+    model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], m: int, generator: torch.Generator | RowGenerators
+) -> MaskedSVDDResult:
+    """One completion per prompt by SVDD with ``m`` candidates per unmasking step (batch = prompts x m rows);
+    with per-prompt streams, prompt i's m candidates draw in turn from prompt i's stream."""
+    check_svdd(scorer, m, model.temperature, model.sampler.remasking)
+    batch = UnmaskingBatch(model, prompts, m, generator)
+    batch.start()
+    first = torch.arange(batch.items, device=batch.device) * m
+    logits, step_scores = None, []  # logits: the kept states' (P, G, V), carried over from the look-ahead that valued them
+    for step, s, eligible in batch.steps():
+        if logits is None:  # only the first step: later states were valued (and forwarded) as candidates
+            logits = batch.logits(batch.rec.completion, first)
+        cand = keep_rows(batch.rec, batch.rows)  # the sampler's own transition, M times per item
+        batch.transition(logits[batch.rows], cand, eligible[batch.rows], s, step)
+        look = batch.logits(cand.completion) if (cand.unmask_step < 0).any() else None  # the look-ahead forward
+        value = batch.value(scorer, cand, look)
+        step_scores.append(value)
+        # the first best candidate; a NaN value is never kept while a finite one exists
+        best = torch.where(torch.isfinite(value), value, float("-inf")).argmax(1)
+        chosen = first + best.to(batch.device)
+        batch.rec = keep_rows(cand, chosen)
+        logits = None if look is None else look[chosen]
+    final = step_scores[-1].gather(1, best[:, None]).squeeze(1) if step_scores else torch.full((batch.items,), float("nan"))
     return MaskedSVDDResult(
-        completions=decode_completions(lm.tokenizer, rec.completion, lm.eos_token_id),
-        completion_ids=rec.completion,
+        completions=batch.decode(batch.rec),
+        completion_ids=batch.rec.completion,
         scores=final,
         step_scores=step_scores,
-        forwards=forwards,
+        forwards=batch.forwards,
     )
 
 
-def masked_svdd_in_batches(
-    lm: MaskedLM,
-    sampler: MaskedSamplerConfig,
-    prompt_length: int | None,
-    scorer: TextScorer,
-    prompts: Sequence[str],
-    m: int,
-    temperature: float,
-    seed: int,
-    batch_size: int,
-    position_scorer=None,
-    progress=None,
-) -> MaskedSVDDResult:
-    """:func:`masked_svdd` over many prompts, ``batch_size // m`` prompts (x ``m`` candidates) at a time, each
-    prompt with its own stream keyed by its text as the plain evaluation draws (M = 1 reproduces it exactly). ``progress``: called with the number of prompts done after each chunk."""
-    chunk = max(1, batch_size // m)
-    parts = []
-    for i in range(0, len(prompts), chunk):
-        parts.append(
-            masked_svdd(
-                lm,
-                sampler,
-                prompt_length,
-                scorer,
-                prompts[i : i + chunk],
-                m,
-                temperature,
-                candidate_streams(seed, prompts[i : i + chunk], 0),
-                position_scorer,
-            )
-        )
-        if progress is not None:
-            progress(len(prompts[i : i + chunk]))
-    return MaskedSVDDResult(
-        completions=[c for r in parts for c in r.completions],
-        completion_ids=torch.cat([r.completion_ids for r in parts]),
-        scores=torch.cat([r.scores for r in parts]),
-        step_scores=[torch.cat(s) for s in zip(*(r.step_scores for r in parts))] if len({len(r.step_scores) for r in parts}) == 1 else [],
-        forwards=sum(r.forwards for r in parts),
-    )
+def masked_svdd_in_batches(model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], m: int, progress=None) -> MaskedSVDDResult:
+    """:func:`masked_svdd` over many prompts, ``model.batch_size // m`` prompts (x ``m`` candidates) at a time, each
+    prompt with its own stream keyed by its text as the plain evaluation draws (M = 1 reproduces it exactly)."""
+    return text_in_batches(model, prompts, m, lambda batch, streams: masked_svdd(model, scorer, batch, m, streams), progress)
 
 
-__all__: Sequence[str] = ["MaskedSVDDResult", "masked_svdd", "masked_svdd_in_batches"]
+__all__: Sequence[str] = ["MaskedSVDDResult", "check_svdd", "masked_svdd", "masked_svdd_in_batches"]

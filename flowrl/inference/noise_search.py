@@ -16,17 +16,15 @@ same draws (tested); with ``rounds = 0`` only the start noise is sampled: the pl
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..samplers.rollout import start_noise
 from ..seeding import RowGenerators
-from ..types import Pipeline, Sampler
 from .candidates import sample_and_score
+from .search import ImageSearchModel, Items, SearchOutcome
 
 
 @dataclass
@@ -50,38 +48,30 @@ def _neighbors(pivot: Tensor, n: int, step: float, generator: torch.Generator | 
 
 @torch.no_grad()
 def zero_order_search(
-    pipeline: Pipeline,
-    sampler: Sampler,
+    model: ImageSearchModel,
     reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
+    items: Items,
     rounds: int,
     neighbors: int,
     step: float,
-    sigmas: Tensor,
     generator: torch.Generator | RowGenerators,
-    guidance_scale: float = 1.0,
-    batch_size: int = 16,
     initial_noise: Tensor | None = None,
 ) -> NoiseSearchResult:
-    """Search the start noise of each prompt's sample with ``rounds`` x ``neighbors`` evaluations (see the module docstring)."""
+    """Search the start noise of each item's sample with ``rounds`` x ``neighbors`` evaluations (see the module docstring)."""
     if rounds < 0 or neighbors < 1 or not 0 < step <= 1:
         raise ValueError(f"need rounds >= 0, neighbors >= 1 and 0 < step <= 1, got {rounds}, {neighbors}, {step}")
-    p = len(prompts)
 
     def evaluate(noise: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        samples, scores, extras = sample_and_score(
-            pipeline, sampler, reward, prompts, metadata, noise, sigmas, generator, guidance_scale, batch_size
-        )
-        return samples, torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf"))), extras
+        got = sample_and_score(model, reward, items, noise, generator)
+        return got.samples, torch.where(torch.isfinite(got.scores), got.scores, torch.tensor(float("-inf"))), got.extras
 
-    pivot = (initial_noise if initial_noise is not None else start_noise(pipeline, p, generator)).float()
+    pivot = (initial_noise if initial_noise is not None else start_noise(model.pipeline, len(items), generator)).float()
     best_samples, best_scores, components = evaluate(pivot)
     history = [best_scores.clone()]
     for _ in range(rounds):
         candidates = _neighbors(pivot, neighbors, step, generator)
         new_pivot = pivot.clone()
-        for cand in candidates:  # each candidate set is one noise per prompt
+        for cand in candidates:  # each candidate set is one noise per item
             samples, scores, extras = evaluate(cand)
             better = scores > best_scores
             best_scores = torch.where(better, scores, best_scores)
@@ -99,3 +89,22 @@ def zero_order_search(
         evaluations=1 + rounds * neighbors,
         components=components,
     )
+
+
+def noise_search(section, model: ImageSearchModel, reward, items: Items) -> SearchOutcome:
+    """``flowrl eval --noise-search ROUNDS`` on an image / video model (ODE samples, as best-of-N: the plain
+    evaluation's start noise is round 0's pivot): the reward after every round."""
+    rounds, neighbors, step = section.rounds, section.neighbors, float(section.step)
+    result = zero_order_search(model, reward, items, rounds, neighbors, step, items.streams)
+    tag = f"noise{rounds}x{neighbors}"
+    history = [float(h[torch.isfinite(h)].mean()) for h in result.history]
+    lines = [f"zero-order noise search on {len(items)} held-out items, {neighbors} neighbours at step {step:g} per round:"]
+    lines += [f"  round {r:3d}   {1 + r * neighbors:4d} samples per item   eval reward {v:.4f}" for r, v in enumerate(history)]
+    metrics = {
+        f"eval/reward/mean@{tag}": history[-1],
+        **{f"eval/reward/{k}@{tag}": float(v.nanmean()) for k, v in result.components.items()},
+        **{f"eval/{tag}/reward_after_round{r}": v for r, v in enumerate(history)},
+        f"eval/{tag}/samples_per_item": float(result.evaluations),
+    }
+    settings = {"noise_search": {"rounds": rounds, "neighbors": neighbors, "step": step}}
+    return SearchOutcome(metrics=metrics, lines=lines, settings=settings, samples=result.samples)

@@ -39,9 +39,7 @@ candidates together, so batch sizes vary from call to call (a search's rows are 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +47,9 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.rollout import rows_of, start_noise
 from ..seeding import RowGenerators
-from ..types import Pipeline, Sampler, index_condition
+from ..types import index_condition
+from .batching import STEPS, in_batches, joined
+from .search import ImageSearchModel, Items, SearchOutcome
 
 
 @dataclass
@@ -57,8 +57,8 @@ class RBFResult:
     samples: Tensor  # (P, *S) decoded final samples
     scores: Tensor  # (P,) their rewards (NaN where the reward failed)
     components: dict[str, Tensor]  # reward component -> (P,) its value for the final samples
-    candidates: Tensor  # (K, P) long: candidates drawn at each step
-    rolled_over: Tensor  # (K, P) bool: the step ended early on a candidate beating the best so far
+    candidates: Tensor = joined(STEPS)  # (K, P) long: candidates drawn at each step
+    rolled_over: Tensor = joined(STEPS)  # (K, P) bool: the step ended early on a candidate beating the best so far
     denoiser_rows: Tensor  # (P,) long: rows through pipeline.predict per item
     reward_rows: Tensor  # (P,) long: rows scored per item
 
@@ -67,132 +67,141 @@ def _finite(scores: Tensor) -> Tensor:
     return torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
 
 
+class _Rollover:
+    """Every item's place in one batch's search: its state and model output, the step it is at, the candidates it has
+    drawn there and its allowance, the step's best candidate so far, and the best look-ahead reward it has seen."""
+
+    def __init__(self, model: ImageSearchModel, reward, items: Items, m: int, generator, cond, x: Tensor, output: Tensor, best: Tensor):
+        p, num_steps = len(items), model.sigmas.shape[0] - 1
+        self.model, self.reward, self.items, self.m, self.generator = model, reward, items, m, generator
+        self.cond, self.num_steps = cond, num_steps
+        self.x, self.output, self.best = x, output, best
+        self.step = torch.zeros(p, dtype=torch.long)  # the step each item is at
+        self.used = torch.zeros(p, dtype=torch.long)  # candidates drawn at that step
+        self.allowance = torch.full((p,), m, dtype=torch.long)
+        self.step_best = torch.full((p,), float("-inf"))
+        self.step_best_x, self.step_best_out = x.clone(), output.clone()
+        self.final_scores, self.components = torch.full((p,), float("nan")), {}
+        self.candidates = torch.zeros(num_steps, p, dtype=torch.long)
+        self.rolled = torch.zeros(num_steps, p, dtype=torch.bool)
+        self.denoiser_rows, self.reward_rows = torch.ones(p, dtype=torch.long), torch.ones(p, dtype=torch.long)
+
+    def steps_now(self) -> list[int]:
+        """The steps some item is at, in order (items at the same step draw their candidates together)."""
+        return sorted(set(self.step[self.step < self.num_steps].tolist()))
+
+    def draw(self, k: int, idx: Tensor):
+        """One candidate for each item ``idx`` at step ``k`` (item i's noise from item i's stream), its look-ahead model
+        output (None at the last step: the candidates are final samples) and the reward of its x0_hat."""
+        model, sigma, sigma_next = self.model, self.model.sigmas[k], self.model.sigmas[k + 1]
+        step = model.sampler.step(self.output[idx], self.x[idx], sigma, sigma_next, generator=rows_of(self.generator, idx.tolist()))
+        cand, look, x0_hat = step.x_next, None, step.x_next  # final samples: scored as they are
+        if k < self.num_steps - 1:
+            look = model.pipeline.predict(
+                cand, sigma_next, index_condition(self.cond, idx) if self.cond else self.cond, model.guidance_scale
+            )
+            x0_hat = model.sampler.deterministic_step(look, cand, sigma_next, torch.zeros_like(sigma_next))
+            self.denoiser_rows[idx] += 1
+        out = self.reward(model.pipeline.decode(x0_hat), [self.items.prompts[i] for i in idx], [self.items.metadata[i] for i in idx])
+        self.reward_rows[idx] += 1
+        self.used[idx] += 1
+        self.candidates[k, idx] += 1
+        return cand, look, out
+
+    def keep_step_best(self, idx: Tensor, cand: Tensor, look: Tensor | None, out, r: Tensor) -> None:
+        """The step's best candidate so far (ties: the earlier; the first is kept even if its reward failed)."""
+        better = (r > self.step_best[idx]) | (self.used[idx] == 1)
+        won = idx[better]
+        self.step_best[won], self.step_best_x[won] = r[better], cand[better].to(self.step_best_x.dtype)
+        if look is not None:
+            self.step_best_out[won] = look[better].to(self.step_best_out.dtype)
+            return
+        self.final_scores[won] = out.scores.float().cpu()[better]
+        for key, v in out.extras.items():
+            self.components.setdefault(key, torch.full((len(self.items),), float("nan")))[won] = v.float().cpu()[better]
+
+    def move_on(self, k: int, idx: Tensor, cand: Tensor, look: Tensor | None, r: Tensor) -> None:
+        """Items whose candidate beats the best they have seen take it at once, rolling the step's unspent allowance over
+        to the next; items that spent their allowance move on with the step's best candidate."""
+        beats = r > self.best[idx]
+        self.best[idx] = torch.maximum(self.best[idx], r)
+        rollover = beats & torch.tensor(k < self.num_steps - 1)
+        spent = self.used[idx] >= self.allowance[idx]
+        take = idx[rollover]
+        if len(take):
+            self.x[take], self.output[take] = cand[rollover].to(self.x.dtype), look[rollover].to(self.output.dtype)
+            self.rolled[k, take] = True
+            self.allowance[take] = self.m + self.allowance[take] - self.used[take]
+        done = idx[spent & ~rollover]
+        self.x[done], self.output[done] = self.step_best_x[done], self.step_best_out[done]
+        self.allowance[done] = self.m
+        moved = torch.cat([take, done])
+        self.step[moved] += 1
+        self.used[moved] = 0
+        self.step_best[moved] = float("-inf")
+
+    def result(self) -> RBFResult:
+        return RBFResult(
+            samples=self.model.pipeline.decode(self.x),
+            scores=self.final_scores,
+            components=self.components,
+            candidates=self.candidates,
+            rolled_over=self.rolled,
+            denoiser_rows=self.denoiser_rows,
+            reward_rows=self.reward_rows,
+        )
+
+
 @torch.no_grad()
 def rbf_sample(
-    pipeline: Pipeline,
-    sampler: Sampler,
-    reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    m: int,
-    sigmas: Tensor,
-    generator: torch.Generator | RowGenerators,
-    guidance_scale: float = 1.0,
-    initial_noise: Tensor | None = None,
+    model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators, initial_noise: Tensor | None = None
 ) -> RBFResult:
-    """One sample per prompt by rollover budget forcing with ``m`` candidates per step on average (module docstring)."""
+    """One sample per item by rollover budget forcing with ``m`` candidates per step on average (module docstring)."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
+    pipeline, sampler, sigmas = model.pipeline, model.sampler, model.sigmas
     if not sampler.stochastic:
         raise FlowRLError(f"RBF branches particles on a stochastic transition; sampler '{sampler.name}' is deterministic.")
-    p, num_steps = len(prompts), sigmas.shape[0] - 1
-    cond = pipeline.encode(list(prompts), list(metadata)) if getattr(pipeline, "needs_metadata", False) else pipeline.encode(list(prompts))
-    x = (initial_noise if initial_noise is not None else start_noise(pipeline, p, generator)).float().clone()  # updated in place
-    output = pipeline.predict(x, sigmas[0], cond, guidance_scale)
-    zero = torch.zeros_like(sigmas[0])
-    start = reward(pipeline.decode(sampler.deterministic_step(output, x, sigmas[0], zero)), list(prompts), list(metadata))
-    best = _finite(start.scores.float().cpu())  # the best look-ahead reward each item has seen
-    step = torch.zeros(p, dtype=torch.long)  # the step each item is at
-    used = torch.zeros(p, dtype=torch.long)  # candidates drawn at that step
-    allowance = torch.full((p,), m, dtype=torch.long)
-    step_best = torch.full((p,), float("-inf"))
-    step_best_x, step_best_out = x.clone(), output.clone()
-    final_scores, components = torch.full((p,), float("nan")), {}
-    candidates = torch.zeros(num_steps, p, dtype=torch.long)
-    rolled = torch.zeros(num_steps, p, dtype=torch.bool)
-    denoiser_rows, reward_rows = torch.ones(p, dtype=torch.long), torch.ones(p, dtype=torch.long)
-    while bool((step < num_steps).any()):
-        for k in sorted(set(step[step < num_steps].tolist())):
-            idx = torch.nonzero(step == k).squeeze(1)
-            sigma, sigma_next = sigmas[k], sigmas[k + 1]
-            # one candidate per item at this step, item i's noise from item i's stream
-            cand = sampler.step(output[idx], x[idx], sigma, sigma_next, generator=rows_of(generator, idx.tolist())).x_next
-            last = k == num_steps - 1
-            if not last:
-                look = pipeline.predict(cand, sigma_next, index_condition(cond, idx) if cond else cond, guidance_scale)
-                x0_hat = sampler.deterministic_step(look, cand, sigma_next, torch.zeros_like(sigma_next))
-                denoiser_rows[idx] += 1
-            else:
-                look, x0_hat = None, cand  # final samples: scored as they are
-            out = reward(pipeline.decode(x0_hat), [prompts[i] for i in idx], [metadata[i] for i in idx])
-            raw = out.scores.float().cpu()
-            r = _finite(raw)
-            reward_rows[idx] += 1
-            used[idx] += 1
-            candidates[k, idx] += 1
-            # the step's best candidate so far (ties: the earlier; the first is kept even if its reward failed)
-            better = (r > step_best[idx]) | (used[idx] == 1)
-            won = idx[better]
-            step_best[won], step_best_x[won] = r[better], cand[better].to(step_best_x.dtype)
-            if look is not None:
-                step_best_out[won] = look[better].to(step_best_out.dtype)
-            else:
-                final_scores[won] = raw[better]
-                for key, v in out.extras.items():
-                    components.setdefault(key, torch.full((p,), float("nan")))[won] = v.float().cpu()[better]
-            beats = r > best[idx]
-            best[idx] = torch.maximum(best[idx], r)
-            rollover = beats & torch.tensor(not last)
-            spent = used[idx] >= allowance[idx]
-            take = idx[rollover]  # move on with this candidate, the step's unspent allowance to the next
-            if len(take):
-                x[take], output[take] = cand[rollover].to(x.dtype), look[rollover].to(output.dtype)
-                rolled[k, take] = True
-                allowance[take] = m + allowance[take] - used[take]
-            done = idx[spent & ~rollover]  # allowance spent: move on with the step's best candidate
-            x[done], output[done] = step_best_x[done], step_best_out[done]
-            allowance[done] = m
-            moved = torch.cat([take, done])
-            step[moved] += 1
-            used[moved] = 0
-            step_best[moved] = float("-inf")
-    return RBFResult(
-        samples=pipeline.decode(x),
-        scores=final_scores,
-        components=components,
-        candidates=candidates,
-        rolled_over=rolled,
-        denoiser_rows=denoiser_rows,
-        reward_rows=reward_rows,
+    x = (initial_noise if initial_noise is not None else start_noise(pipeline, len(items), generator)).float().clone()  # updated in place
+    cond = model.encode(items)
+    output = pipeline.predict(x, sigmas[0], cond, model.guidance_scale)
+    x0_hat = sampler.deterministic_step(output, x, sigmas[0], torch.zeros_like(sigmas[0]))
+    start = reward(pipeline.decode(x0_hat), list(items.prompts), list(items.metadata))
+    search = _Rollover(model, reward, items, m, generator, cond, x, output, _finite(start.scores.float().cpu()))
+    while bool((search.step < search.num_steps).any()):
+        for k in search.steps_now():
+            idx = torch.nonzero(search.step == k).squeeze(1)
+            cand, look, out = search.draw(k, idx)
+            r = _finite(out.scores.float().cpu())
+            search.keep_step_best(idx, cand, look, out, r)
+            search.move_on(k, idx, cand, look, r)
+    return search.result()
+
+
+def rbf_in_batches(model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators) -> RBFResult:
+    """:func:`rbf_sample` over many items, ``model.batch_size`` items at a time (each draws one candidate per call),
+    item i starting from the plain evaluation's start noise (the first draw of its stream)."""
+    noise = start_noise(model.pipeline, len(items), generator)
+    return in_batches(
+        len(items), model.batch_size, lambda rows: rbf_sample(model, reward, items.take(rows), m, rows_of(generator, rows), noise[rows])
     )
 
 
-def rbf_in_batches(
-    pipeline: Pipeline,
-    sampler: Sampler,
-    reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    m: int,
-    sigmas: Tensor,
-    generator: torch.Generator | RowGenerators,
-    guidance_scale: float,
-    batch_size: int,
-    initial_noise: Tensor,
-) -> RBFResult:
-    """:func:`rbf_sample` over many prompts, ``batch_size`` items at a time (each draws one candidate per call),
-    prompt i starting from ``initial_noise[i]``."""
-    parts = [
-        rbf_sample(
-            pipeline,
-            sampler,
-            reward,
-            prompts[i : i + batch_size],
-            metadata[i : i + batch_size],
-            m,
-            sigmas,
-            rows_of(generator, slice(i, i + batch_size)),
-            guidance_scale,
-            initial_noise=initial_noise[i : i + batch_size],
-        )
-        for i in range(0, len(prompts), batch_size)
-    ]
-    return RBFResult(
-        samples=torch.cat([r.samples for r in parts]),
-        scores=torch.cat([r.scores for r in parts]),
-        components={k: torch.cat([r.components[k] for r in parts]) for k in parts[0].components},
-        candidates=torch.cat([r.candidates for r in parts], 1),
-        rolled_over=torch.cat([r.rolled_over for r in parts], 1),
-        denoiser_rows=torch.cat([r.denoiser_rows for r in parts]),
-        reward_rows=torch.cat([r.reward_rows for r in parts]),
+def rbf_search(section, model: ImageSearchModel, reward, items: Items) -> SearchOutcome:
+    """``flowrl eval --rbf M`` on an image / video model: the reward, the candidates spent per step and the early moves."""
+    m = section.m
+    result = rbf_in_batches(model, reward, items, m, items.streams)
+    finite = result.scores[torch.isfinite(result.scores)]
+    per_step = result.candidates.double().mean(1)
+    rollovers = float(result.rolled_over.double().sum(0).mean())
+    line = (
+        f"RBF, {m} candidates per step on average, {len(items)} held-out items: reward {float(finite.mean()):.4f}; "
+        f"candidates per step {' '.join(f'{c:.2f}' for c in per_step.tolist())}; {rollovers:.2f} early moves per item"
     )
+    metrics = {
+        f"eval/reward/mean@rbf{m}": float(finite.mean()),
+        **{f"eval/reward/{k}@rbf{m}": float(v.nanmean()) for k, v in result.components.items()},
+        f"eval/rbf{m}/rollovers_per_item": rollovers,
+        **{f"eval/rbf{m}/candidates_at_step{k + 1}": float(c) for k, c in enumerate(per_step.tolist())},
+    }
+    return SearchOutcome(metrics=metrics, lines=[line], settings={"rbf": m}, samples=result.samples)

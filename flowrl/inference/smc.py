@@ -55,8 +55,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -64,11 +63,11 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.rollout import keyed_noise, padded_rows, rows_of
 from ..seeding import RowGenerators
-from ..types import Pipeline, Sampler
+from .batching import PER_ITEM, SHARED, STEPS, in_batches, joined
+from .search import ImageSearchModel, Items, SearchOutcome
 from .svdd import _repeat
 
 TEMPERINGS = ("linear", "final")
-RESAMPLINGS = ("systematic", "multinomial")
 
 
 @dataclass
@@ -80,11 +79,11 @@ class SMCResult:
     particles: Tensor  # (P, N, *S) every final particle, decoded
     log_weights: Tensor  # (P, N) float64 final log-weights, normalised per item (logsumexp over N = 0)
     rewards: Tensor  # (P, N) float32 every final particle's reward (NaN where the reward failed)
-    ess: Tensor  # (K, P) float64 effective sample size after the reweighting at each state 1..K, before any resampling
-    resampled: Tensor  # (K, P) bool: whether the item was resampled after that reweighting (never at the last state)
-    lambdas: Tensor  # (K + 1,) float64 the tempering schedule lambda_0 = 0 .. lambda_K = lambda
-    denoiser_calls: int  # rows through pipeline.predict per item (one row = one particle through the model once)
-    reward_calls: int  # rows scored by the reward per item
+    ess: Tensor = joined(STEPS)  # (K, P) float64 ESS after the reweighting at each state 1..K, before any resampling
+    resampled: Tensor = joined(STEPS)  # (K, P) bool: whether the item was resampled after that reweighting (never at the last)
+    lambdas: Tensor = joined(SHARED)  # (K + 1,) float64 the tempering schedule lambda_0 = 0 .. lambda_K = lambda
+    denoiser_calls: int = joined(PER_ITEM)  # rows through pipeline.predict per item (one row = one particle through the model once)
+    reward_calls: int = joined(PER_ITEM)  # rows scored by the reward per item
 
     @property
     def n(self) -> int:
@@ -130,15 +129,6 @@ def tempering_schedule(tempering: str | Sequence[float], lam: float, num_steps: 
     if out[0] != 0 or out[-1] != lam:
         raise FlowRLError(f"an SMC tempering schedule starts at 0 and ends at lambda = {lam}; got {out[0]:g} ... {out[-1]:g}.")
     return out
-
-
-def check_smc_arguments(n: int, ess_threshold: float, resampling: str) -> None:
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if not 0 <= ess_threshold <= 1:
-        raise FlowRLError(f"the SMC ESS threshold is a fraction of the particles, in [0, 1]; got {ess_threshold}.")
-    if resampling not in RESAMPLINGS:
-        raise FlowRLError(f"unknown SMC resampling '{resampling}'; use {' or '.join(RESAMPLINGS)}.")
 
 
 def potential(lam: float, values: Tensor) -> Tensor:
@@ -206,184 +196,219 @@ def draw_one(log_w: Tensor, generator: torch.Generator | RowGenerators) -> Tenso
     return _searchsorted(log_w.cpu(), u[:, None]).squeeze(1)
 
 
+@dataclass
+class ParticleWeights:
+    """Every item's N particles' log-weights, their potentials log G and values (the scores G was built from), and
+    what each reweighting did: the ESS after it and which items it resampled. What image and text SMC share."""
+
+    log_w: Tensor  # (P, N) float64
+    phi: Tensor  # (P, N) float64: log G of each particle's current state
+    values: Tensor  # (P, N) the score each particle's potential was built from
+    ess: list[Tensor] = field(default_factory=list)
+    resampled: list[Tensor] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, p: int, n: int, dtype: torch.dtype) -> ParticleWeights:
+        zeros = torch.zeros(p, n, dtype=torch.float64)
+        return cls(log_w=zeros, phi=zeros.clone(), values=torch.zeros(p, n, dtype=dtype))
+
+    def reweight(self, lam: float, values: Tensor | None, threshold: float | None, live: int | None = None) -> Tensor:
+        """Weigh by the potential lambda_j ``values`` (None: the particles' current values, when lambda_j needs no new
+        score); returns (P,) bool, the items whose ESS fell below ``threshold`` N (None: never, the last state), among
+        the first ``live``."""
+        if values is not None:
+            self.values = values
+        phi_new = potential(lam, self.values.double())
+        self.log_w = reweight(self.log_w, self.phi, phi_new)
+        self.phi = phi_new
+        self.ess.append(effective_sample_size(self.log_w))
+        p, n = self.log_w.shape
+        low = torch.zeros(p, dtype=torch.bool)
+        if threshold is not None and n > 1:
+            low = (self.ess[-1] < threshold * n) & (torch.arange(p) < (p if live is None else live))
+        self.resampled.append(low)
+        return low
+
+    def resample(self, low: Tensor, generator: torch.Generator | RowGenerators, method: str) -> Tensor:
+        """Resample the items ``low`` (their weights reset to uniform); returns (P N,) the row each particle now
+        continues, which the caller applies to its particles' states."""
+        p, n = self.log_w.shape
+        items = low.nonzero().squeeze(1).tolist()
+        ancestors = resample_indices(self.log_w[items], items, generator, method)  # (R, N)
+        take = torch.arange(p * n).view(p, n)
+        take[items] = torch.tensor(items)[:, None] * n + ancestors
+        take = take.flatten()
+        self.phi = self.phi.flatten()[take].view(p, n)
+        self.values = self.values.flatten()[take].view(p, n)
+        self.log_w[items] = 0.0
+        return take
+
+    def history(self, p: int) -> tuple[Tensor, Tensor]:
+        """(S, P) the ESS and the resampling flags of the first ``p`` items at each executed step (S may be 0)."""
+        if not self.ess:
+            return torch.zeros(0, p, dtype=torch.float64), torch.zeros(0, p, dtype=torch.bool)
+        return torch.stack(self.ess)[:, :p], torch.stack(self.resampled)[:, :p]
+
+
+class _ImageParticles:
+    """The particles of one SMC batch: their states and model outputs, their condition, and the counted rows."""
+
+    def __init__(self, model: ImageSearchModel, reward, items: Items, n: int, generator, live: int) -> None:
+        self.model, self.reward, self.n, self.live = model, reward, n, live
+        p = len(items)
+        self.streams = rows_of(generator, torch.arange(p).repeat_interleave(n))  # item i's particles draw from stream i
+        self.cond = _repeat(model.encode(items), n)  # particle b of item i is row i n + b
+        self.prompts = [q for q in items.prompts[:live] for _ in range(n)]
+        self.metadata = [d for d in items.metadata[:live] for _ in range(n)]
+        self.predict_rows = self.reward_rows = 0
+        self.out = None
+
+    def start_noise(self, p: int) -> Tensor:
+        if isinstance(self.streams, RowGenerators):
+            return keyed_noise(self.model.pipeline, self.streams)
+        return self.model.pipeline.initial_noise(p * self.n, self.streams)
+
+    def predict(self, x: Tensor, sigma: Tensor) -> Tensor:
+        self.predict_rows += x.shape[0]
+        return self.model.pipeline.predict(x, sigma, self.cond, self.model.guidance_scale)
+
+    def score(self, x0_hat: Tensor, p: int) -> Tensor:
+        """(P, N) the reward of the live items' particles' x0_hat (0 for the padding)."""
+        rows = self.live * self.n
+        self.reward_rows += rows
+        self.out = self.reward(self.model.pipeline.decode(x0_hat[:rows]), self.prompts, self.metadata)
+        values = torch.zeros(p * self.n)
+        values[:rows] = self.out.scores.float().cpu()
+        return values.view(p, self.n)
+
+
 @torch.no_grad()
 def smc_sample(
-    pipeline: Pipeline,
-    sampler: Sampler,
+    model: ImageSearchModel,
     reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    n: int,
-    sigmas: Tensor,
+    items: Items,
+    smc,
     generator: torch.Generator | RowGenerators,
-    guidance_scale: float = 1.0,
-    lam: float = 1.0,
-    ess_threshold: float = 0.5,
-    tempering: str | Sequence[float] = "linear",
-    resampling: str = "systematic",
     initial_noise: Tensor | None = None,
     live: int | None = None,
 ) -> SMCResult:
-    """SMC with ``n`` particles per prompt toward p_base exp(``lam`` r) (module docstring); batch = prompts x n rows.
+    """SMC with ``smc.n`` particles per item toward p_base exp(``smc.lam`` r) (module docstring; ``smc``: an
+    :class:`~flowrl.inference.sections.SMCConfig`, its lambda given) on ``model.sampler``; batch = items x n rows.
 
-    ``generator``: one stream per prompt (``RowGenerators``, the held-out evaluation's) or one generator for all.
+    ``generator``: one stream per item (``RowGenerators``, the held-out evaluation's) or one generator for all.
     ``initial_noise``: (P * n, *S) particle-major within an item; default drawn from the streams. ``live``: only the
     first ``live`` items are real (the rest pad a batch to a fixed size): the others are never decoded or scored."""
-    check_smc_arguments(n, ess_threshold, resampling)
+    sampler, sigmas, n = model.sampler, model.sigmas, smc.n
     if not sampler.stochastic:
         raise FlowRLError(f"SMC propagates particles with a stochastic transition; sampler '{sampler.name}' is deterministic.")
     num_steps = sigmas.shape[0] - 1
-    lambdas = tempering_schedule(tempering, lam, num_steps)
-    p = len(prompts)
+    lambdas = tempering_schedule(smc.tempering, smc.lam, num_steps)
+    p = len(items)
     live = p if live is None else live
-    rows = torch.arange(p).repeat_interleave(n)  # particle b of item i is row i n + b
-    streams = rows_of(generator, rows)  # item i's particles draw in turn from item i's stream
-    cond = pipeline.encode(list(prompts), list(metadata)) if getattr(pipeline, "needs_metadata", False) else pipeline.encode(list(prompts))
-    cond_n = _repeat(cond, n)
-    live_rows = live * n
-    prompts_n = [q for q in prompts[:live] for _ in range(n)]
-    metadata_n = [d for d in metadata[:live] for _ in range(n)]
-    if initial_noise is None:
-        initial_noise = keyed_noise(pipeline, streams) if isinstance(streams, RowGenerators) else pipeline.initial_noise(p * n, streams)
-    x = initial_noise.float()
-    predict_rows = reward_rows = 0
-
-    def predict(x: Tensor, sigma: Tensor) -> Tensor:
-        nonlocal predict_rows
-        predict_rows += x.shape[0]
-        return pipeline.predict(x, sigma, cond_n, guidance_scale)
-
-    def score(x0_hat: Tensor):
-        nonlocal reward_rows
-        reward_rows += live_rows
-        out = reward(pipeline.decode(x0_hat[:live_rows]), prompts_n, metadata_n)
-        values = torch.zeros(p * n)
-        values[:live_rows] = out.scores.float().cpu()
-        return values.view(p, n), out
-
-    log_w = torch.zeros(p, n, dtype=torch.float64)
-    phi = torch.zeros(p, n, dtype=torch.float64)  # log G of each particle's current state
-    ess, resampled = [], []
-    output = predict(x, sigmas[0])
-    values, out = torch.zeros(p, n), None
+    particles = _ImageParticles(model, reward, items, n, generator, live)
+    x = (initial_noise if initial_noise is not None else particles.start_noise(p)).float()
+    weights = ParticleWeights.start(p, n, torch.float32)
+    output = particles.predict(x, sigmas[0])
     for k in range(num_steps):
         sigma, sigma_next = sigmas[k], sigmas[k + 1]
-        j = k + 1  # the state this step reaches
-        x = sampler.step(output, x, sigma, sigma_next, generator=streams).x_next
-        last = j == num_steps
+        last = k + 1 == num_steps  # the state this step reaches is x_K
+        x = sampler.step(output, x, sigma, sigma_next, generator=particles.streams).x_next
         # the model output at x_j values it (its x0_hat) and moves it next; at x_K only a grid ending above 0 needs one
-        output = predict(x, sigma_next) if not last or float(sigma_next) > 0 else None
-        if lambdas[j] != 0 or last:
+        output = particles.predict(x, sigma_next) if not last or float(sigma_next) > 0 else None
+        values = None
+        if lambdas[k + 1] != 0 or last:
             x0_hat = sampler.deterministic_step(output, x, sigma_next, torch.zeros_like(sigma_next)) if output is not None else x
-            values, out = score(x0_hat)
-        phi_new = potential(float(lambdas[j]), values.double())
-        log_w = reweight(log_w, phi, phi_new)
-        phi = phi_new
-        ess.append(effective_sample_size(log_w))
-        low = (ess[-1] < ess_threshold * n) & (torch.arange(p) < live) if not last and n > 1 else torch.zeros(p, dtype=torch.bool)
-        resampled.append(low)
+            values = particles.score(x0_hat, p)
+        low = weights.reweight(float(lambdas[k + 1]), values, None if last else smc.ess_threshold, live)
         if low.any():
-            items = low.nonzero().squeeze(1).tolist()
-            ancestors = resample_indices(log_w[items], items, generator, resampling)  # (R, N)
-            take = torch.arange(p * n).view(p, n)
-            take[items] = torch.tensor(items)[:, None] * n + ancestors
-            take = take.flatten().to(x.device)
-            x = x[take]
-            if output is not None:
-                output = output[take]
-            phi = phi.flatten()[take.cpu()].view(p, n)
-            values = values.flatten()[take.cpu()].view(p, n)
-            log_w[items] = 0.0
+            take = weights.resample(low, generator, smc.resampling).to(x.device)
+            x, output = x[take], output[take] if output is not None else None
+    return _smc_result(particles, weights, x, lambdas, generator, p)
+
+
+def _smc_result(particles: _ImageParticles, weights: ParticleWeights, x: Tensor, lambdas: Tensor, generator, p: int) -> SMCResult:
+    """The weighted particles of the live items, and one of each drawn by its final weight."""
+    live, n = particles.live, particles.n
     if live < p:
-        log_w[live:] = 0.0
-    log_w = normalise(log_w)
+        weights.log_w[live:] = 0.0
+    log_w = normalise(weights.log_w)
+    values = weights.values
     dead = (~torch.isfinite(values[:live])).all(1)
     if dead.any():
         warnings.warn(
-            f"{int(dead.sum())} item(s) got no finite reward on any particle; their particles are weighted equally.", stacklevel=2
+            f"{int(dead.sum())} item(s) got no finite reward on any particle; their particles are weighted equally.", stacklevel=3
         )
     chosen = draw_one(log_w, generator)
-    particles = pipeline.decode(x[:live_rows]).cpu()
-    particles = particles.view(live, n, *particles.shape[1:])
+    decoded = particles.model.pipeline.decode(x[: live * n]).cpu()
+    decoded = decoded.view(live, n, *decoded.shape[1:])
+    out = particles.out
     components = {key: v.float().cpu().view(live, n) for key, v in out.extras.items()} if out is not None else {}
     ch = chosen[:live]
+    ess, resampled = weights.history(live)
     return SMCResult(
-        samples=particles[torch.arange(live), ch],
+        samples=decoded[torch.arange(live), ch],
         chosen=ch,
         scores=values[:live].gather(1, ch[:, None]).squeeze(1),
         components={key: v.gather(1, ch[:, None]).squeeze(1) for key, v in components.items()},
-        particles=particles,
+        particles=decoded,
         log_weights=log_w[:live],
         rewards=values[:live].clone(),
-        ess=torch.stack(ess)[:, :live],
-        resampled=torch.stack(resampled)[:, :live],
+        ess=ess,
+        resampled=resampled,
         lambdas=lambdas,
-        denoiser_calls=predict_rows // p,
-        reward_calls=reward_rows // max(live, 1),
+        denoiser_calls=particles.predict_rows // p,
+        reward_calls=particles.reward_rows // max(live, 1),
     )
 
 
 def smc_in_batches(
-    pipeline: Pipeline,
-    sampler: Sampler,
-    reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    n: int,
-    sigmas: Tensor,
-    generator: torch.Generator | RowGenerators,
-    guidance_scale: float,
-    batch_size: int,
-    lam: float = 1.0,
-    ess_threshold: float = 0.5,
-    tempering: str | Sequence[float] = "linear",
-    resampling: str = "systematic",
-    progress=None,
+    model: ImageSearchModel, reward, items: Items, smc, generator: torch.Generator | RowGenerators, progress=None
 ) -> SMCResult:
-    """:func:`smc_sample` over many prompts, ``max(1, batch_size // n)`` prompts (x ``n`` particles) at a time. The last
-    chunk is padded with copies of its last item (with throw-away streams, never scored) so every denoiser call has
-    the same rows (``batch_size`` when ``n`` divides it): an item's particles do not depend on how many items are
-    evaluated beside it. Prompt i draws from ``generator``'s stream i. ``progress``: called with the items done."""
-    check_smc_arguments(n, ess_threshold, resampling)
-    chunk = max(1, batch_size // n)
-    parts = []
-    for start in range(0, len(prompts), chunk):
-        idx = list(range(start, min(start + chunk, len(prompts))))
-        padded, streams = padded_rows(idx, chunk, generator)
-        parts.append(
-            smc_sample(
-                pipeline,
-                sampler,
-                reward,
-                [prompts[i] for i in padded],
-                [metadata[i] for i in padded],
-                n,
-                sigmas,
-                streams,
-                guidance_scale,
-                lam,
-                ess_threshold,
-                tempering,
-                resampling,
-                live=len(idx),
-            )
-        )
-        if progress is not None:
-            progress(len(idx))
-    first = parts[0]
-    return SMCResult(
-        samples=torch.cat([r.samples for r in parts]),
-        chosen=torch.cat([r.chosen for r in parts]),
-        scores=torch.cat([r.scores for r in parts]),
-        components={k: torch.cat([r.components[k] for r in parts]) for k in first.components},
-        particles=torch.cat([r.particles for r in parts]),
-        log_weights=torch.cat([r.log_weights for r in parts]),
-        rewards=torch.cat([r.rewards for r in parts]),
-        ess=torch.cat([r.ess for r in parts], 1),
-        resampled=torch.cat([r.resampled for r in parts], 1),
-        lambdas=first.lambdas,
-        denoiser_calls=first.denoiser_calls,  # the same for every item
-        reward_calls=first.reward_calls,
+    """:func:`smc_sample` over many items, ``max(1, model.batch_size // n)`` items (x ``n`` particles) at a time. The
+    last chunk is padded with copies of its last item (with throw-away streams, never scored) so every denoiser call
+    has the same rows (``batch_size`` when ``n`` divides it): an item's particles do not depend on how many items are
+    evaluated beside it. Item i draws from ``generator``'s stream i. ``progress``: called with the items done."""
+    chunk = max(1, model.batch_size // smc.n)
+
+    def run(rows: list[int]) -> SMCResult:
+        padded, streams = padded_rows(rows, chunk, generator)
+        return smc_sample(model, reward, items.take(padded), smc, streams, live=len(rows))
+
+    return in_batches(len(items), chunk, run, progress)
+
+
+def smc_summary(smc, items: int, resamples: float, calls: tuple[int, int], measured: str) -> str:
+    """The line ``flowrl eval --smc`` prints, image or text."""
+    return (
+        f"SMC, {smc.n} particles per item toward p_base exp({smc.lam:g} r), {items} held-out items: {measured}; "
+        f"{resamples:.2f} resamplings per item; per item {calls[0]} denoiser and {calls[1]} reward rows"
+    )
+
+
+def smc_search(section, model: ImageSearchModel, reward, items: Items) -> SearchOutcome:
+    """``flowrl eval --smc N`` on an image / video model: the reward of the drawn particles and the weighted estimate."""
+    n, lam, threshold = section.n, float(section.lam), float(section.ess_threshold)
+    result = smc_in_batches(model, reward, items, section, items.streams)  # item i's particles, resamplings, draw: stream i
+    finite = result.scores[torch.isfinite(result.scores)]
+    weighted = result.weighted_reward()
+    metrics = {
+        f"eval/reward/mean@smc{n}": float(finite.mean()),
+        **{f"eval/reward/{k}@smc{n}": float(v.nanmean()) for k, v in result.components.items()},
+        f"eval/smc{n}/weighted_reward": float(weighted[torch.isfinite(weighted)].mean()),
+        f"eval/smc{n}/resamples_per_item": float(result.resample_count.double().mean()),
+        f"eval/smc{n}/final_ess_fraction": float(result.ess[-1].mean() / n),
+    }
+    calls = (result.denoiser_calls, result.reward_calls)
+    drawn, weighted_mean = metrics[f"eval/reward/mean@smc{n}"], metrics[f"eval/smc{n}/weighted_reward"]
+    measured = f"reward of the drawn particles {drawn:.4f}, weighted {weighted_mean:.4f}"
+    line = smc_summary(section, len(items), metrics[f"eval/smc{n}/resamples_per_item"], calls, measured)
+    return SearchOutcome(
+        metrics=metrics,
+        lines=[line],
+        cost_line_at=0,  # the counted cost first, then the summary
+        extra={"denoiser_calls_per_item": calls[0], "reward_calls_per_item": calls[1]},
+        settings={"smc": n, "lambda": lam, "ess_threshold": threshold},
+        samples=result.samples,
     )
 
 
@@ -447,8 +472,8 @@ def weighted_set(result: SMCResult) -> tuple[Tensor, Tensor]:
 
 
 __all__: Sequence[str] = [
-    "RESAMPLINGS",
     "TEMPERINGS",
+    "ParticleWeights",
     "SMCResult",
     "effective_sample_size",
     "resample_indices",

@@ -14,9 +14,7 @@ generator (tested).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -24,15 +22,17 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.rollout import rows_of, start_noise
 from ..seeding import RowGenerators
-from ..types import Condition, Pipeline, Sampler, index_condition
+from ..types import Condition, index_condition
+from .batching import STEPS, in_batches, joined
+from .search import ImageSearchModel, Items, SearchOutcome
 
 
 @dataclass
 class SVDDResult:
     samples: Tensor  # (P, *S) decoded final samples
     scores: Tensor  # (P,) their rewards
-    step_scores: Tensor  # (K, P, M) every candidate's look-ahead reward at every step
-    components: dict[str, Tensor]  # reward component -> (P,) its value for the final samples
+    step_scores: Tensor = joined(STEPS)  # (K, P, M) every candidate's look-ahead reward at every step
+    components: dict[str, Tensor] = field(default_factory=dict)  # reward component -> (P,) its value for the final samples
 
 
 def _repeat(cond: Condition, m: int) -> Condition:
@@ -42,30 +42,21 @@ def _repeat(cond: Condition, m: int) -> Condition:
 
 @torch.no_grad()
 def svdd_sample(
-    pipeline: Pipeline,
-    sampler: Sampler,
-    reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    m: int,
-    sigmas: Tensor,
-    generator: torch.Generator | RowGenerators,
-    guidance_scale: float = 1.0,
-    initial_noise: Tensor | None = None,
+    model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators, initial_noise: Tensor | None = None
 ) -> SVDDResult:
-    """Sample one result per prompt with SVDD-PM using ``m`` candidates per step (batch = all prompts x m)."""
+    """Sample one result per item with SVDD-PM using ``m`` candidates per step from ``model.sampler`` (batch = items x m)."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
+    pipeline, sampler, sigmas = model.pipeline, model.sampler, model.sigmas
     if not sampler.stochastic:
         raise FlowRLError(f"SVDD draws candidates from a stochastic transition; sampler '{sampler.name}' is deterministic.")
-    p = len(prompts)
-    # image-to-video adapters condition on metadata too (the first frame), as in rollout
-    cond = pipeline.encode(list(prompts), list(metadata)) if getattr(pipeline, "needs_metadata", False) else pipeline.encode(list(prompts))
+    p = len(items)
+    cond = model.encode(items)
     cond_m = _repeat(cond, m)
-    prompts_m = [q for q in prompts for _ in range(m)]
-    metadata_m = [d for d in metadata for _ in range(m)]
+    prompts_m = [q for q in items.prompts for _ in range(m)]
+    metadata_m = [d for d in items.metadata for _ in range(m)]
     x = (initial_noise if initial_noise is not None else start_noise(pipeline, p, generator)).float()
-    output = pipeline.predict(x, sigmas[0], cond, guidance_scale)
+    output = pipeline.predict(x, sigmas[0], cond, model.guidance_scale)
     step_scores = []
     for k in range(sigmas.shape[0] - 1):
         sigma, sigma_next = sigmas[k], sigmas[k + 1]
@@ -73,7 +64,7 @@ def svdd_sample(
         # with per-item streams, item i's M candidates draw in turn from item i's stream
         candidates = sampler.step(output[rows], x[rows], sigma, sigma_next, generator=rows_of(generator, rows)).x_next  # (P*M, *S)
         if float(sigma_next) > 0:
-            look = pipeline.predict(candidates, sigma_next, cond_m, guidance_scale)
+            look = pipeline.predict(candidates, sigma_next, cond_m, model.guidance_scale)
             x0_hat = sampler.deterministic_step(look, candidates, sigma_next, torch.zeros_like(sigma_next))
         else:
             look, x0_hat = None, candidates
@@ -90,40 +81,24 @@ def svdd_sample(
     return SVDDResult(samples=pipeline.decode(x), scores=final, step_scores=torch.stack(step_scores), components=components)
 
 
-def svdd_in_batches(
-    pipeline: Pipeline,
-    sampler: Sampler,
-    reward,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    m: int,
-    sigmas: Tensor,
-    generator: torch.Generator | RowGenerators,
-    guidance_scale: float,
-    batch_size: int,
-    initial_noise: Tensor,
-) -> SVDDResult:
-    """:func:`svdd_sample` over many prompts, ``batch_size // m`` prompts (x ``m`` candidates) at a time,
-    prompt i starting from ``initial_noise[i]``."""
-    chunk = max(1, batch_size // m)
-    parts = [
-        svdd_sample(
-            pipeline,
-            sampler,
-            reward,
-            prompts[i : i + chunk],
-            metadata[i : i + chunk],
-            m,
-            sigmas,
-            rows_of(generator, slice(i, i + chunk)),
-            guidance_scale,
-            initial_noise=initial_noise[i : i + chunk],
-        )
-        for i in range(0, len(prompts), chunk)
-    ]
-    return SVDDResult(
-        samples=torch.cat([r.samples for r in parts]),
-        scores=torch.cat([r.scores for r in parts]),
-        step_scores=torch.cat([r.step_scores for r in parts], 1),
-        components={k: torch.cat([r.components[k] for r in parts]) for k in parts[0].components},
+def svdd_in_batches(model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators) -> SVDDResult:
+    """:func:`svdd_sample` over many items, ``model.batch_size // m`` items (x ``m`` candidates) at a time, item i
+    starting from the plain evaluation's start noise (the first draw of its stream)."""
+    noise = start_noise(model.pipeline, len(items), generator)
+    return in_batches(
+        len(items),
+        model.batch_size // m,
+        lambda rows: svdd_sample(model, reward, items.take(rows), m, rows_of(generator, rows), noise[rows]),
     )
+
+
+def svdd_search(section, model: ImageSearchModel, reward, items: Items) -> SearchOutcome:
+    """``flowrl eval --svdd M`` on an image / video model: the reward of the samples SVDD chose."""
+    m = section.m
+    result = svdd_in_batches(model, reward, items, m, items.streams)
+    finite = result.scores[torch.isfinite(result.scores)]
+    metrics = {
+        f"eval/reward/mean@svdd{m}": float(finite.mean()),
+        **{f"eval/reward/{k}@svdd{m}": float(v.nanmean()) for k, v in result.components.items()},
+    }
+    return SearchOutcome(metrics=metrics, samples=result.samples)

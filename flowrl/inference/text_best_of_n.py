@@ -22,17 +22,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import FlowRLError
 from ..reward_models.math_answer import extract_answer
-from ..samplers.masked import MaskedSamplerConfig
 from ..samplers.text_generation import candidate_streams, generate_texts
-from ..types import MaskedLM
-from .text_candidates import MAJORITY, TextScorer, answer_key, check_candidates_differ, majority_choice
+from .batching import in_batches
+from .search import Items, SearchOutcome, TextSearchModel, TextVerifier
+from .text_candidates import MAJORITY, answer_key, check_candidates_differ, majority_choice, progress_bar
 
 
 @dataclass
@@ -92,58 +91,90 @@ def _finite_mean(x: Tensor) -> float:
     return float(finite.double().mean()) if len(finite) else float("nan")
 
 
+@dataclass
+class _Candidates:
+    """Candidate j of a batch of items: its completions, their grades and components, and every rule's score."""
+
+    completions: list[str]
+    graded: Tensor  # (B,) float32
+    components: dict[str, Tensor]
+    scores: dict[str, Tensor]  # rule -> (B,) float64
+
+
+def _candidates(model: TextSearchModel, verifier: TextVerifier, items: Items, j: int) -> _Candidates:
+    prompts = list(items.prompts)
+    # per-item streams, as the plain evaluation draws: candidate 0 is its completion
+    streams = candidate_streams(model.seed, prompts, j)
+    traj = generate_texts(model.lm, prompts, model.sampler, model.prompt_length, model.temperature, streams, model.position_scorer)
+    ll = traj.log_likelihood().cpu()
+    out = verifier.grader(traj.completions, prompts, list(items.metadata))
+    return _Candidates(
+        completions=traj.completions,
+        graded=out.scores.float().cpu(),
+        components={k: v.float().cpu() for k, v in out.extras.items()},
+        scores={s.name: s(traj.completions, prompts, ll).double() for s in verifier.scorers},
+    )
+
+
 @torch.no_grad()
-def text_best_of_n(
-    lm: MaskedLM,
-    sampler: MaskedSamplerConfig,
-    prompt_length: int | None,
-    grader,
-    scorers: Sequence[TextScorer],
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    n: int,
-    temperature: float,
-    seed: int,
-    batch_size: int,
-    position_scorer=None,
-    progress=None,
-) -> TextBestOfN:
-    """Sample ``n`` completions per item at ``temperature``, ``batch_size`` items at a time; score each with
-    every scorer (verifier-free) and with ``grader`` (the run's reward, which may read the gold answer in
-    ``metadata``: it measures, it never selects).
+def text_best_of_n(model: TextSearchModel, verifier: TextVerifier, items: Items, n: int, progress=None) -> TextBestOfN:
+    """Sample ``n`` completions per item at ``model.temperature``, ``model.batch_size`` items at a time; score each with
+    every scorer of ``verifier`` (verifier-free) and with its grader (the run's reward, which may read the gold answer
+    in the items' metadata: it measures, it never selects).
 
     ``progress``: called with the number of completions done after each batch (for a progress bar).
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    check_candidates_differ("--best-of", n, temperature, sampler.remasking)
-    p = len(prompts)
-    completions: list[list[str]] = [[] for _ in range(p)]
-    graded = torch.full((p, n), float("nan"))
-    components: dict[str, Tensor] = {}
-    scores = {s.name: torch.full((p, n), float("nan"), dtype=torch.float64) for s in scorers}
-    for j in range(n):
-        for start in range(0, p, batch_size):
-            idx = list(range(start, min(start + batch_size, p)))
-            batch_prompts, batch_meta = [prompts[i] for i in idx], [metadata[i] for i in idx]
-            # per-item streams, as the plain evaluation draws: candidate 0 is its completion
-            streams = candidate_streams(seed, batch_prompts, j)
-            traj = generate_texts(lm, batch_prompts, sampler, prompt_length, temperature, streams, position_scorer)
-            ll = traj.log_likelihood().cpu()
-            for i, text in zip(idx, traj.completions):
-                completions[i].append(text)
-            out = grader(traj.completions, batch_prompts, batch_meta)
-            graded[idx, j] = out.scores.float().cpu()
-            for key, v in out.extras.items():
-                components.setdefault(key, torch.full((p, n), float("nan")))[idx, j] = v.float().cpu()
-            for s in scorers:
-                scores[s.name][idx, j] = s(traj.completions, batch_prompts, ll)
-            if progress is not None:
-                progress(len(idx))
-    answers = [[extract_answer(c) for c in row] for row in completions]
+    check_candidates_differ("--best-of", n, model.temperature, model.sampler.remasking)
+    rounds = [
+        in_batches(len(items), model.batch_size, lambda rows, j=j: _candidates(model, verifier, items.take(rows), j), progress)
+        for j in range(n)
+    ]
+    completions = [[r.completions[i] for r in rounds] for i in range(len(items))]
+    graded = torch.stack([r.graded for r in rounds], 1)
     if not torch.isfinite(graded).any():
         raise FlowRLError("the run's reward gave no finite score on any candidate, so no accuracy can be measured.")
-    return TextBestOfN(completions=completions, answers=answers, scores=scores, graded=graded, components=components)
+    return TextBestOfN(
+        completions=completions,
+        answers=[[extract_answer(c) for c in row] for row in completions],
+        scores={name: torch.stack([r.scores[name] for r in rounds], 1) for name in rounds[0].scores},
+        graded=graded,
+        components={k: torch.stack([r.components[k] for r in rounds], 1) for k in rounds[0].components},
+    )
 
 
-__all__: Sequence[str] = ["ORACLE", "TextBestOfN", "text_best_of_n"]
+def text_best_of_search(section, model: TextSearchModel, verifier: TextVerifier, items: Items) -> SearchOutcome:
+    """``flowrl eval --best-of N --select RULES`` on a diffusion LM: every rule's accuracy at N = 1, 2, 4, ..., pass@N
+    (an oracle bound), and each item's candidates with every rule's choice."""
+    n, rules = section.n, section.rules
+    with progress_bar(f"best-of-{n}", n * len(items), "completion") as progress:
+        result = text_best_of_n(model, verifier, items, n, progress)
+    curves = result.curves(rules)
+    lines = [
+        f"best-of-N on {len(items)} held-out items, candidates at temperature {model.temperature:g}; accuracy of each rule's choice "
+        f"(the run's reward), and pass@N: any candidate right, an oracle upper bound, not an accuracy:",
+        "  " + f"{'N':>4}" + "".join(f"{r:>14}" for r in rules) + f"{'pass@N oracle':>16}",
+    ]
+    lines += ["  " + f"{k:>4}" + "".join(f"{curves[r][k]:>14.4f}" for r in rules) + f"{curves[ORACLE][k]:>16.4f}" for k in result.ks()]
+    single = result.sample_accuracy()
+    lines.append(f"  single-sample accuracy over all {n * len(items)} candidates: {single:.4f}")
+    chosen = {r: result.choose(r, n) for r in rules}
+    rows = [  # every rule's choice at N, with the candidates' answers it chose from
+        {
+            "prompt": prompt,
+            "answers": result.answers[i],
+            "graded": result.graded[i].tolist(),
+            "chosen": {r: {"index": int(c[i]), "completion": result.completions[i][int(c[i])]} for r, c in chosen.items()},
+        }
+        for i, prompt in enumerate(items.prompts)
+    ]
+    metrics = {
+        **{f"eval/reward/mean@{k}/{r}": curves[r][k] for r in rules for k in result.ks()},
+        **{f"eval/oracle_pass@{k}": curves[ORACLE][k] for k in result.ks()},
+        "eval/reward/mean/single_sample": single,
+    }
+    return SearchOutcome(metrics=metrics, lines=lines, settings={"n": n, "select": rules}, rows=rows, curves=curves)
+
+
+__all__: Sequence[str] = ["ORACLE", "TextBestOfN", "text_best_of_n", "text_best_of_search"]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -108,6 +109,31 @@ def build_scorers(rules: Sequence[str], reward_config) -> list[TextScorer]:
     return scorers
 
 
+def grade_choices(verifier, items, completions: Sequence[str], values: Tensor, tag: str, rule: str) -> tuple[dict, list[dict]]:
+    """The run's reward (the held-out grader, which may read the gold answer) of the completions a search chose by
+    ``rule``: the metrics ``eval/reward/mean@TAG/RULE`` and each reward component's, and one row per item (prompt,
+    completion, its grade and the ``values`` the search chose it by)."""
+    graded = verifier.grader(list(completions), list(items.prompts), list(items.metadata))
+    metrics = {
+        f"eval/reward/mean@{tag}/{rule}": float(graded.scores.float().nanmean()),
+        **{f"eval/reward/{k}@{tag}": float(v.float().nanmean()) for k, v in graded.extras.items()},
+    }
+    rows = [
+        {"prompt": prompt, "completion": completions[i], "score": float(graded.scores[i]), "value": float(values[i])}
+        for i, prompt in enumerate(items.prompts)
+    ]
+    return metrics, rows
+
+
+@contextmanager
+def progress_bar(desc: str, total: int, unit: str) -> Iterator:
+    """A progress bar on a terminal (none otherwise); yields the function that advances it."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit=unit, disable=None) as bar:
+        yield bar.update
+
+
 _NUMBER_SEPARATOR = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
@@ -154,5 +180,7 @@ __all__: Sequence[str] = [
     "build_scorer",
     "build_scorers",
     "check_candidates_differ",
+    "grade_choices",
     "majority_choice",
+    "progress_bar",
 ]
