@@ -11,16 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.tiny_components import (
-    as_adjoint_matching,
-    as_diffusion_nft,
-    family_config,
-    ode_sample,
-    rescoring_ratio_is_one,
-    tiny_t5,
-    tiny_tokenizer,
-    two_iterations_change_every_parameter,
-)
+from tests.family_tester import FamilyTesterMixin, Grid
+from tests.tiny_components import family_config, tiny_t5, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,16 +38,17 @@ def tiny_wan_vae():
     ).eval()
 
 
-def tiny_wan_transformer(in_channels: int = 4, image_dim: int | None = None):
+def tiny_wan_transformer(in_channels: int = 4, image_dim: int | None = None, seed: int = 0, out_channels: int = 4):
+    """A tiny WanTransformer3DModel (Wan2.2's two experts are two of them that differ only by their seed)."""
     from diffusers import WanTransformer3DModel
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
         in_channels=in_channels,
-        out_channels=4,
+        out_channels=out_channels,
         text_dim=32,
         freq_dim=32,
         ffn_dim=32,
@@ -220,13 +213,94 @@ def load(name, directory, **overrides):
     return build_pipeline(PipelineConfig(name=name, pretrained=str(directory), device="cpu", **{**size, **overrides}), "cpu")
 
 
-def with_denoiser(trainer, denoiser):
-    """flowrl's adapter (no LoRA) around a given denoiser: the user's diffusers-loaded model, or a merged one."""
-    from flowrl.pipelines import build_pipeline
+def unipc():
+    """The scheduler the hub's Wan2.1 checkpoints ship: UniPCMultistepScheduler with flow sigmas, shift 3."""
+    from diffusers import UniPCMultistepScheduler
 
-    adapter = build_pipeline(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
-    adapter.denoiser = denoiser
-    return adapter
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000)
+
+
+class VideoTester(FamilyTesterMixin):
+    """What the video families share: 5-frame 32x32 clips, the motion reward (OpenCV optical flow) on prompt files,
+    LoRA in every run, the LoRA round trip at CFG 3 (its GRPO run is the family's GRPO check)."""
+
+    prompts, suffix = tuple(PROMPTS), "txt"
+    load_options = {k.split(".", 1)[1]: v for k, v in SIZE.items()}
+    grpo_overrides = lora_overrides = adjoint_matching_overrides = {"rollout.guidance_scale": 3.0}
+    lora_guidance_scale = 3.0
+    grid_call = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 5, "guidance_scale": 1.0, "max_sequence_length": 16}
+    test_sampler_equals_the_diffusers_pipeline = None
+    test_two_grpo_iterations = None
+    test_loads_through_flowrl_and_samples = None
+
+    def config(self, **extra):
+        files = self.fixture("prompt_files")
+        return video_config(self.name, self.directory, self.run_dir, files, self.suffix, self.sampler, **{**self.run_settings, **extra})
+
+    def metadata(self):
+        if self.suffix == "txt":
+            return None
+        return [{"image": str(self.fixture("prompt_files") / f"frame{i}.png")} for i in range(2)]
+
+
+class TestWan(VideoTester):
+    """Wan2.1 text-to-video: FlowMatchEuler (or the hub's UniPC) with shift 3, CFG against the empty prompt."""
+
+    name, checkpoint, pipeline_class = "wan", "wan_dir", "WanPipeline"
+    grids = {"flow_match": Grid(), "unipc": Grid(unipc)}
+
+    def check_lora_run(self, trainer):
+        traj = trainer.collect(0)
+        assert traj.latents.shape[2:] == (4, 2, 4, 4) and traj.samples.shape == (4, 3, 5, 32, 32)
+        assert torch.isfinite(trainer.score(traj).rewards).all()
+
+    def check_grid(self, adapter, grid):
+        """The sigmas WanPipeline sets up for the checkpoint's scheduler: FlowMatchEulerDiscreteScheduler(shift=3) or
+        the hub's UniPCMultistepScheduler(flow_shift=3)."""
+        assert adapter.schedule.grid == grid and adapter.shift == 3.0
+
+    def compare_grid(self, adapter, steps, timesteps, sigmas, grid):
+        """UniPC alone starts at 1 - 1e-6 (for its log(1 - sigma)); flowrl starts at 1, every later sigma is equal."""
+        ours = adapter.schedule.sigmas(steps)
+        if grid == "unipc":
+            assert float(ours[0]) == 1.0 and float(sigmas[0]) == pytest.approx(1 - 1e-6, abs=1e-7)
+            ours, sigmas = ours[1:], sigmas[1:]
+        assert torch.equal(ours, sigmas), steps
+
+    def check_grid_extras(self, adapter, pipe, directory, grid):
+        """DanceGRPO's grid, shift(linspace(1, 0, K + 1)), stays selectable."""
+        from flowrl.samplers.schedules import shift_sigmas
+
+        chosen = self.load(directory, sampling_grid="linspace")
+        assert torch.equal(chosen.schedule.sigmas(20), shift_sigmas(torch.linspace(1, 0, 21, dtype=torch.float64), 3.0).float())
+
+
+class TestWanI2V(VideoTester):
+    """Wan2.1 image-to-video: the first frame of each prompt's metadata (CLIP embeds, VAE latents + mask)."""
+
+    name, checkpoint, pipeline_class, suffix = "wan_i2v", "wan_i2v_dir", "WanImageToVideoPipeline", "jsonl"
+    test_default_grid_is_the_pipelines_for_k_1_to_50 = None
+    test_two_diffusion_nft_iterations = None
+
+    def check_lora_run(self, trainer):  # re-scoring used the trajectory's stored image condition
+        from flowrl.errors import FlowRLError
+
+        with pytest.raises(FlowRLError, match="conditioning image"):
+            trainer.pipeline.encode(PROMPTS, [{}, {}])
+
+
+class TestCogVideoX(VideoTester):
+    """CogVideoX: DDIM over the zero-terminal-SNR v-prediction table with 9 frames (the zero-terminal-SNR
+    sigma = 1 has x0_hat = -v and is trained); CogVideoX-2b's "trailing" grid."""
+
+    name, checkpoint, pipeline_class = "cogvideox", "cogvideox_dir", "CogVideoXPipeline"
+    flow, sampler, run_settings = False, "ddim", {"pipeline.num_frames": 9}
+    load_options = {**VideoTester.load_options, "num_frames": 9}
+    grid_call = {**VideoTester.grid_call, "num_frames": 9}
+
+    def check_grid(self, adapter, grid):
+        """CogVideoX-2b's CogVideoXDDIMScheduler config says "trailing" (999, ..., from pure noise)."""
+        assert adapter.schedule.spacing == "trailing"
 
 
 # -- Wan2.1 text-to-video -------------------------------------------------------------------------
@@ -279,122 +353,25 @@ def test_wan_ode_equals_diffusers_wan_pipeline(request, expand_timesteps):
     )
 
     reference = WanPipeline.from_pretrained(wan_dir)  # default arguments: the scheduler's own set_timesteps(K)
-    theirs = reference(
-        PROMPTS,
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_frames=9,
-        num_inference_steps=steps,
-        guidance_scale=scale,
-        latents=noise.clone(),
-        max_sequence_length=16,
-        output_type="latent",
-    ).frames
+    call = {
+        "negative_prompt": "",
+        "height": 32,
+        "width": 32,
+        "num_inference_steps": steps,
+        "guidance_scale": scale,
+        "max_sequence_length": 16,
+    }
+    theirs = reference(PROMPTS, num_frames=9, latents=noise.clone(), output_type="latent", **call).frames
     assert torch.equal(reference.scheduler.sigmas, sigmas)
     diff = float((traj.latents[:, -1] - theirs).abs().max())
     print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's ODE differs from WanPipeline by {diff}"
     assert float((theirs - noise).abs().max()) > 0.1  # the model did something
     # decoding (latents_mean / latents_std, the video VAE, [0, 1]) = the pipeline's output_type="pt" frames (B, T, 3, H, W)
-    frames = reference(
-        PROMPTS,
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_frames=5,
-        num_inference_steps=steps,
-        guidance_scale=scale,
-        latents=noise.clone(),
-        max_sequence_length=16,
-        output_type="pt",
-    ).frames
+    frames = reference(PROMPTS, num_frames=5, latents=noise.clone(), output_type="pt", **call).frames
     # atol 5e-5: the latents agree to ~1.3e-6 (float summation order), and the video VAE's decode amplifies that
     # about tenfold (1.18e-5 measured with diffusers 0.42.1); a wrong latent scaling or clamp would be far larger
     torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=5e-5, rtol=0)
-
-
-def wan_with_unipc(wan_dir, tmp_path, flow_shift: float = 3.0):
-    """The tiny Wan with the scheduler the hub's Wan2.1 checkpoints ship (UniPCMultistepScheduler, flow sigmas)."""
-    import shutil
-
-    from diffusers import UniPCMultistepScheduler
-
-    directory = tmp_path / "wan_unipc"
-    shutil.copytree(wan_dir, directory)
-    shutil.rmtree(directory / "scheduler")
-    UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift, num_train_timesteps=1000
-    ).save_pretrained(directory / "scheduler")
-    index = json.loads((directory / "model_index.json").read_text())
-    index["scheduler"] = ["diffusers", "UniPCMultistepScheduler"]
-    (directory / "model_index.json").write_text(json.dumps(index))
-    return directory
-
-
-@pytest.mark.parametrize("scheduler", ["flow_match", "unipc"])
-def test_wan_default_grid_is_the_pipelines_for_k_1_to_50(wan_dir, tmp_path, scheduler):
-    """flowrl's Wan grid = the sigmas WanPipeline sets up with its default arguments for the checkpoint's scheduler:
-    FlowMatchEulerDiscreteScheduler(shift=3) or the hub's UniPCMultistepScheduler(flow_shift=3). UniPC alone starts
-    at 1 - 1e-6 (for its log(1 - sigma)); flowrl starts at 1, every later sigma is equal."""
-    from diffusers import WanPipeline
-
-    from tests.test_family_stable_diffusion import pipeline_default_grid
-
-    directory = wan_dir if scheduler == "flow_match" else wan_with_unipc(wan_dir, tmp_path)
-    pipe, reference = load("wan", directory), WanPipeline.from_pretrained(directory)
-    assert pipe.schedule.grid == scheduler and pipe.shift == 3.0
-    for steps in range(1, 51):
-        _, theirs = pipeline_default_grid(
-            reference, steps, prompt="a cat", height=32, width=32, num_frames=5, guidance_scale=1.0, max_sequence_length=16
-        )
-        ours = pipe.schedule.sigmas(steps)
-        if scheduler == "unipc":
-            assert float(ours[0]) == 1.0 and float(theirs[0]) == pytest.approx(1 - 1e-6, abs=1e-7)
-            ours, theirs = ours[1:], theirs[1:]
-        assert torch.equal(ours, theirs), steps
-    # DanceGRPO's grid, shift(linspace(1, 0, K + 1)), stays selectable
-    from flowrl.config import PipelineConfig
-    from flowrl.pipelines import build_pipeline
-    from flowrl.samplers.schedules import shift_sigmas
-
-    size = {k.split(".", 1)[1]: v for k, v in SIZE.items()}
-    chosen = build_pipeline(
-        PipelineConfig(name="wan", pretrained=str(directory), device="cpu", **size).model_copy(update={"sampling_grid": "linspace"}), "cpu"
-    )
-    assert torch.equal(chosen.schedule.sigmas(20), shift_sigmas(torch.linspace(1, 0, 21, dtype=torch.float64), 3.0).float())
-
-
-def test_wan_two_grpo_iterations_lora_round_trip(wan_dir, prompt_files, tmp_path):
-    from diffusers import WanPipeline
-
-    trainer = two_iterations_change_every_parameter(
-        video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0})
-    )
-    rescoring_ratio_is_one(trainer)
-    traj = trainer.collect(0)
-    assert traj.latents.shape[2:] == (4, 2, 4, 4) and traj.samples.shape == (4, 3, 5, 32, 32)
-    assert torch.isfinite(trainer.score(traj).rewards).all()
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
-    assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
-    ours = ode_sample(trainer.pipeline, PROMPTS, seed=3, guidance_scale=3.0)
-
-    # the user's path: the base checkpoint + load_lora_weights(run checkpoint), nothing of flowrl
-    user = WanPipeline.from_pretrained(wan_dir)
-    user.load_lora_weights(checkpoint)
-    theirs = ode_sample(with_denoiser(trainer, user.transformer), PROMPTS, seed=3, guidance_scale=3.0)
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
-    base = ode_sample(with_denoiser(trainer, WanPipeline.from_pretrained(wan_dir).transformer), PROMPTS, seed=3, guidance_scale=3.0)
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
-    merged = trainer.pipeline.merged_denoiser()
-    assert not any("lora" in n for n, _ in merged.named_parameters())
-    torch.testing.assert_close(ode_sample(with_denoiser(trainer, merged), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-4, rtol=0)
-
-
-def test_wan_two_adjoint_matching_iterations_lora(wan_dir, prompt_files, tmp_path):
-    two_iterations_change_every_parameter(
-        as_adjoint_matching(video_config("wan", wan_dir, tmp_path / "run", prompt_files, **{"rollout.guidance_scale": 3.0}))
-    )
 
 
 @pytest.mark.parametrize("family", ["wan", "cogvideox"])
@@ -474,55 +451,6 @@ def test_wan_i2v_ode_equals_diffusers_pipeline(wan_i2v_dir, prompt_files):
     assert (tensor_cond["condition"] - traj.cond["condition"]).abs().max() > 1e-3
 
 
-def test_wan_i2v_two_grpo_iterations_lora_round_trip(wan_i2v_dir, prompt_files, tmp_path):
-    from diffusers import WanImageToVideoPipeline
-
-    from flowrl.errors import FlowRLError
-
-    trainer = two_iterations_change_every_parameter(
-        video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0})
-    )
-    rescoring_ratio_is_one(trainer)  # re-scores with the trajectory's stored image condition
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
-    metadata = [{"image": str(prompt_files / "frame0.png")}, {"image": str(prompt_files / "frame1.png")}]
-
-    def sample(pipeline):
-        from flowrl.config import ODEConfig
-        from flowrl.samplers import build_sampler
-        from flowrl.samplers.rollout import rollout
-
-        gen = torch.Generator().manual_seed(3)
-        return rollout(
-            pipeline,
-            build_sampler(ODEConfig(), pipeline),
-            PROMPTS,
-            metadata,
-            torch.arange(2),
-            pipeline.schedule.sigmas(3),
-            gen,
-            3.0,
-            same_noise_in_group=False,
-        ).samples
-
-    ours = sample(trainer.pipeline)
-    assert ours.shape == (2, 3, 5, 32, 32)
-    user = WanImageToVideoPipeline.from_pretrained(wan_i2v_dir)
-    user.load_lora_weights(checkpoint)
-    torch.testing.assert_close(sample(with_denoiser(trainer, user.transformer)), ours, atol=1e-5, rtol=0)
-    base = sample(with_denoiser(trainer, WanImageToVideoPipeline.from_pretrained(wan_i2v_dir).transformer))
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
-    with pytest.raises(FlowRLError, match="conditioning image"):
-        trainer.pipeline.encode(PROMPTS, [{}, {}])
-
-
-def test_wan_i2v_two_adjoint_matching_iterations_lora(wan_i2v_dir, prompt_files, tmp_path):
-    two_iterations_change_every_parameter(
-        as_adjoint_matching(
-            video_config("wan_i2v", wan_i2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **{"rollout.guidance_scale": 3.0})
-        )
-    )
-
-
 # -- CogVideoX --------------------------------------------------------------------------------------
 
 
@@ -554,101 +482,15 @@ def test_cogvideox_ddim_equals_diffusers_pipeline(request, rotary):
         scale,
         initial_noise=noise,
     )
-    theirs = reference(
-        PROMPTS,
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_frames=9,
-        num_inference_steps=steps,
-        guidance_scale=scale,
-        latents=noise.permute(0, 2, 1, 3, 4).clone(),
-        max_sequence_length=16,
-        output_type="latent",
-    ).frames
+    call = {"negative_prompt": "", "height": 32, "width": 32, "num_frames": 9, "num_inference_steps": steps, "guidance_scale": scale}
+    call["max_sequence_length"] = 16
+    theirs = reference(PROMPTS, **call, latents=noise.permute(0, 2, 1, 3, 4).clone(), output_type="latent").frames  # (B, T, C, H, W)
     diff = float((traj.latents[:, -1] - theirs.permute(0, 2, 1, 3, 4)).abs().max())
     print(f"oracle max |diff| {diff:.2e}")
     assert diff < 1e-5, f"flowrl's DDIM differs from CogVideoXPipeline by {diff}"
     assert traj.samples.shape == (2, 3, 9, 32, 32) and 0 <= traj.samples.min() and traj.samples.max() <= 1
-    frames = reference(
-        PROMPTS,
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_frames=9,
-        num_inference_steps=steps,
-        guidance_scale=scale,
-        latents=noise.permute(0, 2, 1, 3, 4).clone(),
-        max_sequence_length=16,
-        output_type="pt",
-    ).frames
+    frames = reference(PROMPTS, **call, latents=noise.permute(0, 2, 1, 3, 4).clone(), output_type="pt").frames
     torch.testing.assert_close(traj.samples, frames.permute(0, 2, 1, 3, 4), atol=1e-5, rtol=0)
-
-
-def test_cogvideox_default_grid_is_the_pipelines_for_k_1_to_50(cogvideox_dir):
-    """CogVideoX-2b's CogVideoXDDIMScheduler config says "trailing": flowrl's grid, mapped through timestep(), is the
-    timesteps CogVideoXPipeline sets up with its default arguments (999, ..., from pure noise)."""
-    from diffusers import CogVideoXPipeline
-
-    from tests.test_family_stable_diffusion import assert_ddpm_grid_is_the_pipelines
-
-    pipe = load("cogvideox", cogvideox_dir, num_frames=9)
-    assert pipe.schedule.spacing == "trailing"
-    reference = CogVideoXPipeline.from_pretrained(cogvideox_dir)
-    assert_ddpm_grid_is_the_pipelines(
-        pipe, reference, prompt="a cat", height=32, width=32, num_frames=9, guidance_scale=1.0, max_sequence_length=16
-    )
-
-
-def test_cogvideox_two_grpo_iterations_lora_round_trip(cogvideox_dir, prompt_files, tmp_path):
-    from diffusers import CogVideoXPipeline
-
-    trainer = two_iterations_change_every_parameter(
-        video_config(
-            "cogvideox",
-            cogvideox_dir,
-            tmp_path / "run",
-            prompt_files,
-            sampler="ddim",
-            **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9},
-        )
-    )
-    rescoring_ratio_is_one(trainer)
-    ours = ode_sample(trainer.pipeline, PROMPTS, seed=3, guidance_scale=3.0)
-    user = CogVideoXPipeline.from_pretrained(cogvideox_dir)
-    user.load_lora_weights(tmp_path / "run" / "checkpoints" / "step_000002")
-    torch.testing.assert_close(
-        ode_sample(with_denoiser(trainer, user.transformer), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-5, rtol=0
-    )
-    base = ode_sample(
-        with_denoiser(trainer, CogVideoXPipeline.from_pretrained(cogvideox_dir).transformer), PROMPTS, seed=3, guidance_scale=3.0
-    )
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
-
-
-def test_cogvideox_two_adjoint_matching_iterations_lora(cogvideox_dir, prompt_files, tmp_path):
-    two_iterations_change_every_parameter(
-        as_adjoint_matching(
-            video_config(
-                "cogvideox",
-                cogvideox_dir,
-                tmp_path / "run",
-                prompt_files,
-                sampler="ddim",
-                **{"rollout.guidance_scale": 3.0, "pipeline.num_frames": 9},
-            ),
-            flow=False,
-        )
-    )
-
-
-@pytest.mark.parametrize("family", ["wan", "cogvideox"])
-def test_two_diffusion_nft_iterations_lora(request, prompt_files, tmp_path, family):
-    """Wan (flow) and CogVideoX (zero-terminal-SNR v-prediction: sigma = 1 has x0_hat = -v and is trained) with LoRA."""
-    extra = {"pipeline.num_frames": 9} if family == "cogvideox" else {}
-    two_iterations_change_every_parameter(
-        as_diffusion_nft(video_config(family, request.getfixturevalue(f"{family}_dir"), tmp_path / "run", prompt_files, **extra))
-    )
 
 
 # -- errors and configs -------------------------------------------------------------------------------
