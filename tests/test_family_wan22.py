@@ -14,15 +14,17 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.test_family_video import PROMPTS, SIZE, prompt_files, tiny_wan_vae, video_config  # noqa: F401 (fixture)
-from tests.tiny_components import (
-    as_diffusion_nft,
-    ode_sample,
-    rescoring_ratio_is_one,
-    tiny_t5,
-    tiny_tokenizer,
-    two_iterations_change_every_parameter,
+from tests.family_tester import plain_adapter
+from tests.test_family_video import (  # noqa: F401 (prompt_files: a fixture)
+    PROMPTS,
+    SIZE,
+    VideoTester,
+    prompt_files,
+    tiny_wan_transformer,
+    tiny_wan_vae,
+    video_config,
 )
+from tests.tiny_components import ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer, two_iterations_change_every_parameter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,27 +32,6 @@ BOUNDARY = 0.875  # Wan2.2 T2V-A14B's boundary_ratio
 
 
 # -- tiny builders ------------------------------------------------------------------------------------
-
-
-def tiny_expert(seed: int, in_channels: int = 4, out_channels: int = 4):
-    """A tiny WanTransformer3DModel; the two experts differ only by their seed, as the real ones share a shape."""
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
 
 
 def build_tiny_wan22(directory, i2v: bool = False, boundary_ratio: float | None = BOUNDARY, transformer_2: bool = True):
@@ -64,8 +45,8 @@ def build_tiny_wan22(directory, i2v: bool = False, boundary_ratio: float | None 
         text_encoder=tiny_t5(umt5=True),
         vae=tiny_wan_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=tiny_expert(0, channels),
-        transformer_2=tiny_expert(1, channels) if transformer_2 else None,
+        transformer=tiny_wan_transformer(channels, seed=0),
+        transformer_2=tiny_wan_transformer(channels, seed=1) if transformer_2 else None,
         boundary_ratio=boundary_ratio,
     )
     (WanImageToVideoPipeline if i2v else WanPipeline)(**parts).save_pretrained(directory)
@@ -104,7 +85,7 @@ def build_tiny_ti2v(directory):
         text_encoder=tiny_t5(umt5=True),
         vae=tiny_wan22_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        transformer=tiny_expert(2, 48, 48),
+        transformer=tiny_wan_transformer(48, seed=2, out_channels=48),
         expand_timesteps=True,
     ).save_pretrained(directory)
     return directory
@@ -133,15 +114,6 @@ def load(name, directory, **overrides):
 
     size = {k.split(".", 1)[1]: v for k, v in SIZE.items()}
     return build_pipeline(FAMILIES.section(name)(pretrained=str(directory), device="cpu", **{**size, **overrides}), "cpu")
-
-
-def with_denoiser(trainer, denoiser):
-    """flowrl's adapter (no LoRA) around a given denoiser: the user's diffusers-loaded model(s), or a merged one."""
-    from flowrl.pipelines import build_pipeline
-
-    adapter = build_pipeline(trainer.config.pipeline.model_copy(update={"lora": None}), "cpu")
-    adapter.denoiser = denoiser
-    return adapter
 
 
 def experts_of(pipe, boundary_timestep: float = BOUNDARY * 1000):
@@ -347,14 +319,14 @@ def test_two_grpo_iterations_train_both_experts_and_load_back_in_diffusers(wan22
     user.load_lora_weights(checkpoint)
     user.load_lora_weights(checkpoint, weight_name=LORA_FILES["transformer_2"], load_into_transformer_2=True)
     torch.testing.assert_close(
-        ode_sample(with_denoiser(trainer, experts_of(user)), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-5, rtol=0
+        ode_sample(plain_adapter(trainer, experts_of(user)), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-5, rtol=0
     )
-    base = ode_sample(with_denoiser(trainer, experts_of(WanPipeline.from_pretrained(wan22_dir))), PROMPTS, seed=3, guidance_scale=3.0)
+    base = ode_sample(plain_adapter(trainer, experts_of(WanPipeline.from_pretrained(wan22_dir))), PROMPTS, seed=3, guidance_scale=3.0)
     assert (base - ours).abs().max() > 1e-4, "the LoRAs did not change the samples, so the round trip proves nothing"
     # each expert's LoRA matters on its own: the high-noise one alone gives neither the base nor the trained samples
     half = WanPipeline.from_pretrained(wan22_dir)
     half.load_lora_weights(checkpoint)
-    alone = ode_sample(with_denoiser(trainer, experts_of(half)), PROMPTS, seed=3, guidance_scale=3.0)
+    alone = ode_sample(plain_adapter(trainer, experts_of(half)), PROMPTS, seed=3, guidance_scale=3.0)
     assert (alone - ours).abs().max() > 1e-4 and (alone - base).abs().max() > 1e-4
 
     # `flowrl export`: both experts merged, written as transformer/ and transformer_2/ of a standalone pipeline
@@ -363,7 +335,7 @@ def test_two_grpo_iterations_train_both_experts_and_load_back_in_diffusers(wan22
     exported = WanPipeline.from_pretrained(out)
     assert not any("lora" in n for n, _ in exported.transformer_2.named_parameters())
     torch.testing.assert_close(
-        ode_sample(with_denoiser(trainer, experts_of(exported)), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-4, rtol=0
+        ode_sample(plain_adapter(trainer, experts_of(exported)), PROMPTS, seed=3, guidance_scale=3.0), ours, atol=1e-4, rtol=0
     )
 
 
@@ -425,11 +397,6 @@ def test_training_one_expert_leaves_the_other_untouched(wan22_dir, prompt_files,
     stored = load_file(tmp_path / "full" / "checkpoints" / "step_000002" / "denoiser.safetensors")
     assert stored and all(k.startswith("transformer_2.") for k in stored)
     assert trainer.pipeline._reference is not None  # the KL reference (a frozen copy) ran through the same routing
-
-
-def test_diffusion_nft_trains_both_experts_from_mixed_batches(wan22_dir, prompt_files, tmp_path):  # noqa: F811
-    """DiffusionNFT draws a timestep per sample, so a training batch straddles the boundary: both experts' LoRAs move."""
-    two_iterations_change_every_parameter(as_diffusion_nft(wan22_config(wan22_dir, tmp_path / "run", prompt_files)))
 
 
 def test_bf16_experts_with_gradient_checkpointing_backpropagate(wan22_dir):
@@ -523,50 +490,37 @@ def test_ti2v_text_and_image_to_video_equal_the_diffusers_pipelines(ti2v_dir, pr
     torch.testing.assert_close(i2v.samples, frames.permute(0, 2, 1, 3, 4), atol=5e-5, rtol=0)
 
 
-def test_ti2v_two_grpo_iterations_and_lora_round_trip(ti2v_dir, prompt_files, tmp_path):  # noqa: F811
-    """Image-to-video training of TI2V (`wan_i2v`, images from the .jsonl prompts): every LoRA tensor moves, the
-    ratio is 1, the pinned first frame's transition does not depend on the weights, and the LoRA loads into
-    WanImageToVideoPipeline and reproduces flowrl's samples."""
-    from diffusers import WanImageToVideoPipeline
+class TestWan22(VideoTester):
+    """Wan2.2 T2V-A14B's two experts (LoRA on both, CFG 3 on the high-noise one, 2 on the low-noise one):
+    DiffusionNFT draws a timestep per sample, so a training batch straddles the boundary and both experts' LoRAs
+    move. The rest of the two experts' checks are this module's own."""
 
-    from flowrl.config import ODEConfig
-    from flowrl.samplers import build_sampler
-    from flowrl.samplers.rollout import rollout
+    name, checkpoint, pipeline_class = "wan", "wan22_dir", "WanPipeline"
+    test_default_grid_is_the_pipelines_for_k_1_to_50 = None
+    test_two_adjoint_matching_iterations = None
+    test_lora_round_trip_through_diffusers_load_lora_weights = None
 
-    extra = {**TI2V_SIZE, "rollout.guidance_scale": 3.0}
-    trainer = two_iterations_change_every_parameter(
-        video_config("wan_i2v", ti2v_dir, tmp_path / "run", prompt_files, suffix="jsonl", **extra)
-    )
-    rescoring_ratio_is_one(trainer)
-    traj = trainer.collect(0)
-    assert traj.samples.shape == (4, 3, 5, 64, 64) and set(traj.cond) == {"prompt_embeds", "first_frame", "first_frame_given"}
-    pipe = trainer.pipeline
-    with torch.no_grad():
-        out = pipe.predict(traj.latents[:, 1], traj.sigmas[1], traj.cond, 3.0)
-        x0_first = traj.latents[:, 1, :, :1] - traj.sigmas[1] * out[:, :, :1]
-    torch.testing.assert_close(x0_first, traj.cond["first_frame"], atol=1e-5, rtol=0)
+    def config(self, **extra):
+        return wan22_config(self.directory, self.run_dir, self.fixture("prompt_files"), **extra)
 
-    metadata = [{"image": str(prompt_files / "frame0.png")}, {"image": str(prompt_files / "frame1.png")}]
 
-    def sample(pipeline):
-        return rollout(
-            pipeline,
-            build_sampler(ODEConfig(), pipeline),
-            PROMPTS,
-            metadata,
-            torch.arange(2),
-            pipeline.schedule.sigmas(3),
-            torch.Generator().manual_seed(3),
-            3.0,
-            same_noise_in_group=False,
-        ).samples
+class TestTI2V(VideoTester):
+    """Wan2.2 TI2V-5B's image-to-video training (`wan_i2v`, images from the .jsonl prompts): the pinned first frame's
+    transition does not depend on the weights, and the LoRA loads into WanImageToVideoPipeline."""
 
-    ours = sample(pipe)
-    user = WanImageToVideoPipeline.from_pretrained(ti2v_dir)
-    user.load_lora_weights(tmp_path / "run" / "checkpoints" / "step_000002")
-    torch.testing.assert_close(sample(with_denoiser(trainer, user.transformer)), ours, atol=1e-5, rtol=0)
-    base = sample(with_denoiser(trainer, WanImageToVideoPipeline.from_pretrained(ti2v_dir).transformer))
-    assert (base - ours).abs().max() > 1e-4, "the LoRA did not change the samples, so the round trip proves nothing"
+    name, checkpoint, pipeline_class, suffix = "wan_i2v", "ti2v_dir", "WanImageToVideoPipeline", "jsonl"
+    run_settings, load_options = TI2V_SIZE, {k.split(".", 1)[1]: v for k, v in TI2V_SIZE.items()}
+    test_default_grid_is_the_pipelines_for_k_1_to_50 = None
+    test_two_adjoint_matching_iterations = None
+    test_two_diffusion_nft_iterations = None
+
+    def check_lora_run(self, trainer):
+        traj = trainer.collect(0)
+        assert traj.samples.shape == (4, 3, 5, 64, 64) and set(traj.cond) == {"prompt_embeds", "first_frame", "first_frame_given"}
+        with torch.no_grad():
+            out = trainer.pipeline.predict(traj.latents[:, 1], traj.sigmas[1], traj.cond, 3.0)
+            x0_first = traj.latents[:, 1, :, :1] - traj.sigmas[1] * out[:, :, :1]
+        torch.testing.assert_close(x0_first, traj.cond["first_frame"], atol=1e-5, rtol=0)
 
 
 def test_ti2v_needs_an_image_only_for_wan_i2v(ti2v_dir):
