@@ -78,7 +78,7 @@ class Trained:
     name: str
     owner: Any
     attribute: str
-    parameters: list[torch.nn.Parameter]
+    trainable: Callable[[], list[torch.nn.Parameter]]  # read afresh: FSDP2 replaces the parameters when it shards them
     state_dict: Callable[[], dict[str, torch.Tensor]]
     load_state_dict: Callable[[dict[str, torch.Tensor]], None]
     prefix: str
@@ -87,6 +87,11 @@ class Trained:
     clip_with: str | None = None
     adapter: str | None = None
     optimizer: Any = field(default=None, repr=False)  # set by the engine's prepare
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What its optimizer steps (the LoRA adapter's alone, for a LoRA policy or an adapter role)."""
+        return self.trainable()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -174,7 +179,7 @@ def build_roles(config, pipeline: Any, module_attr: str, objective: Any, frozen:
         POLICY,
         pipeline,
         module_attr,
-        pipeline.trainable_parameters(),
+        pipeline.trainable_parameters,
         pipeline.trainable_state_dict,
         pipeline.load_trainable_state_dict,
         prefix="",
@@ -202,7 +207,7 @@ def _declared(config, pipeline: Any, objective: Any, role: TrainedRole) -> Train
             role.name,
             pipeline,
             "denoiser",
-            pipeline.adapter_parameters(role.adapter),
+            lambda: pipeline.adapter_parameters(role.adapter),
             lambda: pipeline.adapter_state_dict(role.adapter),
             lambda weights: pipeline.load_adapter_state_dict(role.adapter, weights),
             adapter=role.adapter,
@@ -214,7 +219,7 @@ def _declared(config, pipeline: Any, objective: Any, role: TrainedRole) -> Train
         role.name,
         objective,
         role.attribute,
-        [p for p in module.parameters() if p.requires_grad],
+        lambda: [p for p in getattr(objective, role.attribute).parameters() if p.requires_grad],
         lambda: dict(_unwrap(getattr(objective, role.attribute)).state_dict()),
         lambda weights: _unwrap(getattr(objective, role.attribute)).load_state_dict(weights),
         **common,
