@@ -276,7 +276,7 @@ def test_real_configs_validate(path):
 def test_flow_shift_overrides_the_checkpoint(sd3_dir, tmp_path):
     from flowrl.errors import FlowRLError
     from flowrl.samplers.schedules import FlowSchedule
-    from tests.test_family_stable_diffusion import build_tiny_sd
+    from tests.tiny_components import build_tiny_sd
 
     assert load("sd3", sd3_dir).schedule.shift != 5.0
     shifted = load("sd3", sd3_dir, flow_shift=5.0)

@@ -9,7 +9,7 @@ import operator
 import pytest
 import torch
 
-from tests.family_tester import FamilyTesterMixin, assert_ddpm_grid_step, pipeline_default_grid
+from tests.family_tester import FamilyTesterMixin
 from tests.tiny_components import build_tiny_sd, family_config, rescoring_ratio_is_one, two_iterations_change_every_parameter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,11 +23,6 @@ def sd_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sd_v_dir(tmp_path_factory):
     return build_tiny_sd(tmp_path_factory.mktemp("tiny_sd_v"), prediction_type="v_prediction")
-
-
-def assert_ddpm_grid_is_the_pipelines(adapter, pipe, **kwargs) -> None:  # TEMPORARY: until the other family files move
-    for steps in range(1, 51):
-        assert_ddpm_grid_step(adapter, steps, pipeline_default_grid(pipe, steps, **kwargs)[0])
 
 
 class TestStableDiffusion(FamilyTesterMixin):
