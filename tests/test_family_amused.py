@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.family_tester import FamilyTesterMixin
+from tests.family_tester import FamilyTesterMixin, tiny_checkpoint
 from tests.tiny_components import family_config, two_iterations_change_every_parameter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,9 +53,7 @@ def build_tiny_amused(directory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def amused_dir(tmp_path_factory):
-    return build_tiny_amused(tmp_path_factory.mktemp("tiny_amused"))
+amused_dir = tiny_checkpoint(build_tiny_amused)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import FlowRLError
 from ..samplers.rollout import rows_of, start_noise
 from ..seeding import RowGenerators
 from ..types import index_condition
@@ -157,13 +156,9 @@ def rbf_sample(
     model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators, initial_noise: Tensor | None = None
 ) -> RBFResult:
     """One sample per item by rollover budget forcing with ``m`` candidates per step on average (module docstring)."""
-    if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
+    model.require_stochastic("RBF branches particles on", m)
     pipeline, sampler, sigmas = model.pipeline, model.sampler, model.sigmas
-    if not sampler.stochastic:
-        raise FlowRLError(f"RBF branches particles on a stochastic transition; sampler '{sampler.name}' is deterministic.")
-    x = (initial_noise if initial_noise is not None else start_noise(pipeline, len(items), generator)).float().clone()  # updated in place
-    cond = model.encode(items)
+    x, cond = model.start(items, generator, initial_noise).clone(), model.encode(items)  # x is updated in place
     output = pipeline.predict(x, sigmas[0], cond, model.guidance_scale)
     x0_hat = sampler.deterministic_step(output, x, sigmas[0], torch.zeros_like(sigmas[0]))
     start = reward(pipeline.decode(x0_hat), list(items.prompts), list(items.metadata))

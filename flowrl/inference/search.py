@@ -60,8 +60,10 @@ class Items:
         return len(self.prompts)
 
     def take(self, rows: Sequence[int]) -> Items:
-        """Items ``rows`` (in that order), with their streams."""
-        streams = self.streams[list(rows)] if self.streams is not None else None
+        """Items ``rows`` (in that order), with their streams (one generator for all serves every subset in turn)."""
+        from ..samplers.rollout import rows_of
+
+        streams = rows_of(self.streams, list(rows)) if self.streams is not None else None
         return Items([self.prompts[i] for i in rows], [self.metadata[i] for i in rows], streams, self.per_prompt)
 
 
@@ -78,6 +80,20 @@ class ImageSearchModel:
     guidance_scale: float = 1.0
     batch_size: int = 16
     modality: ClassVar[str] = "images"
+
+    def require_stochastic(self, what: str, width: int) -> None:
+        """Refuse a deterministic sampler for a search that branches ``width`` ways (>= 1) on the sampler's transition
+        (``what`` it does)."""
+        if width < 1:
+            raise ValueError(f"a search needs at least 1 candidate or particle per item, got {width}")
+        if not self.sampler.stochastic:
+            raise FlowRLError(f"{what} a stochastic transition; sampler '{self.sampler.name}' is deterministic.")
+
+    def start(self, items: Items, generator, initial_noise: Tensor | None = None) -> Tensor:
+        """The items' start noise as float32: ``initial_noise``, or drawn first from the items' streams (``generator``)."""
+        from ..samplers.rollout import start_noise
+
+        return (initial_noise if initial_noise is not None else start_noise(self.pipeline, len(items), generator)).float()
 
     def encode(self, items: Items):
         """The condition of ``items``' prompts (image-to-video adapters read the first frame in the metadata too)."""

@@ -298,9 +298,8 @@ def smc_sample(
     ``generator``: one stream per item (``RowGenerators``, the held-out evaluation's) or one generator for all.
     ``initial_noise``: (P * n, *S) particle-major within an item; default drawn from the streams. ``live``: only the
     first ``live`` items are real (the rest pad a batch to a fixed size): the others are never decoded or scored."""
+    model.require_stochastic("SMC propagates particles with", smc.n)
     sampler, sigmas, n = model.sampler, model.sigmas, smc.n
-    if not sampler.stochastic:
-        raise FlowRLError(f"SMC propagates particles with a stochastic transition; sampler '{sampler.name}' is deterministic.")
     num_steps = sigmas.shape[0] - 1
     lambdas = tempering_schedule(smc.tempering, smc.lam, num_steps)
     p = len(items)

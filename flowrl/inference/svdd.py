@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..errors import FlowRLError
 from ..samplers.rollout import rows_of, start_noise
 from ..seeding import RowGenerators
 from ..types import Condition, index_condition
@@ -45,17 +44,12 @@ def svdd_sample(
     model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators, initial_noise: Tensor | None = None
 ) -> SVDDResult:
     """Sample one result per item with SVDD-PM using ``m`` candidates per step from ``model.sampler`` (batch = items x m)."""
-    if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
-    pipeline, sampler, sigmas = model.pipeline, model.sampler, model.sigmas
-    if not sampler.stochastic:
-        raise FlowRLError(f"SVDD draws candidates from a stochastic transition; sampler '{sampler.name}' is deterministic.")
-    p = len(items)
-    cond = model.encode(items)
+    model.require_stochastic("SVDD draws candidates from", m)
+    pipeline, sampler, sigmas, p = model.pipeline, model.sampler, model.sigmas, len(items)
+    x, cond = model.start(items, generator, initial_noise), model.encode(items)
     cond_m = _repeat(cond, m)
     prompts_m = [q for q in items.prompts for _ in range(m)]
     metadata_m = [d for d in items.metadata for _ in range(m)]
-    x = (initial_noise if initial_noise is not None else start_noise(pipeline, p, generator)).float()
     output = pipeline.predict(x, sigmas[0], cond, model.guidance_scale)
     step_scores = []
     for k in range(sigmas.shape[0] - 1):
