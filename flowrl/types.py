@@ -29,6 +29,30 @@ def cat_conditions(conds: Sequence[Condition]) -> Condition:
     return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
 
 
+def select_rows(record: Any, index: Tensor | slice | list[int], shared: tuple[str, ...]) -> Any:
+    """The rows ``index`` of a trajectory record (``Trajectory``, ``TokenTrajectory``, ``CanvasTrajectory``): dim 0 of
+    every per-sample tensor, the chosen items of the per-sample lists (prompts, metadata, completions), each reward
+    component's rows and the condition's; the fields named in ``shared`` (the time grid, step counts, settings) and
+    unset ones (None) are passed through as they are, since they hold no batch dimension."""
+    if isinstance(index, list):
+        index = torch.tensor(index, dtype=torch.long)
+    idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(record)))[index]
+    out: dict[str, Any] = {}
+    for f in fields(record):
+        v = getattr(record, f.name)
+        if f.name in shared or v is None:
+            out[f.name] = v
+        elif f.name == "cond":
+            out[f.name] = index_condition(v, index)
+        elif f.name == "reward_components":
+            out[f.name] = {k: c[index] for k, c in v.items()}
+        elif f.name in ("prompts", "metadata", "completions"):
+            out[f.name] = [v[i] for i in idx_list] if v else v
+        else:
+            out[f.name] = v[index]
+    return type(record)(**out)
+
+
 @dataclass
 class StepOutput:
     """One sampler step.
@@ -113,23 +137,7 @@ class Trajectory:
 
     def __getitem__(self, index: Tensor | slice | list[int]) -> Trajectory:
         """Select samples (dim 0 of every per-sample field)."""
-        if isinstance(index, list):
-            index = torch.tensor(index, dtype=torch.long)
-        idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(self)))[index]
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("sigmas", "stochastic", "guidance_scale", "inner_epoch") or v is None:
-                out[f.name] = v
-            elif f.name == "cond":
-                out[f.name] = index_condition(v, index)
-            elif f.name == "reward_components":
-                out[f.name] = {k: c[index] for k, c in v.items()}
-            elif f.name in ("prompts", "metadata"):
-                out[f.name] = [v[i] for i in idx_list]
-            else:
-                out[f.name] = v[index]
-        return Trajectory(**out)
+        return select_rows(self, index, shared=("sigmas", "stochastic", "guidance_scale", "inner_epoch"))
 
     @staticmethod
     def cat(trajs: Sequence[Trajectory]) -> Trajectory:
@@ -446,21 +454,8 @@ class TokenTrajectory:
         return torch.where(self.unmask_step < step, self.completion_ids, torch.full_like(self.completion_ids, mask_token_id))
 
     def __getitem__(self, index: Tensor | slice | list[int]) -> TokenTrajectory:
-        if isinstance(index, list):
-            index = torch.tensor(index, dtype=torch.long)
-        idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(self)))[index]
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("num_steps", "inner_epoch") or v is None:
-                out[f.name] = v
-            elif f.name == "reward_components":
-                out[f.name] = {k: c[index] for k, c in v.items()}
-            elif f.name in ("prompts", "metadata", "completions"):
-                out[f.name] = [v[i] for i in idx_list] if v else v
-            else:
-                out[f.name] = v[index]
-        return TokenTrajectory(**out)
+        """Select samples (dim 0 of every per-sample field)."""
+        return select_rows(self, index, shared=("num_steps", "inner_epoch"))
 
 
 @dataclass
@@ -515,18 +510,5 @@ class CanvasTrajectory:
         return (self.step_log_probs * self.counted).sum(1)
 
     def __getitem__(self, index: Tensor | slice | list[int]) -> CanvasTrajectory:
-        if isinstance(index, list):
-            index = torch.tensor(index, dtype=torch.long)
-        idx_list = index.tolist() if isinstance(index, Tensor) else list(range(len(self)))[index]
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("settings", "inner_epoch") or v is None:
-                out[f.name] = v
-            elif f.name == "reward_components":
-                out[f.name] = {k: c[index] for k, c in v.items()}
-            elif f.name in ("prompts", "metadata", "completions"):
-                out[f.name] = [v[i] for i in idx_list] if v else v
-            else:
-                out[f.name] = v[index]
-        return CanvasTrajectory(**out)
+        """Select samples (dim 0 of every per-sample field)."""
+        return select_rows(self, index, shared=("settings", "inner_epoch"))
