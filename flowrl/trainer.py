@@ -29,7 +29,6 @@ from .reward_models import build_reward_from_config
 from .reward_models.mix import rewards_from_python
 from .training import deepspeed_zero
 from .training.determinism import enable_deterministic_mode
-from .training.distributed import enable_fsdp_on_cpu
 from .training.engine import build_engine
 from .training.launch import make_accelerator
 from .training.loop import TrainingLoop
@@ -75,10 +74,7 @@ class Trainer:
         if config.train.deterministic:  # before any model or CUDA context exists
             enable_deterministic_mode()
         self.trackers = Trackers(config, Path(config.output_dir))  # a tracker's missing package is refused before anything is written
-        self.accelerator = make_accelerator(config, self.trackers.log_with())
-        enable_fsdp_on_cpu(self.accelerator)  # an FSDP launch of CPU processes shards as it would on GPUs
-        if deepspeed_zero.is_deepspeed(self.accelerator):
-            deepspeed_zero.load_models_whole()  # before any model is loaded: only the trained modules are partitioned, at prepare
+        self.accelerator = make_accelerator(config, self.trackers.log_with())  # and made ready for its launch (FSDP, DeepSpeed)
         self.is_main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         check_divisibility(config, self.world)

@@ -16,6 +16,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from ..config import resolve_device
 from ..errors import FlowRLError
 from . import deepspeed_zero
+from .distributed import enable_fsdp_on_cpu
 
 
 def _settle_single_process_state(mixed_precision: str, device: torch.device | None) -> None:
@@ -72,4 +73,7 @@ def make_accelerator(config, log_with: list | None = None) -> Accelerator:
         )
     if device is not None and (accelerator.device.type, accelerator.device.index or 0) != (device.type, device.index or 0) and world == 1:
         raise FlowRLError(f"pipeline.device is '{spec}' but accelerate placed the run on '{accelerator.device}'.")
+    enable_fsdp_on_cpu(accelerator)  # an FSDP launch of CPU processes shards as it would on GPUs
+    if deepspeed_zero.is_deepspeed(accelerator):
+        deepspeed_zero.load_models_whole()  # before any model is loaded: only the trained modules are partitioned, at prepare
     return accelerator
