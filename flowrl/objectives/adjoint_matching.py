@@ -415,14 +415,9 @@ class AdjointMatchingConfig(ObjectiveSection):
             )
 
     def build(self, context: BuildContext | None = None) -> AdjointMatchingObjective:
-        return AdjointMatchingObjective(
-            reward_multiplier=self.reward_multiplier,
-            num_trained_steps=self.num_trained_steps,
-            early_fraction=self.early_fraction,
-            clip_quantile=self.clip_quantile,
-            clip_ema_decay=self.clip_ema_decay,
-            loss_weighting=self.loss_weighting,
-        )
+        kwargs = self.target_kwargs()
+        del kwargs["allow_non_memoryless"]  # a rule for check_run, not a knob of the objective
+        return AdjointMatchingObjective(**kwargs)
 
 
 __all__ = [

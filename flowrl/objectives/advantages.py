@@ -37,6 +37,8 @@ from .functional import StdConvention, group_advantages
 
 MultiReward = Literal["weighted_sum", "per_reward", "gdpo"]
 GDPO_BATCH_EPS = 1e-4  # the authors' epsilon of the batch-wise normalisation (TRL and verl ports alike)
+STD_CONVENTIONS = "Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean"
+ESTIMATOR_FIELDS = ("std", "std_eps", "multi_reward")  # a section's fields that make its advantage estimator
 
 
 def per_reward_advantages(
@@ -61,6 +63,11 @@ def batch_normalised(values: Tensor, valid: Tensor, eps: float = GDPO_BATCH_EPS)
         return out
     out[valid] = (kept - kept.mean()) / (kept.std(unbiased=True) + eps)
     return out
+
+
+def clip_advantages(advantages: Tensor, clip_max: float | None) -> Tensor:
+    """``advantages`` clamped to +-``clip_max`` (an objective's ``adv_clip_max``); None: as they are."""
+    return advantages if clip_max is None else advantages.clamp(-clip_max, clip_max)
 
 
 @dataclass
@@ -88,6 +95,17 @@ class GroupAdvantages:
         pass
 
 
+def std_option(default: StdConvention, whose: str) -> Any:
+    """The ``std`` field of a group-advantage objective's section: the conventions are described here once, the
+    objectives differ in the default and in whose choice it is (``whose``: "the authors: global")."""
+    return Field(default, description=f"{STD_CONVENTIONS} ({whose}).")
+
+
+def std_eps_option(default: float) -> Any:
+    """The ``std_eps`` field of a group-advantage objective's section (the objectives differ in the default)."""
+    return Field(default, gt=0, description="Added to the std before the advantage is divided by it.")
+
+
 class MultiRewardOption(Section):
     """The ``multi_reward`` option, shared by every group-based objective's section (GRPO, DiffusionNFT, AWM,
     Flow-DPPO, DGPO, the diffusion-LM objectives); the section's own ``std`` and ``std_eps`` give the group statistics."""
@@ -111,3 +129,9 @@ class MultiRewardOption(Section):
     def group_advantages(self, context: BuildContext | None, multi_reward: MultiReward | None = None) -> GroupAdvantages:
         """The estimator for this section, with its ``std`` and ``std_eps``."""
         return GroupAdvantages(self.std, self.std_eps, **self.multi_reward_kwargs(context, multi_reward))
+
+    def with_group_advantages(self, objective: type, context: BuildContext | None, **extra: Any) -> Any:
+        """``objective`` built from this section's fields (an ObjectiveSection's ``target_kwargs``) and ``extra``, the
+        fields that make the estimator (``ESTIMATOR_FIELDS``) passed as its ``advantage_estimator`` instead."""
+        kwargs = {k: v for k, v in self.target_kwargs().items() if k not in ESTIMATOR_FIELDS}
+        return objective(advantage_estimator=self.group_advantages(context), **kwargs, **extra)

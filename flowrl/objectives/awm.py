@@ -40,7 +40,7 @@ from torch import Tensor
 from ..samplers.forward_process import noised_and_target, training_sigmas
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
-from .advantages import GroupAdvantages, MultiRewardOption
+from .advantages import GroupAdvantages, MultiRewardOption, clip_advantages, std_eps_option, std_option
 from .functional import StdConvention, masked_mean
 
 TimeSampling = Literal["uniform", "grid"]
@@ -85,9 +85,7 @@ class AWMObjective:
         return "initial" if self.beta > 0 else "none"
 
     def prepare(self, batch: Trajectory) -> Trajectory:
-        batch.advantages = self.advantage_estimator(batch)
-        if self.adv_clip_max is not None:
-            batch.advantages = batch.advantages.clamp(-self.adv_clip_max, self.adv_clip_max)
+        batch.advantages = clip_advantages(self.advantage_estimator(batch), self.adv_clip_max)
         return batch
 
     def _times(self, pipeline: Pipeline, batch: Trajectory, generator: torch.Generator) -> Tensor:
@@ -137,11 +135,8 @@ class AWMConfig(ObjectiveSection, MultiRewardOption):
     """Advantage Weighted Matching: the denoising (flow-matching) loss on the rollouts' clean samples, weighted by the advantage."""
 
     name: str = "awm"
-    std: StdConvention = Field(
-        "global",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
-    )
-    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    std: StdConvention = std_option("global", "the authors: global")
+    std_eps: float = std_eps_option(1e-4)
     adv_clip_max: float | None = Field(5.0, gt=0, description="Clip advantages to +-value (the authors: 5); None: no clipping.")
     num_times: int = Field(6, ge=1, description="(time, noise) draws per sample, one backward each (the authors: 6).")
     time_sampling: TimeSampling = Field(
@@ -154,5 +149,4 @@ class AWMConfig(ObjectiveSection, MultiRewardOption):
     beta: float = Field(0.0, ge=0, description="Weight of the velocity MSE to the frozen initial model (the authors: 1e-3 to 3e-3).")
 
     def build(self, context: BuildContext | None = None) -> AWMObjective:
-        kwargs = {k: v for k, v in self.target_kwargs().items() if k not in ("std", "std_eps", "multi_reward")}
-        return AWMObjective(advantage_estimator=self.group_advantages(context), **kwargs)
+        return self.with_group_advantages(AWMObjective, context)

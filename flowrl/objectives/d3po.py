@@ -33,7 +33,7 @@ from pydantic import Field
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .functional import d3po_pair_loss, masked_mean, pair_preferences
-from .policy_gradient import TimestepOrder, choose_train_steps
+from .policy_gradient import TimestepOrder, choose_train_steps, timestep_fraction_option, timestep_order_option
 
 Preference = Literal["reward", "pareto", "human"]
 
@@ -123,20 +123,12 @@ class D3POConfig(ObjectiveSection):
         "reward",
         description="Which sample of a pair wins: reward (the combined reward), pareto (dominance over the components), human (labels).",
     )
-    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Fraction of the stochastic steps trained per minibatch.")
-    timestep_order: TimestepOrder = Field(
-        "random", description="Which steps timestep_fraction keeps: random ones per minibatch (DanceGRPO) or the first ones (Flow-GRPO)."
-    )
+    timestep_fraction: float = timestep_fraction_option()
+    timestep_order: TimestepOrder = timestep_order_option()
 
     def check_run(self, config: Any) -> None:
         if self.preference == "pareto" and len(config.reward.components) < 2:
             raise ValueError("objective.preference=pareto compares reward components: reward.components needs at least two")
 
     def build(self, context: BuildContext | None = None) -> D3POObjective:
-        return D3POObjective(
-            beta=self.beta,
-            clip_range=self.clip_range,
-            preference=self.preference,
-            timestep_fraction=self.timestep_fraction,
-            timestep_order=self.timestep_order,
-        )
+        return D3POObjective(**self.target_kwargs())

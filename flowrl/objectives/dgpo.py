@@ -55,7 +55,7 @@ from ..errors import FlowRLError
 from ..samplers.forward_process import noised_and_target
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
-from .advantages import GroupAdvantages, MultiRewardOption
+from .advantages import GroupAdvantages, MultiRewardOption, clip_advantages, std_eps_option, std_option
 from .diffusion_nft import swapped_weights
 from .functional import StdConvention, masked_mean
 
@@ -109,9 +109,7 @@ class DGPOObjective:
         self._refresh = True
 
     def prepare(self, batch: Trajectory) -> Trajectory:
-        batch.advantages = self.advantage_estimator(batch)
-        if self.adv_clip_max is not None:
-            batch.advantages = batch.advantages.clamp(-self.adv_clip_max, self.adv_clip_max)
+        batch.advantages = clip_advantages(self.advantage_estimator(batch), self.adv_clip_max)
         self._refresh = True  # a new rollout: the next losses() copies the weights that produced it
         return batch
 
@@ -187,11 +185,8 @@ class DGPOConfig(ObjectiveSection, MultiRewardOption):
 
     name: str = "dgpo"
     beta: float = Field(100.0, gt=0, description="DPO temperature of the group margin (the authors: 100; 10 to 100).")
-    std: StdConvention = Field(
-        "global",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
-    )
-    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    std: StdConvention = std_option("global", "the authors: global")
+    std_eps: float = std_eps_option(1e-4)
     adv_clip_max: float | None = Field(5.0, gt=0, description="Clip advantages to +-value (the authors: 5); None: no clipping.")
     num_times: int = Field(4, ge=1, description="Rollout grid times per group and minibatch, one backward each (the authors: 4).")
     min_sigma: float = Field(0.0, ge=0, le=1, description="Timestep clip: train only at grid times with sigma >= this (the authors: 0.82).")
@@ -210,14 +205,4 @@ class DGPOConfig(ObjectiveSection, MultiRewardOption):
             )
 
     def build(self, context: BuildContext | None = None) -> DGPOObjective:
-        return DGPOObjective(
-            advantage_estimator=self.group_advantages(context),
-            beta=self.beta,
-            adv_clip_max=self.adv_clip_max,
-            num_times=self.num_times,
-            min_sigma=self.min_sigma,
-            shared_noise=self.shared_noise,
-            kl_weight=self.kl_weight,
-            clip_range=self.clip_range,
-            minibatch_unit=context.group_size if context is not None else 1,
-        )
+        return self.with_group_advantages(DGPOObjective, context, minibatch_unit=context.group_size if context is not None else 1)

@@ -58,7 +58,7 @@ from ..errors import FlowRLError
 from ..samplers.forward_process import noised_and_target
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
-from .advantages import GroupAdvantages, MultiRewardOption
+from .advantages import GroupAdvantages, MultiRewardOption, std_eps_option, std_option
 from .functional import StdConvention, masked_mean
 
 
@@ -194,11 +194,8 @@ class DiffusionNFTConfig(ObjectiveSection, MultiRewardOption):
 
     name: str = "diffusion_nft"
     beta: float = Field(1.0, gt=0, description="Implicit-policy mixing strength (the authors: 1; 0.1 for OCR).")
-    std: StdConvention = Field(
-        "global",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
-    )
-    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    std: StdConvention = std_option("global", "the authors: global")
+    std_eps: float = std_eps_option(1e-4)
     adv_clip_max: float = Field(5.0, gt=0, description="A_max of the optimality probability r = clip(1/2 + A / (2 A_max), 0, 1).")
     timestep_fraction: float = Field(
         0.99, gt=0, le=1, description="Fraction of the rollout grid's times each sample is trained at (a random subset)."
@@ -209,5 +206,4 @@ class DiffusionNFTConfig(ObjectiveSection, MultiRewardOption):
     old_decay_max: float = Field(0.5, ge=0, lt=1, description="The largest eta of the old policy's soft update.")
 
     def build(self, context: BuildContext | None = None) -> DiffusionNFTObjective:
-        kwargs = {k: v for k, v in self.target_kwargs().items() if k not in ("std", "std_eps", "multi_reward")}
-        return DiffusionNFTObjective(advantage_estimator=self.group_advantages(context), **kwargs)
+        return self.with_group_advantages(DiffusionNFTObjective, context)

@@ -39,10 +39,10 @@ from torch import Tensor
 
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
-from .advantages import GroupAdvantages, MultiRewardOption
+from .advantages import GroupAdvantages, MultiRewardOption, clip_advantages, std_eps_option, std_option
 from .diffusion_nft import swapped_weights
 from .functional import StdConvention, gaussian_kl, masked_mean
-from .policy_gradient import TimestepOrder, choose_train_steps, step_ratio_stats
+from .policy_gradient import TimestepOrder, choose_train_steps, step_ratio_stats, timestep_fraction_option, timestep_order_option
 
 
 def trust_region_drop(ratio: Tensor, advantages: Tensor, kl: Tensor, threshold: float) -> Tensor:
@@ -103,9 +103,7 @@ class FlowDPPOObjective:
         return "initial" if self.beta > 0 else "none"
 
     def prepare(self, batch: Trajectory) -> Trajectory:
-        batch.advantages = self.advantage_estimator(batch)
-        if self.adv_clip_max is not None:
-            batch.advantages = batch.advantages.clamp(-self.adv_clip_max, self.adv_clip_max)
+        batch.advantages = clip_advantages(self.advantage_estimator(batch), self.adv_clip_max)
         self._refresh = True  # a new rollout: the next losses() copies the weights that produced it
         return batch
 
@@ -156,24 +154,12 @@ class FlowDPPOConfig(ObjectiveSection, MultiRewardOption):
     kl_threshold: float = Field(
         1e-7, ge=0, description="Per-dimension KL(old || current) of a step above which a step that moved with its advantage is dropped."
     )
-    std: StdConvention = Field(
-        "global",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (the authors: global).",
-    )
-    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    std: StdConvention = std_option("global", "the authors: global")
+    std_eps: float = std_eps_option(1e-4)
     adv_clip_max: float | None = Field(None, gt=0, description="Clip advantages to +-value; None: no clipping (the authors').")
     beta: float = Field(0.0, ge=0, description="Weight of the Gaussian KL to the frozen initial model (paper Eq. 17).")
-    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Fraction of the stochastic steps trained per minibatch.")
-    timestep_order: TimestepOrder = Field(
-        "random", description="Which steps timestep_fraction keeps: random ones per minibatch (DanceGRPO) or the first ones (Flow-GRPO)."
-    )
+    timestep_fraction: float = timestep_fraction_option()
+    timestep_order: TimestepOrder = timestep_order_option()
 
     def build(self, context: BuildContext | None = None) -> FlowDPPOObjective:
-        return FlowDPPOObjective(
-            advantage_estimator=self.group_advantages(context),
-            kl_threshold=self.kl_threshold,
-            adv_clip_max=self.adv_clip_max,
-            beta=self.beta,
-            timestep_fraction=self.timestep_fraction,
-            timestep_order=self.timestep_order,
-        )
+        return self.with_group_advantages(FlowDPPOObjective, context)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..sections import ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
+from .advantages import clip_advantages
 from .functional import best_worst_subset, clipped_surrogate, gaussian_kl, inverse_dt_step_weights, masked_mean, noise_level_step_weights
 
 KLForm = Literal["gaussian", "flow_grpo"]
@@ -44,6 +45,18 @@ def choose_train_steps(stochastic: Tensor, fraction: float, order: Literal["rand
     if order == "random":
         steps = steps[torch.randperm(steps.numel(), generator=generator)]
     return sorted(steps[:n].tolist())
+
+
+def timestep_fraction_option() -> Any:
+    """The ``timestep_fraction`` field of a section whose objective trains a subset of the steps (``choose_train_steps``)."""
+    return Field(1.0, gt=0, le=1, description="Fraction of the stochastic steps trained per minibatch.")
+
+
+def timestep_order_option() -> Any:
+    """The ``timestep_order`` field that goes with ``timestep_fraction_option``."""
+    return Field(
+        "random", description="Which steps timestep_fraction keeps: random ones per minibatch (DanceGRPO) or the first ones (Flow-GRPO)."
+    )
 
 
 def step_ratio_stats(log_ratio: Tensor, valid: Tensor | None, k: int) -> dict[str, Tensor]:
@@ -122,9 +135,7 @@ class PolicyGradientObjective:
         return "initial" if self.beta > 0 else "none"  # the KL term compares with the initial model
 
     def prepare(self, batch: Trajectory) -> Trajectory:
-        batch.advantages = self.advantage_estimator(batch)
-        if self.adv_clip_max is not None:
-            batch.advantages = batch.advantages.clamp(-self.adv_clip_max, self.adv_clip_max)
+        batch.advantages = clip_advantages(self.advantage_estimator(batch), self.adv_clip_max)
         if self.best_worst_k is not None:
             batch = batch[best_worst_subset(batch.rewards, batch.group_ids, self.best_worst_k)]
         return batch
@@ -194,10 +205,8 @@ class PolicyGradientConfig(ObjectiveSection):
         "gaussian",
         description="gaussian: the true KL of the two Gaussian transitions; flow_grpo: Flow-GRPO's term (the true KL times |dt|).",
     )
-    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Fraction of the stochastic steps trained per minibatch.")
-    timestep_order: TimestepOrder = Field(
-        "random", description="Which steps timestep_fraction keeps: random ones per minibatch (DanceGRPO) or the first ones (Flow-GRPO)."
-    )
+    timestep_fraction: float = timestep_fraction_option()
+    timestep_order: TimestepOrder = timestep_order_option()
     # Wang et al. 2025; docs/instruments.md
     ratio_norm: bool = Field(
         False,
@@ -213,16 +222,7 @@ class PolicyGradientConfig(ObjectiveSection):
         step_weighting: StepWeighting = "none",
     ) -> PolicyGradientObjective:
         """The objective with this section's shared knobs and the estimator and options of the concrete one."""
+        shared = {k: getattr(self, k) for k in PolicyGradientConfig.model_fields}  # name and the knobs above
         return PolicyGradientObjective(
-            name=self.name,
-            advantage_estimator=estimator,
-            clip_range=self.clip_range,
-            adv_clip_max=adv_clip_max,
-            beta=self.beta,
-            kl_form=self.kl_form,
-            timestep_fraction=self.timestep_fraction,
-            timestep_order=self.timestep_order,
-            best_worst_k=best_worst_k,
-            ratio_norm=self.ratio_norm,
-            step_weighting=step_weighting,
+            **shared, advantage_estimator=estimator, adv_clip_max=adv_clip_max, best_worst_k=best_worst_k, step_weighting=step_weighting
         )

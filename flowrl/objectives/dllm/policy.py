@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from ...sections import BuildContext, ObjectiveSection
 from ...types import LossOutput, ReferenceModel, Role, TokenTrajectory, TrainedRole, TrainingData
-from ..advantages import GroupAdvantages, MultiRewardOption
+from ..advantages import GroupAdvantages, MultiRewardOption, std_eps_option, std_option
 from ..functional import StdConvention, clipped_surrogate_terms, k3_kl, masked_mean
 from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
 from .plackett_luce import DCoLTStepLogProb, dcolt_log_probs
@@ -58,6 +58,19 @@ DCoLTLossAggregation = Literal["nonzero_advantage_mean", "sequence_mean"]
 def _weighted_token_mean(values: Tensor, weights: Tensor) -> Tensor:
     """(B,) sum_i w_i v_i / sum_i w_i: d1's mean over completion tokens, UniGRPO's mean over masked ones."""
     return (weights * values).sum(-1) / weights.sum(-1).clamp(min=1e-8)
+
+
+def ratio_metrics(loss: Tensor, ratio: Tensor, log_ratio: Tensor | None, counted: Tensor, clip_range: float) -> dict[str, Tensor]:
+    """The minibatch's policy loss and its PPO ratio's statistics over the ``counted`` entries (tokens or steps): the mean
+    ratio, the fraction outside the clip range and DDPO's approx_kl 0.5 mean (log r)^2 (left out when ``log_ratio`` is None)."""
+    metrics = {
+        "loss/policy": loss.detach(),
+        "policy/ratio_mean": ratio[counted].mean().detach(),
+        "policy/clipfrac": ((ratio[counted] - 1).abs() > clip_range).float().mean(),
+    }
+    if log_ratio is not None:
+        metrics["policy/approx_kl"] = (0.5 * log_ratio[counted] ** 2).mean().detach()
+    return metrics
 
 
 @dataclass
@@ -136,13 +149,7 @@ class TokenPolicyObjective(_DLLMBase):
         per_seq = _weighted_token_mean(clipped_surrogate_terms(ratio, adv, self.clip_range), out.weights)
         rows = self.row_weights(out.weights, self._valid(batch))
         loss = masked_mean(per_seq, rows)
-        counted = out.weights > 0
-        metrics = {
-            "loss/policy": loss.detach(),
-            "policy/ratio_mean": ratio[counted].mean().detach(),
-            "policy/clipfrac": ((ratio[counted] - 1).abs() > self.clip_range).float().mean(),
-            "policy/approx_kl": (0.5 * log_ratio[counted] ** 2).mean().detach(),
-        }
+        metrics = ratio_metrics(loss, ratio, log_ratio, out.weights > 0, self.clip_range)
         if self.beta > 0:
             kl = masked_mean(_weighted_token_mean(k3_kl(out.token_log_probs, batch.ref_log_probs[:, s]), out.weights), rows)
             loss = loss + self.beta * kl
@@ -234,7 +241,12 @@ class DCoLTObjective(_DLLMBase):
         forms the one policy LLaDOU trains; stored under ``objective.`` in the checkpoint, as since DCoLT landed."""
         return (
             TrainedRole(
-                "unmasking_head", attribute="head", lr_scale=self.head_lr_scale, sharded=False, clip_with="policy", checkpoint_prefix="objective."
+                "unmasking_head",
+                attribute="head",
+                lr_scale=self.head_lr_scale,
+                sharded=False,
+                clip_with="policy",
+                checkpoint_prefix="objective.",
             ),
         )
 
@@ -275,14 +287,7 @@ class DCoLTObjective(_DLLMBase):
         adv = batch.advantages.to(new.device)
         per_seq = (clipped_surrogate_terms(ratio, adv[:, None], self.clip_range) * acted).sum(1) / acted.sum(1).clamp(min=1)
         loss = masked_mean(per_seq, self.row_weights(adv, self._valid(batch)))
-        yield LossOutput(
-            loss,
-            {
-                "loss/policy": loss.detach(),
-                "policy/ratio_mean": ratio[acted].mean().detach(),
-                "policy/clipfrac": ((ratio[acted] - 1).abs() > self.clip_range).float().mean(),
-            },
-        )
+        yield LossOutput(loss, ratio_metrics(loss, ratio, None, acted, self.clip_range))
 
 
 # -- config sections (objective.name) -------------------------------------------------------------------------
@@ -303,7 +308,28 @@ class DLLMObjectiveConfig(ObjectiveSection, MultiRewardOption):
         return common | self.multi_reward_kwargs(context)
 
 
-class DiffuGRPOConfig(DLLMObjectiveConfig):
+def loss_aggregation_option(default: LossAggregation) -> Any:
+    """The ``loss_aggregation`` field of the per-token objectives' sections (``LossAggregation``)."""
+    return Field(
+        default,
+        description="token_mean: one mean over every completion token of the minibatch; sequence_mean: per completion, then over them.",
+    )
+
+
+class TokenPolicyConfig(DLLMObjectiveConfig):
+    """What diffu-GRPO and UniGRPO build: per-token clipped ratios under the single-pass estimator each one names."""
+
+    def estimator(self) -> Any:
+        """The single-pass log-likelihood estimator (``estimators.py``) this objective scores completions with."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which estimator it uses")
+
+    def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
+        return TokenPolicyObjective(
+            **self._common(context), std_eps=1e-8, estimator=self.estimator(), loss_aggregation=self.loss_aggregation
+        )
+
+
+class DiffuGRPOConfig(TokenPolicyConfig):
     """d1: one-pass estimator (completion masked, prompt masked at prompt_mask_prob), r - mean advantages,
     one mean over all completion tokens of the minibatch."""
 
@@ -312,26 +338,15 @@ class DiffuGRPOConfig(DLLMObjectiveConfig):
     prompt_mask_prob: float = Field(
         0.15, ge=0, lt=1, description="Probability each prompt token is masked in the one-pass estimator (d1: 0.15)."
     )
-    std: StdConvention = Field(
-        "none",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (d1: none).",
-    )
+    std: StdConvention = std_option("none", "d1: none")
     # d1's compute_loss: (per_token_loss * completion_mask).sum() / completion_mask.sum() (TRL's "bnpo").
-    loss_aggregation: LossAggregation = Field(
-        "token_mean",
-        description="token_mean: one mean over every completion token of the minibatch; sequence_mean: per completion, then over them.",
-    )
+    loss_aggregation: LossAggregation = loss_aggregation_option("token_mean")
 
-    def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
-        return TokenPolicyObjective(
-            **self._common(context),
-            std_eps=1e-8,
-            estimator=OneStepEstimator(self.prompt_mask_prob),
-            loss_aggregation=self.loss_aggregation,
-        )
+    def estimator(self) -> OneStepEstimator:
+        return OneStepEstimator(self.prompt_mask_prob)
 
 
-class UniGRPOConfig(DLLMObjectiveConfig):
+class UniGRPOConfig(TokenPolicyConfig):
     """MMaDA's UniGRPO, paper-derived (no released training code): answer-only masking at a ratio ~ U[low, high],
     z-scored advantages, each completion's mean over its masked tokens then the mean over completions."""
 
@@ -340,23 +355,12 @@ class UniGRPOConfig(DLLMObjectiveConfig):
         0.1, gt=0, lt=1, description="Lowest answer-masking ratio (ratio ~ U[low, high]; the paper U[0, 1], 0.1 / 0.9 are dLLM-RL's)."
     )
     mask_high: float = Field(0.9, gt=0, le=1, description="Highest answer-masking ratio.")
-    std: StdConvention = Field(
-        "biased",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (z-scored).",
-    )
+    std: StdConvention = std_option("biased", "z-scored")
     # GRPO's form, as flowrl reads the paper's objective: each completion's mean, then over the G (TRL's "grpo").
-    loss_aggregation: LossAggregation = Field(
-        "sequence_mean",
-        description="token_mean: one mean over every completion token of the minibatch; sequence_mean: per completion, then over them.",
-    )
+    loss_aggregation: LossAggregation = loss_aggregation_option("sequence_mean")
 
-    def build(self, context: BuildContext | None = None) -> TokenPolicyObjective:
-        return TokenPolicyObjective(
-            **self._common(context),
-            std_eps=1e-8,
-            estimator=AnswerMaskEstimator(self.mask_low, self.mask_high),
-            loss_aggregation=self.loss_aggregation,
-        )
+    def estimator(self) -> AnswerMaskEstimator:
+        return AnswerMaskEstimator(self.mask_low, self.mask_high)
 
 
 class DCoLTConfig(DLLMObjectiveConfig):
@@ -365,11 +369,8 @@ class DCoLTConfig(DLLMObjectiveConfig):
     divided by the number of rows with a non-zero advantage."""
 
     name: str = "dcolt"
-    std: StdConvention = Field(
-        "unbiased",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (LLaDOU: torch's rewards.std()).",
-    )
-    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    std: StdConvention = std_option("unbiased", "LLaDOU: torch's rewards.std()")
+    std_eps: float = std_eps_option(1e-4)
     scorer_lr_scale: float = Field(1.0, gt=0, description="The unmasking-policy head's learning rate as a multiple of train.learning_rate.")
     confidence_prior: float = Field(
         0.0, ge=0, description="The head starts as prior * log(confidence): LLaDA's low-confidence order as it grows; 0: a random head."
@@ -402,10 +403,7 @@ class BGPOConfig(DLLMObjectiveConfig):
 
     name: str = "bgpo"
     num_mc_samples: int = Field(4, ge=1, description="Monte Carlo samples of the ELBO, one backward each.")
-    std: StdConvention = Field(
-        "biased",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (z-scored).",
-    )
+    std: StdConvention = std_option("biased", "z-scored")
     naive: bool = Field(False, description="The plain ELBO-GRPO baseline: all MC samples in one graph (for comparison).")
 
     def build(self, context: BuildContext | None = None) -> BGPOObjective:

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from ...samplers.entropy_bound import step_log_probs
 from ...sections import BuildContext
 from ...types import CanvasTrajectory, LossOutput
+from ..advantages import std_eps_option, std_option
 from ..functional import StdConvention, clipped_surrogate_terms, k3_kl, masked_mean
-from .policy import DLLMObjectiveConfig, _DLLMBase
+from .policy import DLLMObjectiveConfig, _DLLMBase, ratio_metrics
 
 
 @dataclass
@@ -58,12 +58,7 @@ class StepGRPOObjective(_DLLMBase):
         per_seq = (clipped_surrogate_terms(ratio, adv, self.clip_range) * counted).sum(1) / steps
         valid = self._valid(batch)
         loss = masked_mean(per_seq, valid)
-        metrics = {
-            "loss/policy": loss.detach(),
-            "policy/ratio_mean": ratio[counted].mean().detach(),
-            "policy/clipfrac": ((ratio[counted] - 1).abs() > self.clip_range).float().mean(),
-            "policy/approx_kl": (0.5 * log_ratio[counted] ** 2).mean().detach(),
-        }
+        metrics = ratio_metrics(loss, ratio, log_ratio, counted, self.clip_range)
         if self.beta > 0:
             kl = masked_mean((k3_kl(new, batch.ref_log_probs) * counted).sum(1) / steps, valid)
             loss = loss + self.beta * kl
@@ -75,11 +70,8 @@ class StepGRPOConfig(DLLMObjectiveConfig):
     """step_grpo: per-step PPO on the exact log-probs the entropy-bound sampler records (DiffusionGemma)."""
 
     name: str = "step_grpo"
-    std: StdConvention = Field(
-        "biased",
-        description="Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean (Flow-GRPO's z-score).",
-    )
-    std_eps: float = Field(1e-4, gt=0, description="Added to the std before the advantage is divided by it.")
+    std: StdConvention = std_option("biased", "Flow-GRPO's z-score")
+    std_eps: float = std_eps_option(1e-4)
 
     def check_run(self, config: Any) -> None:
         if config.sampler.name != "entropy_bound":
