@@ -76,6 +76,14 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _collect(modality, rank: int, world: int):
+    """Process ``rank``'s batch of iteration 1 as the loop collects it (chunks decoded as they come)."""
+    from flowrl.modalities.reward_overlap import RolloutScoring
+    from flowrl.training.loop import collect_batch
+
+    return collect_batch(modality.collector, 1, rank, world, RolloutScoring(None, False))
+
+
 def _checkpoint(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step_{step:06d}"
 
@@ -93,9 +101,9 @@ def test_the_shares_of_two_processes_are_the_one_process_batch_split_in_two(tmp_
 
     cfg = {"train.prompts_per_iteration": 4, "rollout.batch_size": 8, **extra}
     modality = Trainer(load_config(GRPO, fast_overrides(tmp_path / "one", **cfg))).modality
-    whole = modality.collector.collect(1, 0, 1)
+    whole = _collect(modality, 0, 1)
     modality.config.rollout.batch_size = 3
-    shares = [modality.collector.collect(1, rank, 2) for rank in (0, 1)]
+    shares = [_collect(modality, rank, 2) for rank in (0, 1)]
     assert [p for s in shares for p in s.prompts] == whole.prompts and len(set(whole.prompts)) > 1
     assert torch.equal(torch.cat([s.group_ids for s in shares]), whole.group_ids)
     latents = torch.cat([s.latents for s in shares])
@@ -156,6 +164,7 @@ def test_each_family_shards_its_own_blocks():
 
 
 @pytest.mark.parametrize("launch", SHARDED)
+@pytest.mark.slow
 def test_two_processes_train_as_one_process_does_per_iteration(runs, launch):
     single, sharded = _rows(runs / "single"), _rows(runs / launch)
     assert [r["step"] for r in sharded] == [r["step"] for r in single] == list(range(ITERATIONS + 1))
@@ -254,6 +263,7 @@ def test_sharded_checkpoint_exports_a_diffusers_model_equal_to_the_gathered_weig
 
 
 @pytest.mark.parametrize("launch", ["fsdp", "deepspeed_zero3"])
+@pytest.mark.slow
 def test_sharded_lora_run_writes_the_gathered_diffusers_lora(tmp_path, launch):
     """LoRA under FSDP or ZeRO-3: the base weights are sharded too (frozen), the checkpoint stores the adapter whole,
     and the diffusers LoRA file beside it holds the same tensors."""
@@ -305,6 +315,7 @@ end_process_group()
 """
 
 
+@pytest.mark.slow
 def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
     """DCoLT's unmasking-policy head is a role every process keeps whole (not wrapped by DDP: it runs at every step
     inside one backward pass), so the engine averages its gradients. Each process samples other completions, so
@@ -359,8 +370,8 @@ def test_the_text_shares_of_two_processes_are_the_one_process_batch_split_in_two
 
     overrides = [f"output_dir={tmp_path}", "train.prompts_per_iteration=4", "train.num_generations=4", "log.progress=false"]
     modality = Trainer(load_config(CONFIGS / "dllm" / "dcolt.yaml", overrides)).modality
-    whole = modality.collector.collect(1, 0, 1)
-    shares = [modality.collector.collect(1, rank, 2) for rank in (0, 1)]
+    whole = _collect(modality, 0, 1)
+    shares = [_collect(modality, rank, 2) for rank in (0, 1)]
     assert [p for s in shares for p in s.prompts] == whole.prompts and len(set(whole.prompts)) > 1
     assert [c for s in shares for c in s.completions] == whole.completions and len(set(whole.completions)) > 4
     assert torch.equal(torch.cat([s.mask_seeds for s in shares]), whole.mask_seeds)

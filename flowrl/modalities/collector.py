@@ -5,11 +5,16 @@ gradient, offline preference pairs, SePPO's winners beside a reference model's s
 from those kinds to its collectors and hands the loop the collector of the objective's kind (``collector_for``, the
 one place that looks the kind up). The loop then only calls ``collect`` and ``score``, and reads two facts the
 collector states: how many rows a prompt has in a batch, and whether the rewards are what the objective learns from.
+
+``collect`` yields the batch in chunks as they are finished (a rollout chunk of ``rollout.batch_size`` samples, a
+diffusion LM's generations, a whole batch of pairs); the loop hands each chunk that still has to be decoded to the
+scorer (modalities/reward_overlap.py: decoded at once, or decoded and scored on a worker thread while the next chunk
+is generated) and the collector ``assemble``s the batch from them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +35,16 @@ class RewardPool:
     file: str | None = None
 
 
+@dataclass
+class Chunk:
+    """A finished part of a batch. ``decode``: makes its samples from its final states (None: nothing to decode, e.g.
+    pairs read from disk already decoded); ``attach``: puts the decoded samples into ``batch``."""
+
+    batch: Any
+    decode: Callable[[], Any] | None = None
+    attach: Callable[[Any], None] | None = None
+
+
 class Collector(Protocol):
     rows_per_prompt: int  # rows of one prompt in a batch: the group size, or 2 for (winner, loser) pairs
     learns_from_rewards: bool  # False: the rows are labelled already (pairs, SePPO's winners) and the reward is only logged
@@ -42,10 +57,13 @@ class Collector(Protocol):
         """The items besides the held-out ones whose metadata the reward reads."""
         ...
 
-    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Any:
-        """This process's batch for ``iteration``, keyed by (seed, iteration, global row) so that a resumed run and any
-        number of processes collect exactly what one uninterrupted process does. ``scoring``: where finished rollout
-        chunks are handed over (decoded; with rollout.overlap_reward also scored on a worker thread)."""
+    def collect(self, iteration: int, rank: int, world: int) -> Iterator[Chunk]:
+        """This process's batch for ``iteration``, chunk by chunk, keyed by (seed, iteration, global row) so that a
+        resumed run and any number of processes collect exactly what one uninterrupted process does."""
+        ...
+
+    def assemble(self, batches: list[Any]) -> Any:
+        """The batch the chunks make, in the order they came."""
         ...
 
     def score(self, batch: Any, reward: Reward, scoring: RolloutScoring | None = None) -> tuple[RewardOutput, torch.Tensor | None]:

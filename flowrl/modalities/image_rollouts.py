@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+
 import torch
 
 from .. import seeding
@@ -13,8 +16,12 @@ from ..reward_models.gradients import require_differentiable, reward_and_gradien
 from ..samplers.branching import branched_rollout, trained_steps
 from ..samplers.rollout import keyed_noise, rollout, sde_window
 from ..types import Reward, RewardOutput, Trajectory
-from .collector import RewardPool, refuse_overlap
+from .collector import Chunk, RewardPool, refuse_overlap
 from .reward_overlap import RolloutScoring
+
+
+def _attach(chunk: Trajectory, samples) -> None:
+    chunk.samples = samples  # the decoded samples in place of the final states rollout() left undecoded
 
 
 class ImageRollouts:
@@ -50,7 +57,7 @@ class ImageRollouts:
         return [RewardPool("training prompt", self.modality.train_pool, pc.train_file if pc.dataset in ("file", "hf") else None)]
 
     @torch.no_grad()
-    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Trajectory:
+    def collect(self, iteration: int, rank: int, world: int) -> Iterator[Chunk]:
         """On-policy rollouts of this process's prompt groups. Every draw is made for the whole world and keyed by global
         indices (seeding.global_draw, RowGenerators): an N-process run samples exactly the prompts and noise of a
         1-process run."""
@@ -69,10 +76,10 @@ class ImageRollouts:
         )
         self.pipeline.denoiser.eval()  # rollouts sample the policy deterministically in its layers (dropout off), as the peers do; update() sets train()
         if cfg.branching is not None:  # B2-DiffuRL: one shared prefix per group, branches over the trained window (samplers/branching.py)
-            return self._branched(iteration, prompts, metadata, group_ids, gen, noise)
+            yield Chunk(self._branched(iteration, prompts, metadata, group_ids, gen, noise))  # decoded: one graph of branches
+            return
         window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)
         sigmas = self.pipeline.schedule.sigmas(cfg.num_inference_steps).to(self.modality.device)
-        chunks = []
         for start in range(0, len(prompts), cfg.batch_size):
             sl = slice(start, start + cfg.batch_size)
             chunk = rollout(
@@ -86,21 +93,12 @@ class ImageRollouts:
                 cfg.guidance_scale,
                 window,
                 initial_noise=noise[sl],
-                decode=scoring is None,  # else the hand-over decodes it (timed; on the reward's worker when overlapped)
+                decode=False,  # the scorer decodes it (timed; on the reward's worker when overlapped)
             )
-            chunks.append(self._hand_over(chunk, scoring))
-        if scoring is not None:
-            scoring.generated()
-        return Trajectory.cat(chunks)
+            yield Chunk(chunk, decode=functools.partial(self.pipeline.decode, chunk.samples), attach=functools.partial(_attach, chunk))
 
-    def _hand_over(self, chunk: Trajectory, scoring: RolloutScoring | None) -> Trajectory:
-        """A finished chunk to the scoring hand-over: decoded here, or (overlapped) decoded and scored on its worker."""
-        if scoring is not None:
-            final = chunk.samples  # undecoded: the final states, the very tensor rollout() decodes
-            decoded = scoring.chunk(lambda final=final: self.pipeline.decode(final), chunk.prompts, chunk.metadata)
-            if decoded is not None:  # else overlapped: the samples come back from the worker at join (score)
-                chunk.samples = decoded
-        return chunk
+    def assemble(self, batches: list[Trajectory]) -> Trajectory:
+        return Trajectory.cat(batches)
 
     def _branched(self, iteration: int, prompts, metadata, group_ids, gen, noise) -> Trajectory:
         cfg, b = self.config.rollout, self.config.rollout.branching

@@ -6,6 +6,7 @@ human``). Nothing is sampled; the reward only logs what the pairs score."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -14,7 +15,7 @@ from ..errors import FlowRLError
 from ..preferences.labels import labelled_pairs
 from ..preferences.pairs import PreferencePairs, read_pairs
 from ..types import Reward, RewardOutput, Trajectory
-from .collector import RewardPool, refuse_overlap
+from .collector import Chunk, RewardPool, refuse_overlap
 from .reward_overlap import RolloutScoring
 
 
@@ -75,7 +76,13 @@ class OfflinePairs:
             )
 
     @torch.no_grad()
-    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Trajectory:
+    def collect(self, iteration: int, rank: int, world: int) -> Iterator[Chunk]:
+        yield Chunk(self._batch(iteration, rank, world))  # read (or sampled) whole and decoded: nothing to hand over
+
+    def assemble(self, batches: list[Trajectory]) -> Trajectory:
+        return batches[0]
+
+    def _batch(self, iteration: int, rank: int, world: int) -> Trajectory:
         """This process's pairs for ``iteration`` (drawn with replacement, keyed by the seed) as a trajectory of clean
         samples, rows (2i, 2i + 1) = (winner, loser) of pair i; D3PO's with every recorded state."""
         per_process = self.config.train.prompts_per_iteration // world

@@ -4,11 +4,13 @@ preferred row by construction, so the reward only logs what both score."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ..objectives.seppo import reference_pair_batch, winners_for
 from ..types import Reward, RewardOutput, Trajectory
-from .collector import RewardPool, refuse_overlap
+from .collector import Chunk, RewardPool, refuse_overlap
 from .reward_overlap import RolloutScoring
 
 
@@ -29,7 +31,13 @@ class ReferenceRollouts:
         items = list(zip(self.winners.prompts, self.winners.metadata))
         return [RewardPool("winner", items, None if source == "embedded" else source)]
 
-    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> Trajectory:
+    def collect(self, iteration: int, rank: int, world: int) -> Iterator[Chunk]:
+        yield Chunk(self._batch(iteration, rank, world))  # read (or sampled) whole and decoded: nothing to hand over
+
+    def assemble(self, batches: list[Trajectory]) -> Trajectory:
+        return batches[0]
+
+    def _batch(self, iteration: int, rank: int, world: int) -> Trajectory:
         rc = self.config.rollout
         return reference_pair_batch(
             self.objective,

@@ -3,12 +3,14 @@ with the rollout sampler, recorded with the rollout policy's log-likelihood esti
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .. import seeding
 from ..prompts import sample_prompts
 from ..types import Reward, RewardOutput, TokenTrajectory
-from .collector import RewardPool
+from .collector import Chunk, RewardPool
 from .reward_overlap import RolloutScoring
 
 
@@ -41,10 +43,11 @@ class TextRollouts:
         return [RewardPool("training prompt", self.modality.train_pool, pc.train_file if pc.dataset in ("file", "hf") else None)]
 
     @torch.no_grad()
-    def collect(self, iteration: int, rank: int, world: int, scoring: RolloutScoring | None = None) -> TokenTrajectory:
-        """This process's completions, recorded with the rollout policy's log-likelihood estimates. With an overlapped
-        ``scoring`` (rollout.overlap_reward) the reward scores the decoded completions on its worker while those
-        estimates are computed: the whole batch in one call, as the serial loop scores it."""
+    def collect(self, iteration: int, rank: int, world: int) -> Iterator[Chunk]:
+        """This process's completions, one chunk, recorded with the rollout policy's log-likelihood estimates. The
+        chunk is handed over as soon as it is generated, so with rollout.overlap_reward the reward scores the decoded
+        completions on its worker while those estimates are computed: the whole batch in one call, as the serial loop
+        scores it."""
         tc, seed = self.config.train, self.config.seed
         groups, n = tc.prompts_per_iteration // world, tc.num_generations
         # Every draw is made for the whole world and keyed by global indices, as for images (seeding.RowGenerators):
@@ -65,14 +68,13 @@ class TextRollouts:
         traj.mask_seeds = draw_mask_seeds(
             groups * world, n, oc.num_mask_seeds, oc.group_shared_masks, seeding.torch_generator(seed, iteration, 0, "rollout")
         )[rows]
-        if scoring is not None and scoring.overlap:
-            scoring.chunk(lambda: traj.completions, traj.prompts, traj.metadata)
+        yield Chunk(traj, decode=lambda: traj.completions)  # decoded by the sampler already: the hand-over only scores them
         # The rollout policy's log-likelihood estimates (and the reference's) are part of the record, computed
         # with the weights that generated it, before any update: the first ratio is exactly 1.
         self.modality.objective.old_and_ref(self.modality.pipeline, traj)
-        if scoring is not None:
-            scoring.generated()
-        return traj
+
+    def assemble(self, batches: list[TokenTrajectory]) -> TokenTrajectory:
+        return batches[0]
 
     def score(self, batch: TokenTrajectory, reward: Reward, scoring: RolloutScoring | None = None) -> tuple[RewardOutput, None]:
         if scoring is not None and scoring.scored_on_worker:  # scored on the worker during collect

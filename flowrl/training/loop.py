@@ -50,6 +50,21 @@ class Phases:
             self.seconds[perf] = self.seconds.get(perf, 0.0) + time.perf_counter() - start
 
 
+@torch.no_grad()
+def collect_batch(collector, iteration: int, rank: int, world: int, scoring: RolloutScoring) -> Any:
+    """The collector's chunks as they are finished, each handed to the scorer (decoded there, and with
+    rollout.overlap_reward scored on its worker while the next chunk is generated), assembled into the batch."""
+    batches = []
+    for chunk in collector.collect(iteration, rank, world):
+        if chunk.decode is not None:
+            samples = scoring.chunk(chunk.decode, chunk.batch.prompts, chunk.batch.metadata)
+            if samples is not None and chunk.attach is not None:  # else overlapped: the samples come back at join (score)
+                chunk.attach(samples)
+        batches.append(chunk.batch)
+    scoring.generated()
+    return collector.assemble(batches)
+
+
 class TrainingLoop:
     """collect -> score -> prepare -> update for this process (``rank`` of ``world``)."""
 
@@ -102,8 +117,9 @@ class TrainingLoop:
         return logged
 
     def collect(self, iteration: int, scoring: RolloutScoring | None = None) -> Any:
-        """This process's batch for ``iteration``: what the objective trains on."""
-        return self.collector.collect(iteration, self.rank, self.world, scoring)
+        """This process's batch for ``iteration``: what the objective trains on, each finished chunk handed to the
+        scorer (``scoring``; None: decoded at once, the reward left to ``score``)."""
+        return collect_batch(self.collector, iteration, self.rank, self.world, scoring or RolloutScoring(self.reward, False))
 
     def score(self, batch: Any, scoring: RolloutScoring | None = None) -> Any:
         """Attach rewards (and their gradients, where the objective trains on them); non-finite rewards stay NaN and are
