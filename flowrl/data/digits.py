@@ -54,12 +54,13 @@ def vocabulary() -> list[str]:
     return specials + sorted(words - set(specials))
 
 
-def build_tokenizer():
-    """A word-level ``PreTrainedTokenizerFast`` over the prompt vocabulary (saved with the model)."""
+def prompt_tokenizer(words: list[str], max_length: int):
+    """A word-level ``PreTrainedTokenizerFast`` over ``words`` (ids in list order; [PAD], [UNK], [BOS], [EOS] among
+    them) that wraps each prompt in [BOS] ... [EOS]: the embedded digit models' tokenizer, saved with the model."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(vocabulary())}
+    vocab = {w: i for i, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(
@@ -71,5 +72,10 @@ def build_tokenizer():
         unk_token="[UNK]",
         bos_token="[BOS]",
         eos_token="[EOS]",
-        model_max_length=MAX_PROMPT_TOKENS,
+        model_max_length=max_length,
     )
+
+
+def build_tokenizer():
+    """The tokenizer over the digit prompts' vocabulary (saved with the model)."""
+    return prompt_tokenizer(vocabulary(), MAX_PROMPT_TOKENS)

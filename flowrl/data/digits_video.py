@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .digits import IMAGE_SIZE, NUMBER_WORDS, load_digit_images
+from .digits import IMAGE_SIZE, NUMBER_WORDS, load_digit_images, prompt_tokenizer
 
 CANVAS = 16  # frame height = width in pixels
 NUM_FRAMES = 4
@@ -57,25 +57,8 @@ def vocabulary() -> list[str]:
 
 
 def build_tokenizer():
-    """A word-level ``PreTrainedTokenizerFast`` over the prompt vocabulary (saved with the model); the
-    same construction as ``digits_data.build_tokenizer``, over this vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(vocabulary())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[BOS] $A [EOS]", special_tokens=[("[BOS]", vocab["[BOS]"]), ("[EOS]", vocab["[EOS]"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        bos_token="[BOS]",
-        eos_token="[EOS]",
-        model_max_length=MAX_PROMPT_TOKENS,
-    )
+    """The image model's word-level tokenizer (``digits.prompt_tokenizer``) over this vocabulary (saved with the model)."""
+    return prompt_tokenizer(vocabulary(), MAX_PROMPT_TOKENS)
 
 
 # -- clips ----------------------------------------------------------------------------------------

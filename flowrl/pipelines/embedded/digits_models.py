@@ -7,6 +7,8 @@ does with the embedded model is the code path it takes with a real checkpoint.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...data.digits import IMAGE_SIZE, MAX_PROMPT_TOKENS, vocabulary
 
 TEXT_DIM = 32
@@ -29,18 +31,27 @@ def build_unet():
     )
 
 
-def build_text_encoder():
-    from transformers import CLIPTextConfig, CLIPTextModel
+def text_encoder_config(vocab_size: int | None = None, max_length: int = MAX_PROMPT_TOKENS, text_dim: int = TEXT_DIM, **extra: Any):
+    """The embedded generators' CLIP text encoder: two layers of width ``text_dim`` over a word-level prompt vocabulary
+    of ``vocab_size`` words (default: the digit prompts') with [PAD] 0, [BOS] 2, [EOS] 3 and prompts of at most
+    ``max_length`` tokens; ``extra``: more config fields (aMUSEd's projection)."""
+    from transformers import CLIPTextConfig
 
-    config = CLIPTextConfig(
-        vocab_size=len(vocabulary()),
-        hidden_size=TEXT_DIM,
-        intermediate_size=64,
+    return CLIPTextConfig(
+        vocab_size=len(vocabulary()) if vocab_size is None else vocab_size,
+        hidden_size=text_dim,
+        intermediate_size=2 * text_dim,
         num_hidden_layers=2,
         num_attention_heads=4,
-        max_position_embeddings=MAX_PROMPT_TOKENS,
+        max_position_embeddings=max_length,
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=3,
+        **extra,
     )
-    return CLIPTextModel(config)
+
+
+def build_text_encoder(vocab_size: int | None = None, max_length: int = MAX_PROMPT_TOKENS):
+    from transformers import CLIPTextModel
+
+    return CLIPTextModel(text_encoder_config(vocab_size, max_length))

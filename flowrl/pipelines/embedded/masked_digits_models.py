@@ -9,7 +9,8 @@ as ``amused/amused-256``, so ``pipelines/amused.py`` loads the embedded model an
 
 from __future__ import annotations
 
-from ...data.digits import IMAGE_SIZE, MAX_PROMPT_TOKENS, vocabulary
+from ...data.digits import IMAGE_SIZE
+from .digits_models import text_encoder_config
 
 CODEBOOK_SIZE = 64  # 4x4 tokens of 64 codes: each token carries a 2x2 patch (17 grey levels each in the data)
 TOKEN_GRID = IMAGE_SIZE // 2
@@ -61,21 +62,11 @@ def build_transformer(codebook_size: int = CODEBOOK_SIZE, hidden: int = 64, laye
 
 
 def build_text_encoder(text_dim: int = TEXT_DIM):
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    """The digit generators' text encoder with a projection of its pooled output (AmusedPipeline reads
+    hidden_states[-2], the output of the first of its two layers, and the projected pooled text)."""
+    from transformers import CLIPTextModelWithProjection
 
-    config = CLIPTextConfig(
-        vocab_size=len(vocabulary()),
-        hidden_size=text_dim,
-        intermediate_size=2 * text_dim,
-        projection_dim=text_dim,
-        num_hidden_layers=2,  # AmusedPipeline reads hidden_states[-2]: the output of the first layer
-        num_attention_heads=4,
-        max_position_embeddings=MAX_PROMPT_TOKENS,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-    )
-    return CLIPTextModelWithProjection(config)
+    return CLIPTextModelWithProjection(text_encoder_config(text_dim=text_dim, projection_dim=text_dim))
 
 
 def build_scheduler(codebook_size: int = CODEBOOK_SIZE):

@@ -18,17 +18,16 @@ Writes the model, its tokenizer and ``training_info.json`` into one directory; d
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from ...atomic_files import atomic_directory
 from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems, vocabulary
+from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
 
 def build_model():
@@ -63,64 +62,55 @@ def encode(tokenizer, pairs):
     return ids, mask
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int, flaw_rate: float) -> None:
+def masked_completion_loss(model, tokenizer, x: torch.Tensor, attention_mask: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """LLaDA's SFT loss on a batch of encoded problems: each completion token masked with probability t ~ U(0, 1)
+    (at least one per row), the prompt never; the mean cross-entropy of the masked tokens."""
+    batch_size = x.shape[0]
+    t = torch.rand(batch_size, 1, generator=gen)
+    masked = torch.rand(batch_size, COMPLETION_LEN, generator=gen) < t
+    masked[torch.arange(batch_size), torch.randint(0, COMPLETION_LEN, (batch_size,), generator=gen)] = True
+    masked = torch.cat([torch.zeros(batch_size, PROMPT_LEN, dtype=torch.bool), masked], dim=1)
+    logits = model(input_ids=torch.where(masked, tokenizer.mask_token_id, x), attention_mask=attention_mask).logits
+    return torch.nn.functional.cross_entropy(logits[masked], x[masked])
+
+
+def fit_on_problems(out: Path, name: str, make_model, batch_loss, settings: dict[str, Any], extra: dict[str, Any], command: str) -> None:
+    """Train a math LM on the (flawed) SFT solutions and write it with its tokenizer into ``out``: the loop both
+    embedded math LMs share. ``make_model()`` builds the model once the seed is set (its initial weights);
+    ``batch_loss(model, tokenizer, ids, attention_mask, gen)`` noises a batch of encoded problems and returns the
+    loss; ``settings``: steps, batch_size, lr, seed, train_problems and flaw_rate; ``extra``: the script's own
+    training_info entries."""
+    steps, batch_size, seed = settings["steps"], settings["batch_size"], settings["seed"]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     tokenizer = build_tokenizer()
-    ids, attn = encode(tokenizer, problems("train", num_problems, seed, flaw_rate))
-    model = build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
-    )
+    ids, attn = encode(tokenizer, problems("train", settings["train_problems"], seed, settings["flaw_rate"]))
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.01)
+    sched = warmup_cosine(opt, steps, warmup=max(1, steps // 20))
     start, ema = time.time(), None
-    for _ in (bar := tqdm(range(steps), desc="train arith_mdlm")):
+    for _ in (bar := tqdm(range(steps), desc=f"train {name}")):
         idx = torch.randint(0, ids.shape[0], (batch_size,), generator=gen)
-        x, a = ids[idx], attn[idx]
-        t = torch.rand(batch_size, 1, generator=gen)
-        masked = torch.rand(batch_size, COMPLETION_LEN, generator=gen) < t
-        masked[torch.arange(batch_size), torch.randint(0, COMPLETION_LEN, (batch_size,), generator=gen)] = True
-        masked = torch.cat([torch.zeros(batch_size, PROMPT_LEN, dtype=torch.bool), masked], dim=1)
-        logits = model(input_ids=torch.where(masked, tokenizer.mask_token_id, x), attention_mask=a).logits
-        loss = torch.nn.functional.cross_entropy(logits[masked], x[masked])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        loss = batch_loss(model, tokenizer, ids[idx], attn[idx], gen)
+        optimizer_step(loss, opt, sched, clip=model.parameters())
+        ema = loss_ema(ema, loss)
         bar.set_postfix(loss=f"{ema:.3f}")
-    info = {
-        "steps": steps,
-        "batch_size": batch_size,
-        "lr": lr,
-        "seed": seed,
-        "train_problems": num_problems,
-        "flaw_rate": flaw_rate,
-        "final_loss_ema": ema,
-        "train_seconds": round(time.time() - start, 1),
-        "command": f"python -m flowrl.pipelines.embedded.train_arith --steps {steps} --seed {seed} --flaw-rate {flaw_rate}",
-    }
-    with atomic_directory(out) as tmp:
-        model.save_pretrained(tmp)  # one directory holding model and tokenizer, like a hub checkpoint
-        tokenizer.save_pretrained(tmp)
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    info = {**settings, **extra, "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1), "command": command}
+    save_model(out, [("", model), ("", tokenizer)], info)  # one directory holding model and tokenizer, like a hub checkpoint
     print(json.dumps(info))
 
 
+def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int, flaw_rate: float) -> None:
+    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "train_problems": num_problems, "flaw_rate": flaw_rate}
+    command = f"python -m flowrl.pipelines.embedded.train_arith --steps {steps} --seed {seed} --flaw-rate {flaw_rate}"
+    fit_on_problems(out, "arith_mdlm", build_model, masked_completion_loss, settings, {}, command)
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "assets" / "arith_mdlm")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p = training_parser(__doc__, out=ASSETS / "arith_mdlm", steps=1000, batch_size=128, lr=1e-3, threads=2)
     p.add_argument("--problems", type=int, default=4000)
     p.add_argument("--flaw-rate", type=float, default=0.3, help="fraction of SFT solutions whose final answer is one off")
-    p.add_argument("--threads", type=int, default=2)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_training_arguments(p)
     train(a.out, a.steps, a.batch_size, a.lr, a.seed, a.problems, a.flaw_rate)
 
 

@@ -21,19 +21,15 @@ Writes the model, its tokenizer and ``training_info.json`` into one directory; d
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import time
+import functools
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from ...atomic_files import atomic_directory
-from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems, vocabulary
+from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, vocabulary
 from ..block_attention import block_diffusion_training_mask, block_diffusion_training_positions
-from .train_arith import encode
+from .train_arith import fit_on_problems
+from .training import ASSETS, parse_training_arguments, training_parser
 
 
 def build_model(block_length: int):
@@ -58,24 +54,15 @@ def build_model(block_length: int):
     return LlamaForCausalLM(config)
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int, flaw_rate: float, block_length: int) -> None:
-    if COMPLETION_LEN % block_length:
-        raise SystemExit(f"--block-length {block_length} must divide the completion length {COMPLETION_LEN}")
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    tokenizer = build_tokenizer()
-    ids, attn = encode(tokenizer, problems("train", num_problems, seed, flaw_rate))
-    model = build_model(block_length)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
-    )
+def block_diffusion_loss(block_length: int):
+    """BD3-LM's vectorised loss on a batch of encoded problems: ``[prompt ; x_t ; x_0]`` with each completion block
+    masked at its own rate t ~ U(0, 1) (at least one masked token per row), block-causal training attention, the
+    mean cross-entropy of the masked tokens."""
     G, num_blocks = COMPLETION_LEN, COMPLETION_LEN // block_length
-    start, ema = time.time(), None
-    for _ in (bar := tqdm(range(steps), desc="train arith_bd3lm")):
-        idx = torch.randint(0, ids.shape[0], (batch_size,), generator=gen)
-        prompt, prompt_mask, x0 = ids[idx, :PROMPT_LEN], attn[idx, :PROMPT_LEN], ids[idx, PROMPT_LEN:]
+
+    def batch_loss(model, tokenizer, x: torch.Tensor, attention_mask: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        batch_size = x.shape[0]
+        prompt, prompt_mask, x0 = x[:, :PROMPT_LEN], attention_mask[:, :PROMPT_LEN], x[:, PROMPT_LEN:]
         t = torch.rand(batch_size, num_blocks, generator=gen).repeat_interleave(block_length, 1)  # one rate per block
         masked = torch.rand(batch_size, G, generator=gen) < t
         masked[torch.arange(batch_size), torch.randint(0, G, (batch_size,), generator=gen)] = True
@@ -85,46 +72,29 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_prob
             attention_mask=block_diffusion_training_mask(prompt_mask, G, block_length, torch.float32),
             position_ids=block_diffusion_training_positions(prompt_mask, G),
         ).logits[:, PROMPT_LEN : PROMPT_LEN + G]
-        loss = torch.nn.functional.cross_entropy(logits[masked], x0[masked])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
-    info = {
-        "steps": steps,
-        "batch_size": batch_size,
-        "lr": lr,
-        "seed": seed,
-        "train_problems": num_problems,
-        "flaw_rate": flaw_rate,
-        "block_length": block_length,
-        "final_loss_ema": ema,
-        "train_seconds": round(time.time() - start, 1),
-        "command": f"python -m flowrl.pipelines.embedded.train_arith_bd3lm --steps {steps} --batch-size {batch_size} --lr {lr} --seed {seed} --flaw-rate {flaw_rate} --block-length {block_length} --threads {torch.get_num_threads()}",
-    }
-    with atomic_directory(out) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(json.dumps(info))
+        return torch.nn.functional.cross_entropy(logits[masked], x0[masked])
+
+    return batch_loss
+
+
+def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int, flaw_rate: float, block_length: int) -> None:
+    if COMPLETION_LEN % block_length:
+        raise SystemExit(f"--block-length {block_length} must divide the completion length {COMPLETION_LEN}")
+    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "train_problems": num_problems, "flaw_rate": flaw_rate}
+    command = (
+        f"python -m flowrl.pipelines.embedded.train_arith_bd3lm --steps {steps} --batch-size {batch_size} --lr {lr} --seed {seed} "
+        f"--flaw-rate {flaw_rate} --block-length {block_length} --threads {torch.get_num_threads()}"
+    )
+    make_model = functools.partial(build_model, block_length)
+    fit_on_problems(out, "arith_bd3lm", make_model, block_diffusion_loss(block_length), settings, {"block_length": block_length}, command)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "assets" / "arith_bd3lm")
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p = training_parser(__doc__, out=ASSETS / "arith_bd3lm", steps=500, batch_size=64, lr=2e-3)
     p.add_argument("--problems", type=int, default=4000)
     p.add_argument("--flaw-rate", type=float, default=0.3, help="fraction of SFT solutions whose final answer is one off")
     p.add_argument("--block-length", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_training_arguments(p)
     train(a.out, a.steps, a.batch_size, a.lr, a.seed, a.problems, a.flaw_rate, a.block_length)
 
 

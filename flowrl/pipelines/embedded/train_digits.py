@@ -13,19 +13,17 @@ Deterministic for a given seed and thread count.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ...atomic_files import atomic_directory
 from ...data.digits import EVAL_TEMPLATES, MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from ...samplers.forward_process import flow_noised, vp_noised
 from .digits_models import build_text_encoder, build_unet
+from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
 CFG_DROPOUT = 0.1
 
@@ -73,21 +71,14 @@ def train(kind: str, out: Path, steps: int, batch_size: int, lr: float, seed: in
     unet, text_encoder, scheduler = build_unet(), build_text_encoder(), make_scheduler(kind)
     params = list(unet.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
-    warmup = max(1, steps // 50)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
-    )
+    sched = warmup_cosine(opt, steps, warmup=max(1, steps // 50))
     start, ema = time.time(), None
     bar = tqdm(range(steps), desc=f"train digits_{kind}")
     for _ in bar:
         x0, ids = training_batch(images, labels, tokenizer, batch_size, gen)
         loss = loss_fn(kind, unet, text_encoder, scheduler, x0, ids, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        optimizer_step(loss, opt, sched, clip=params)
+        ema = loss_ema(ema, loss)
         bar.set_postfix(loss=f"{ema:.4f}")
     info = {
         "kind": kind,
@@ -99,27 +90,16 @@ def train(kind: str, out: Path, steps: int, batch_size: int, lr: float, seed: in
         "train_seconds": round(time.time() - start, 1),
         "command": f"python -m flowrl.pipelines.embedded.train_digits --kind {kind} --steps {steps} --seed {seed}",
     }
-    with atomic_directory(out) as tmp:  # a crash never leaves a half-written model
-        unet.save_pretrained(tmp / "unet")
-        text_encoder.save_pretrained(tmp / "text_encoder")
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        scheduler.save_pretrained(tmp / "scheduler")
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    parts = [("unet", unet), ("text_encoder", text_encoder), ("tokenizer", tokenizer), ("scheduler", scheduler)]
+    save_model(out, parts, info)
     print(json.dumps(info))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = training_parser(__doc__, out=None, steps=3000, batch_size=128, lr=2e-3)
     p.add_argument("--kind", choices=["flow", "ddpm"], required=True)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    out = a.out or Path(__file__).resolve().parents[2] / "assets" / f"digits_{a.kind}"
+    a = parse_training_arguments(p)
+    out = a.out or ASSETS / f"digits_{a.kind}"
     train(a.kind, out, a.steps, a.batch_size, a.lr, a.seed)
 
 

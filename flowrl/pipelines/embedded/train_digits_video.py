@@ -17,16 +17,13 @@ a given seed and thread count. (Why CogVideoX and not Wan 2.1 or a 3-D UNet: doc
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ...atomic_files import atomic_directory
 from ...data.digits import load_digit_images
 from ...data.digits_video import (
     CANVAS,
@@ -42,12 +39,14 @@ from ...data.digits_video import (
 from ...samplers.forward_process import flow_noised
 from ...samplers.schedules import shift_sigmas
 from ..digits_video import denoise
+from .digits_models import TEXT_DIM
+from .digits_models import build_text_encoder as digits_text_encoder
+from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
 CFG_DROPOUT = 0.1
 # SD3/Wan time shift, for training (sigma drawn more often near noise, where the prompt decides the
 # digit and the direction) and sampling (saved in scheduler/, read by flowrl's FlowSchedule).
 SHIFT = 3.0
-TEXT_DIM = 32
 
 
 def build_transformer(width: int = 64, layers: int = 4):
@@ -79,21 +78,7 @@ def build_text_encoder():
     and the layers' outputs drown the single word that names the direction, and jointly training the
     encoder collapsed "left"/"right"/"up"/"down" onto one another before the denoiser learned to read
     them (measured: direction never followed; see docs/digits_video.md)."""
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    model = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(vocabulary()),
-            hidden_size=TEXT_DIM,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=MAX_PROMPT_TOKENS,
-            pad_token_id=0,
-            bos_token_id=2,
-            eos_token_id=3,
-        )
-    )
+    model = digits_text_encoder(len(vocabulary()), MAX_PROMPT_TOKENS)
     torch.nn.init.normal_(model.embeddings.token_embedding.weight, std=1.0)
     return model
 
@@ -125,13 +110,10 @@ def flow_loss(transformer, text_encoder, x0, ids, gen):
     return torch.nn.functional.mse_loss(pred, target)
 
 
-def save_model(directory: Path, transformer, text_encoder, tokenizer, scheduler, info: dict) -> None:
-    with atomic_directory(directory) as tmp:  # a crash never leaves a half-written model
-        transformer.save_pretrained(tmp / "transformer")
-        text_encoder.save_pretrained(tmp / "text_encoder")
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        scheduler.save_pretrained(tmp / "scheduler")
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+def save_video_model(directory: Path, transformer, text_encoder, tokenizer, scheduler, info: dict) -> None:
+    """The diffusers layout: transformer/, text_encoder/, tokenizer/, scheduler/ and training_info.json."""
+    parts = [("transformer", transformer), ("text_encoder", text_encoder), ("tokenizer", tokenizer), ("scheduler", scheduler)]
+    save_model(directory, parts, info)
 
 
 def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: int, layers: int, snapshot_every: int = 0) -> dict:
@@ -142,15 +124,12 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
     transformer, text_encoder, scheduler = build_transformer(width, layers), build_text_encoder(), make_scheduler()
     params = list(transformer.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
-    warmup = max(1, steps // 50)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
-    )
+    sched = warmup_cosine(opt, steps, warmup=max(1, steps // 50))
     start, ema = time.time(), None
     bar = tqdm(range(steps), desc="train digits_video", mininterval=5)
     for step in bar:
         if snapshot_every and step and step % snapshot_every == 0:  # to watch training; not the shipped model
-            save_model(
+            save_video_model(
                 out.parent / f"{out.name}.snapshots" / f"step_{step:06d}",
                 transformer,
                 text_encoder,
@@ -160,12 +139,8 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
             )
         x0, ids = training_batch(images, labels, tokenizer, batch_size, gen)
         loss = flow_loss(transformer, text_encoder, x0, ids, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        optimizer_step(loss, opt, sched, clip=params)
+        ema = loss_ema(ema, loss)
         bar.set_postfix(loss=f"{ema:.4f}", refresh=False)
     info = {
         "denoiser": "CogVideoXTransformer3DModel",
@@ -183,25 +158,18 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, width: i
         "command": f"python -m flowrl.pipelines.embedded.train_digits_video --steps {steps} --batch-size {batch_size} "
         f"--lr {lr} --seed {seed} --width {width} --layers {layers} --threads {torch.get_num_threads()}",
     }
-    save_model(out, transformer, text_encoder, tokenizer, scheduler, info)
+    save_video_model(out, transformer, text_encoder, tokenizer, scheduler, info)
     print(json.dumps(info))
     return info
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p = training_parser(__doc__, out=None, steps=2000, batch_size=32, lr=2e-3)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--snapshot-every", type=int, default=0, help="also write the model every N steps to OUT.snapshots/")
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    out = a.out or Path(__file__).resolve().parents[2] / "assets" / "digits_video"
+    a = parse_training_arguments(p)
+    out = a.out or ASSETS / "digits_video"
     train(out, a.steps, a.batch_size, a.lr, a.seed, a.width, a.layers, a.snapshot_every)
 
 

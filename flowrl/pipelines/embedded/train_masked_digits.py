@@ -22,7 +22,6 @@ generator can reach at best). Deterministic for a given seed and thread count.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -32,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ...atomic_files import atomic_directory
 from ...data.digits import EVAL_TEMPLATES, MAX_PROMPT_TOKENS, TRAIN_TEMPLATES, build_tokenizer, load_digit_images, prompt_for
 from .masked_digits_models import (
     CODEBOOK_SIZE,
@@ -43,15 +41,9 @@ from .masked_digits_models import (
     build_transformer,
     build_vqvae,
 )
+from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
 CFG_DROPOUT = 0.1
-
-
-def cosine_lr(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = max(1, steps // 50)
-    return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
-    )
 
 
 def quantized_latents(vq, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +68,7 @@ def decode_tokens(vq, tokens: torch.Tensor) -> torch.Tensor:
 def train_vq(images: torch.Tensor, steps: int, batch_size: int, lr: float, restart_every: int, gen: torch.Generator):
     vq = build_vqvae()
     opt = torch.optim.AdamW(vq.parameters(), lr=lr, weight_decay=0.0)
-    sched = cosine_lr(opt, steps)
+    sched = warmup_cosine(opt, steps, warmup=max(1, steps // 50))
     ema = None
     bar = tqdm(range(steps), desc="train VQ tokenizer")
     used = torch.zeros(CODEBOOK_SIZE, dtype=torch.bool)
@@ -84,10 +76,7 @@ def train_vq(images: torch.Tensor, steps: int, batch_size: int, lr: float, resta
         x = images[torch.randint(0, images.shape[0], (batch_size,), generator=gen)]
         out = vq(x)
         loss = F.mse_loss(out.sample, x) + out.commit_loss.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        optimizer_step(loss, opt, sched)
         with torch.no_grad():
             z = quantized_latents(vq, x)
             used |= torch.bincount(torch.cdist(z, vq.quantize.embedding.weight).argmin(1), minlength=CODEBOOK_SIZE) > 0
@@ -97,7 +86,7 @@ def train_vq(images: torch.Tensor, steps: int, batch_size: int, lr: float, resta
                     pick = torch.randint(0, z.shape[0], (len(dead),), generator=gen)
                     vq.quantize.embedding.weight[dead] = z[pick]
                 used.zero_()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        ema = loss_ema(ema, loss)
         bar.set_postfix(loss=f"{ema:.4f}")
     return vq.eval()
 
@@ -130,18 +119,14 @@ def train_generator(tokens: torch.Tensor, labels: torch.Tensor, tokenizer, steps
     transformer, text_encoder = build_transformer(), build_text_encoder()
     params = list(transformer.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
-    sched = cosine_lr(opt, steps)
+    sched = warmup_cosine(opt, steps, warmup=max(1, steps // 50))
     ema = None
     bar = tqdm(range(steps), desc="train masked-token generator")
     for _ in bar:
         idx = torch.randint(0, tokens.shape[0], (batch_size,), generator=gen)
         loss = masked_tokens_loss(transformer, text_encoder, tokens[idx], prompts_batch(labels[idx], tokenizer, gen), gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        optimizer_step(loss, opt, sched, clip=params)
+        ema = loss_ema(ema, loss)
         bar.set_postfix(loss=f"{ema:.4f}")
     return transformer.eval(), text_encoder.eval(), ema
 
@@ -193,24 +178,15 @@ def train(out: Path, vq_steps: int, steps: int, batch_size: int, lr: float, seed
         "command": f"python -m flowrl.pipelines.embedded.train_masked_digits --vq-steps {vq_steps} --steps {steps} --seed {seed}",
     }
     pipe = AmusedPipeline(vqvae=vq, tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, scheduler=build_scheduler())
-    with atomic_directory(out) as tmp:  # a crash never leaves a half-written model
-        pipe.save_pretrained(tmp)
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    save_model(out, [("", pipe)], info)
     print(json.dumps(info))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=None)
+    p = training_parser(__doc__, out=None, steps=2500, batch_size=128, lr=2e-3)
     p.add_argument("--vq-steps", type=int, default=600)
-    p.add_argument("--steps", type=int, default=2500)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    out = a.out or Path(__file__).resolve().parents[2] / "assets" / "digits_masked"
+    a = parse_training_arguments(p)
+    out = a.out or ASSETS / "digits_masked"
     train(out, a.vq_steps, a.steps, a.batch_size, a.lr, a.seed, a.threads)
 
 
