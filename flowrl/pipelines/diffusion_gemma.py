@@ -19,8 +19,6 @@ mask token), conditioned on the cache and on its own previous step's logits (sel
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -33,8 +31,9 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..sections import PipelineSection
+from . import transformers_lm as lm
 from .common import DeviceSpec, ModelDtype, OptionalLora, PromptLength
-from .dllm import EMBEDDED_LMS, _config_dict, _device, _dtype, _first_line, _unwrap
+from .dllm import EMBEDDED_LMS
 
 TINY_RANDOM = "diffusion_gemma_tiny_random"
 # peft full-matches a string target: the text layers' projections (encoder copies included, re-tied after) and the
@@ -43,7 +42,6 @@ DEFAULT_LORA_TARGETS = (
     r".*\.(language_model\.layers\.\d+\.(self_attn|mlp)|decoder\.layers\.\d+\.(self_attn|mlp)|decoder\.self_conditioning)"
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 )
-LORA_KEYS = {"r", "alpha", "target_modules", "dropout", "path"}
 
 
 class BlockSession:
@@ -119,17 +117,17 @@ class BlockSession:
         return self.model.model.decoder.embed_tokens.weight.dtype
 
 
-class DiffusionGemmaLM:
+class DiffusionGemmaLM(lm.TrainableLM):
     """The adapter the entropy-bound sampler and the step objective use: tokenizer, special tokens, the resolved
     generation config, :meth:`session` (the block loop's model calls) and the training loop's needs (LoRA,
-    reference, state dicts) as the masked-LM adapter has them."""
+    reference, state dicts: ``TrainableLM``, as the masked-LM adapter has them)."""
 
     mask_token_id = None  # uniform-noise diffusion: there is no mask token
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any):
         self.model = model
         self.tokenizer = tokenizer
-        base = _base(model)
+        base = lm.base_model(model)
         self.canvas_length = int(base.config.canvas_length)
         self.vocab_size = int(base.config.text_config.vocab_size)
         config = self.generation_config()
@@ -138,65 +136,17 @@ class DiffusionGemmaLM:
         self._reference: torch.nn.Module | None = None
         self._use_reference = False
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def has_lora(self) -> bool:
-        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "peft_config")
-
     def generation_config(self, **overrides: Any):
         """``generate``'s own resolution of its settings: ``overrides`` > the checkpoint's generation_config.json >
         transformers' defaults (``DiffusionGemmaGenerationConfig._get_default_generation_params``)."""
-        config, extra = _base(self.model)._prepare_generation_config(None, **overrides)
+        config, extra = lm.base_model(self.model)._prepare_generation_config(None, **overrides)
         if extra:
             raise FlowRLError(f"unknown DiffusionGemma generation setting(s) {', '.join(sorted(extra))}.")
         return config
 
     def session(self, prompt_ids: Tensor, prompt_mask: Tensor) -> BlockSession:
         """A block loop over these prompts, on the policy (or, inside :meth:`reference`, the reference) weights."""
-        model = self._reference if self._use_reference and self._reference is not None else _base(self.model)
-        return BlockSession(model, prompt_ids, prompt_mask)
-
-    # -- training support, as MaskedDiffusionLM ------------------------------------------------------------------
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        return dict(_unwrap(self.model).state_dict())
-
-    def load_trainable_state_dict(self, weights: dict[str, Tensor]) -> None:
-        _unwrap(self.model).load_state_dict(weights)
-
-    def enable_reference(self) -> None:
-        """Freeze a deep copy of the current weights as the reference (full fine-tuning only; LoRA needs none)."""
-        if not self.has_lora and self._reference is None:
-            self._reference = copy.deepcopy(_base(self.model)).requires_grad_(False).eval()
-
-    @contextlib.contextmanager
-    def reference(self):
-        """Inside: sessions run the reference policy (LoRA disabled, or the frozen copy)."""
-        if self.has_lora:
-            with self.model.disable_adapter():
-                yield self
-            return
-        self.enable_reference()
-        previous, self._use_reference = self._use_reference, True
-        try:
-            yield self
-        finally:
-            self._use_reference = previous
-
-    def save_lora(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> None:
-        if not self.has_lora:
-            raise FlowRLError("save_lora was called but no LoRA adapter is attached (set pipeline.lora).")
-        self.model.save_pretrained(str(path), state_dict=state_dict)
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
+        return BlockSession(lm.base_model(self.active_model()), prompt_ids, prompt_mask)
 
 
 def load_diffusion_gemma(
@@ -209,75 +159,44 @@ def load_diffusion_gemma(
 ) -> DiffusionGemmaLM:
     """Load a DiffusionGemma checkpoint (a directory or hub id) with transformers' own class; every failure is one
     sentence. ``model`` / ``tokenizer``: already in memory, used instead of loading ``pretrained``."""
-    from transformers import AutoTokenizer
-
     try:
         from transformers import DiffusionGemmaForBlockDiffusion
     except ImportError:
         raise FlowRLError("pipeline.name diffusion_gemma needs a transformers with DiffusionGemma (5.24 or later).") from None
-    torch_dtype, device = _dtype(dtype), _device(device)
+    dtype, device = lm.torch_dtype(dtype), lm.torch_device(device)
     if model is None:
-        config = _config_dict(pretrained)
-        if config.get("model_type") != "diffusion_gemma":
-            raise FlowRLError(
-                f"the model '{pretrained}' is a '{config.get('model_type')}' model, not diffusion_gemma (DiffusionGemmaForBlockDiffusion)."
-            )
-        kwargs: dict[str, Any] = {"dtype": torch_dtype}
-        if device.type != "cpu":
-            kwargs["device_map"] = {"": str(device)}  # straight onto the accelerator, not through host memory
-        try:
-            model = DiffusionGemmaForBlockDiffusion.from_pretrained(pretrained, **kwargs)
-        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
-            raise FlowRLError(f"could not load the DiffusionGemma model in '{pretrained}': {_first_line(e)}") from None
-    elif not isinstance(_base(model), DiffusionGemmaForBlockDiffusion):
-        raise FlowRLError(f"pipeline diffusion_gemma needs a DiffusionGemmaForBlockDiffusion, got {type(_base(model)).__name__}.")
-    model = model.to(device=device, dtype=torch_dtype)
+        model = _load_checkpoint(DiffusionGemmaForBlockDiffusion, pretrained, dtype, device)
+    elif not isinstance(lm.base_model(model), DiffusionGemmaForBlockDiffusion):
+        raise FlowRLError(f"pipeline diffusion_gemma needs a DiffusionGemmaForBlockDiffusion, got {type(lm.base_model(model)).__name__}.")
+    model = model.to(device=device, dtype=dtype)
     if tokenizer is None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(pretrained)
-        except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
-            raise FlowRLError(f"could not load the tokenizer of '{pretrained}': {_first_line(e)}") from None
-    inner = _base(model).model.encoder
+        tokenizer = lm.load_tokenizer(pretrained)
+    inner = lm.base_model(model).model.encoder
     for part in (inner.vision_tower, inner.embed_vision):  # text prompts never reach them
         part.requires_grad_(False)
     if lora is not None:
-        model = _attach_lora(model, lora)
+        model = lm.attach_lora(model, lora, DEFAULT_LORA_TARGETS, "diffusion_gemma")
+        tie_encoder_adapters(model)
     return DiffusionGemmaLM(model, tokenizer)
 
 
-def _attach_lora(model: torch.nn.Module, lora: Mapping[str, Any]) -> torch.nn.Module:
+def _load_checkpoint(model_class: type, pretrained: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The checkpoint's model, once its config (read without running code) says it is a DiffusionGemma."""
+    config = lm.config_dict(pretrained)
+    if config.get("model_type") != "diffusion_gemma":
+        raise FlowRLError(
+            f"the model '{pretrained}' is a '{config.get('model_type')}' model, not diffusion_gemma (DiffusionGemmaForBlockDiffusion)."
+        )
     try:
-        import peft
-    except ImportError:
-        raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
-    unknown = set(lora) - LORA_KEYS
-    if unknown:
-        raise FlowRLError(f"unknown pipeline.lora key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(LORA_KEYS))}.")
-    try:
-        if lora.get("path"):
-            if not Path(str(lora["path"])).is_dir():
-                raise FlowRLError(f"pipeline.lora.path '{lora['path']}' is not an existing directory.")
-            wrapped = peft.PeftModel.from_pretrained(model, str(lora["path"]), is_trainable=True)
-        else:
-            r = int(lora.get("r", 8))
-            config = peft.LoraConfig(
-                r=r,
-                lora_alpha=float(lora.get("alpha", 2 * r)),
-                lora_dropout=float(lora.get("dropout", 0.0)),
-                target_modules=lora.get("target_modules") or DEFAULT_LORA_TARGETS,
-                bias="none",
-            )
-            wrapped = peft.get_peft_model(model, config)
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
-        raise FlowRLError(f"could not attach LoRA (diffusion_gemma): {_first_line(e)}") from None
-    tie_encoder_adapters(wrapped)
-    return wrapped
+        return model_class.from_pretrained(pretrained, **lm.from_pretrained_kwargs(dtype, device))
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise FlowRLError(f"could not load the DiffusionGemma model in '{pretrained}': {lm.first_line(e)}") from None
 
 
 def tie_encoder_adapters(model: torch.nn.Module) -> int:
     """Make every LoRA-wrapped encoder layer use its tied decoder layer's adapter modules (one adapter per tied
     weight; a loaded adapter's encoder copies, equal to the decoder's, are replaced the same way). Returns the count."""
-    inner = _base(model).model
+    inner = lm.base_model(model).model
     tied = 0
     for name, module in inner.encoder.language_model.layers.named_modules():
         if not hasattr(module, "lora_A"):

@@ -39,9 +39,6 @@ LoRA, switches to a frozen deep copy made at the first call (or at ``enable_refe
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
@@ -58,7 +55,18 @@ from .block_attention import (
     block_diffusion_training_positions,
     position_ids,
 )
-from .common import DTYPES, DeviceSpec, ModelDtype, OptionalLora, PromptLength
+from .common import DeviceSpec, ModelDtype, OptionalLora, PromptLength
+from .transformers_lm import (
+    TrainableLM,
+    attach_lora,
+    base_model,
+    config_dict,
+    first_line,
+    from_pretrained_kwargs,
+    load_tokenizer,
+    torch_device,
+    torch_dtype,
+)
 
 DLLMFamily = Literal["auto", "llada", "mmada", "dream"]
 FAMILIES: tuple[str, ...] = get_args(DLLMFamily)
@@ -77,7 +85,6 @@ DEFAULT_LORA_TARGETS: dict[str, str | list[str]] = {
     "dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # Qwen2 names
     "auto": "all-linear",  # peft: every Linear except the output head
 }
-LORA_KEYS = {"r", "alpha", "target_modules", "dropout", "path"}
 
 # Auto classes tried, in order, per family (the remote ones must be listed in the config's auto_map).
 _REMOTE_AUTO_ORDER = {
@@ -88,7 +95,7 @@ _REMOTE_AUTO_ORDER = {
 }
 
 
-class MaskedDiffusionLM:
+class MaskedDiffusionLM(TrainableLM):
     """``MaskedLM`` adapter over any transformers model whose forward returns ``.logits`` (B, L, V).
 
     ``attention``: how a 2-D padding mask reaches the model -- ``"2d"`` passes it as ``attention_mask``
@@ -98,6 +105,8 @@ class MaskedDiffusionLM:
     ``block_length``: set for a block-diffusion model (config ``diffusion_block_length``): every forward is
     block-causal (``block_attention.block_causal_mask``, positions counting real tokens), and ``cached_logits``
     runs a few tokens against a key-value cache. None: the model's own (bidirectional) attention.
+
+    The training loop's side (trainable parameters, state dicts, the reference policy, LoRA files): ``TrainableLM``.
     """
 
     def __init__(
@@ -128,15 +137,6 @@ class MaskedDiffusionLM:
         self._reference: torch.nn.Module | None = None
         self._use_reference = False
 
-    # -- properties ---------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def has_lora(self) -> bool:
-        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "peft_config")
-
     # -- forward ------------------------------------------------------------------------------
     def raw_logits(self, input_ids: Tensor, attention_mask: Tensor | None = None, model: torch.nn.Module | None = None) -> Tensor:
         """The model's own output (no shift), in the model's dtype."""
@@ -156,15 +156,12 @@ class MaskedDiffusionLM:
         out = model(**kwargs)
         logits = getattr(out, "logits", None)
         if logits is None:
-            raise FlowRLError(f"the model class {type(_base(model)).__name__} returns no .logits; load a model with an LM head.")
+            raise FlowRLError(f"the model class {type(base_model(model)).__name__} returns no .logits; load a model with an LM head.")
         return logits
-
-    def _active(self) -> torch.nn.Module:
-        return self._reference if self._use_reference and self._reference is not None else self.model
 
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """(B, L, V) float32 logits where position i predicts token i (shifted for AR-adapted models)."""
-        out = self.raw_logits(input_ids, attention_mask, model=self._active()).float()
+        out = self.raw_logits(input_ids, attention_mask, model=self.active_model()).float()
         if self.shift_logits:
             out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
         return out
@@ -179,7 +176,7 @@ class MaskedDiffusionLM:
         """An empty transformers ``DynamicCache`` for ``cached_logits``."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=_base(self._active()).config)
+        return DynamicCache(config=base_model(self.active_model()).config)
 
     def cached_logits(self, input_ids: Tensor, attention_mask: Tensor, cache: Any) -> Tensor:
         """(B, n, V) float32 logits of the ``n`` tokens ``input_ids`` that follow the ones held in ``cache``.
@@ -189,7 +186,7 @@ class MaskedDiffusionLM:
         tokens' keys and values to ``cache``; drop them with ``drop_from_cache`` to keep the cache as it was.
         """
         n = input_ids.shape[1]
-        model = self._active()
+        model = self.active_model()
         out = model(
             input_ids=input_ids,
             attention_mask=block_causal_mask(attention_mask, self.block_length, _float_dtype(model), queries=n),
@@ -205,7 +202,7 @@ class MaskedDiffusionLM:
         BD3-LM's likelihood factorisation, one forward of ``[prompt ; noised ; clean]`` with the training mask
         (``block_attention.block_diffusion_training_mask``). When the blocks before each masked position are already
         clean in ``noised`` (a sampling state), this equals ``logits`` on ``[prompt ; noised]``."""
-        model, G, P = self._active(), noised.shape[1], prompt_ids.shape[1]
+        model, G, P = self.active_model(), noised.shape[1], prompt_ids.shape[1]
         out = model(
             input_ids=torch.cat([prompt_ids, noised, clean], 1),
             attention_mask=block_diffusion_training_mask(prompt_mask, G, self.block_length, _float_dtype(model)),
@@ -223,7 +220,7 @@ class MaskedDiffusionLM:
     def attends_bidirectionally(self) -> bool:
         """Probe: does the output at position 0 depend on the last token? (False for causal attention.) A block-causal
         model is probed within one block: it attends bidirectionally inside a block, which is what masked diffusion needs."""
-        base = _base(self.model)
+        base = base_model(self.model)
         vocab = _vocab_size(base)
         ids = (torch.arange(self.block_length or 8, device=self.device) % max(vocab - 1, 1)).unsqueeze(0)
         ids = torch.cat([ids, ids.clone()])
@@ -236,43 +233,6 @@ class MaskedDiffusionLM:
             self.model.train(was_training)
         first = out[:, 0]
         return bool((first[0] - first[1]).abs().max() > 1e-6 * (first.abs().max() + 1))
-
-    # -- training support ---------------------------------------------------------------------
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        """What a checkpoint stores: the whole model's state (with its LoRA adapter when it has one)."""
-        return dict(_unwrap(self.model).state_dict())
-
-    def load_trainable_state_dict(self, weights: dict[str, Tensor]) -> None:
-        _unwrap(self.model).load_state_dict(weights)
-
-    def enable_reference(self) -> None:
-        """Freeze a deep copy of the current weights as the reference (full fine-tuning only; LoRA needs none)."""
-        if not self.has_lora and self._reference is None:
-            self._reference = copy.deepcopy(self.model).requires_grad_(False).eval()
-
-    @contextlib.contextmanager
-    def reference(self):
-        """Inside: ``logits`` come from the reference policy (LoRA disabled, or the frozen copy)."""
-        if self.has_lora:
-            with self.model.disable_adapter():
-                yield self
-            return
-        self.enable_reference()
-        previous, self._use_reference = self._use_reference, True
-        try:
-            yield self
-        finally:
-            self._use_reference = previous
-
-    def save_lora(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> None:
-        """Write the LoRA adapter (adapter_config.json + weights) with peft's ``save_pretrained``; ``state_dict``:
-        the model's weights gathered whole when they are sharded (FSDP), else the model's own."""
-        if not self.has_lora:
-            raise FlowRLError("save_lora was called but no LoRA adapter is attached (set pipeline.lora).")
-        self.model.save_pretrained(str(path), state_dict=state_dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,32 +259,58 @@ def load_masked_lm(
     mask id: ``mask_token_id`` > tokenizer's mask token > config's ``mask_token_id`` > family default
     (126336 for llada / mmada). eos id: tokenizer > config > family default (126081 for llada / mmada).
     """
-    from transformers import AutoTokenizer
-
     if family not in FAMILIES:
         raise FlowRLError(f"pipeline.family must be one of {', '.join(FAMILIES)}, not '{family}'.")
-    torch_dtype = _dtype(dtype)
-    device = _device(device)
-    config = _config_dict(pretrained) if model is None else model.config.to_dict()
+    dtype, device = torch_dtype(dtype), torch_device(device)
+    config = config_dict(pretrained) if model is None else model.config.to_dict()
+    family = _resolve_family(family, config)
+    auto_map = _trusted_auto_map(pretrained, config, trust_remote_code)
+    if model is None:
+        model = _load_model(pretrained, family, config, auto_map, trust_remote_code, dtype, device)
+    else:
+        model = model.to(device=device, dtype=dtype)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(pretrained, trust_remote_code)
+    mask_id, eos_id = _special_tokens(pretrained, family, model, tokenizer, mask_token_id)
+    adapter = MaskedDiffusionLM(
+        model,
+        tokenizer,
+        mask_id,
+        eos_id,
+        shift_logits=family == "dream",
+        attention="dream" if family == "dream" else "2d",
+        family=family,
+        block_length=getattr(model.config, "diffusion_block_length", None),
+    )
+    if require_bidirectional and not adapter.attends_bidirectionally():
+        raise FlowRLError(
+            f"the model '{pretrained}' attends causally (position 0 ignores later tokens), but masked diffusion needs bidirectional attention; load a diffusion LM or set pipeline.require_bidirectional=false."
+        )
+    if lora is not None:
+        adapter.model = attach_lora(model, lora, DEFAULT_LORA_TARGETS[family], f"{family} family")
+    return adapter
+
+
+def _resolve_family(family: str, config: Mapping[str, Any]) -> str:
+    """``auto`` becomes the config's ``model_type`` when it names a known family (llada / mmada / dream)."""
     model_type = str(config.get("model_type", "")).lower()
     if family == "auto":
-        family = model_type if model_type in ("llada", "mmada", "dream") else "auto"
+        return model_type if model_type in ("llada", "mmada", "dream") else "auto"
+    return family
+
+
+def _trusted_auto_map(pretrained: str, config: Mapping[str, Any], trust_remote_code: bool) -> dict[str, Any]:
+    """The config's ``auto_map`` (the checkpoint's own modelling code), refused unless remote code is trusted."""
     auto_map = config.get("auto_map") or {}
     if auto_map and not trust_remote_code:
         raise FlowRLError(
             f"the model '{pretrained}' ships its own modeling code (config auto_map), which flowrl runs only if you set pipeline.trust_remote_code=true."
         )
+    return auto_map
 
-    if model is None:
-        model = _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_dtype, device)
-    else:
-        model = model.to(device=device, dtype=torch_dtype)
-    if tokenizer is None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(pretrained, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
-            raise FlowRLError(f"could not load the tokenizer of '{pretrained}': {_first_line(e)}") from None
 
+def _special_tokens(pretrained: str, family: str, model: torch.nn.Module, tokenizer: Any, mask_token_id: int | None):
+    """(mask id, eos id): the first of the explicit id, the tokenizer's, the config's and the family's default."""
     mask_id = _first_not_none(
         mask_token_id,
         getattr(tokenizer, "mask_token_id", None),
@@ -343,27 +329,10 @@ def load_masked_lm(
     )
     if isinstance(eos_id, (list, tuple)):
         eos_id = eos_id[0] if eos_id else None
-
-    adapter = MaskedDiffusionLM(
-        model,
-        tokenizer,
-        mask_id,
-        eos_id,
-        shift_logits=family == "dream",
-        attention="dream" if family == "dream" else "2d",
-        family=family,
-        block_length=getattr(model.config, "diffusion_block_length", None),
-    )
-    if require_bidirectional and not adapter.attends_bidirectionally():
-        raise FlowRLError(
-            f"the model '{pretrained}' attends causally (position 0 ignores later tokens), but masked diffusion needs bidirectional attention; load a diffusion LM or set pipeline.require_bidirectional=false."
-        )
-    if lora is not None:
-        adapter.model = _attach_lora(model, family, lora)
-    return adapter
+    return mask_id, eos_id
 
 
-def _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_dtype, device) -> torch.nn.Module:
+def _load_model(pretrained, family, config, auto_map, trust_remote_code, dtype, device) -> torch.nn.Module:
     import transformers
 
     if auto_map:
@@ -378,9 +347,7 @@ def _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_d
             names = ["AutoModelForCausalLM"]
         else:
             names = list(_REMOTE_AUTO_ORDER["auto"])
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
-    if device.type != "cpu":
-        kwargs["device_map"] = {"": str(device)}
+    kwargs = from_pretrained_kwargs(dtype, device, trust_remote_code=trust_remote_code)
     error: Exception | None = None
     for name in names:
         try:
@@ -389,57 +356,13 @@ def _load_model(pretrained, family, config, auto_map, trust_remote_code, torch_d
         except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError, RuntimeError) as e:
             error = e
     else:
-        raise FlowRLError(f"could not load the model in '{pretrained}' with {'/'.join(names)}: {_first_line(error)}") from None
+        raise FlowRLError(f"could not load the model in '{pretrained}' with {'/'.join(names)}: {first_line(error)}") from None
     return model.to(device)
-
-
-def _attach_lora(model: torch.nn.Module, family: str, lora: Mapping[str, Any]) -> torch.nn.Module:
-    try:
-        import peft
-    except ImportError:
-        raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
-    unknown = set(lora) - LORA_KEYS
-    if unknown:
-        raise FlowRLError(f"unknown pipeline.lora key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(LORA_KEYS))}.")
-    try:
-        if lora.get("path"):
-            if not Path(str(lora["path"])).is_dir():
-                raise FlowRLError(f"pipeline.lora.path '{lora['path']}' is not an existing directory.")
-            return peft.PeftModel.from_pretrained(model, str(lora["path"]), is_trainable=True)
-        r = int(lora.get("r", 8))
-        cfg = peft.LoraConfig(
-            r=r,
-            lora_alpha=float(lora.get("alpha", 2 * r)),
-            lora_dropout=float(lora.get("dropout", 0.0)),
-            target_modules=lora.get("target_modules") or DEFAULT_LORA_TARGETS[family],
-            bias="none",
-        )
-        return peft.get_peft_model(model, cfg)
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
-        raise FlowRLError(f"could not attach LoRA ({family} family): {_first_line(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _config_dict(pretrained: str) -> dict[str, Any]:
-    """Read config.json without running any code (local directory or hub id)."""
-    from transformers import PretrainedConfig
-
-    path = Path(str(pretrained)).expanduser()
-    if not path.is_dir() and (path.exists() or not _HUB_ID.match(str(pretrained))):
-        raise FlowRLError(f"pipeline.pretrained '{pretrained}' is neither an existing directory nor a hub model id.")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise FlowRLError(f"model directory '{pretrained}' has no config.json.")
-    try:
-        config, _ = PretrainedConfig.get_config_dict(str(path) if path.is_dir() else str(pretrained))
-    except (OSError, ValueError) as e:
-        raise FlowRLError(f"could not read the config of '{pretrained}': {_first_line(e)}") from None
-    return config
 
 
 def _float_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -451,22 +374,12 @@ def _cache_argument(model: torch.nn.Module) -> str | None:
     """The forward's key-value cache keyword (transformers 5.24 renamed ``past_key_values`` to ``cache``), or None."""
     import inspect
 
-    params = inspect.signature(_base(model).forward).parameters
+    params = inspect.signature(base_model(model).forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    return getattr(module, "module", module)  # DDP / accelerate wrappers
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (or the model itself)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
 def _vocab_size(model: torch.nn.Module) -> int:
-    model = _base(model)
+    model = base_model(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if weight is not None:
@@ -478,27 +391,8 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(size)
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise FlowRLError(f"pipeline.dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
-    return DTYPES[dtype]
-
-
-def _device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def _first_not_none(*values):
     return next((v for v in values if v is not None), None)
-
-
-def _first_line(e: BaseException | None) -> str:
-    text = str(e).strip().splitlines()[0] if e is not None and str(e).strip() else type(e).__name__
-    return text if text.endswith(".") else text + "."
 
 
 class DLLMPipelineConfig(PipelineSection):
