@@ -32,6 +32,7 @@ def test_importing_flowrl_is_cheap():
     assert out.strip() == "False ['digits/adjoint_matching']"
 
 
+@pytest.mark.slow
 def test_a_preset_by_name_a_function_as_reward_train_sample_evaluate(tmp_path):
     run = tmp_path / "run"
     trainer = flowrl.Trainer(
@@ -90,6 +91,7 @@ def test_a_config_object_with_overrides_and_text_samples():
     assert greedy[0] == greedy[1]  # temperature 0 (the evaluation's): one answer
 
 
+@pytest.mark.slow
 def test_a_diffusers_pipeline_in_memory_trains_as_its_saved_directory_does(tmp_path):
     """pipeline=<a StableDiffusionPipeline object>: its components are used instead of loading pretrained, and the
     run is the run of the same pipeline saved and loaded by name, bit for bit."""
@@ -172,3 +174,26 @@ def test_several_trainers_with_other_settings_in_one_session(tmp_path):
     assert second.accelerator.mixed_precision == "no"
     third = flowrl.Trainer("digits/grpo", [*base, "pipeline.device=auto"])
     assert third.accelerator.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_every_flowrl_name_the_readme_uses_is_importable():
+    """The README's `flowrl.<name>` attributes and `python -m flowrl.<module>` commands resolve (entry-point groups
+    such as `flowrl.rewards` are names of groups, not modules, and are left out)."""
+    import importlib
+    import re
+
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    groups = {"rewards", "objectives", "pipelines", "samplers", "prompts", "searches"}  # entry-point groups flowrl.<kind>s
+    names = set(re.findall(r"\bflowrl\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", text)) - groups
+    modules = set(re.findall(r"python -m (flowrl[\w.]*)", text))
+    assert {"Trainer", "load_config", "reward", "register_reward"} <= names and modules
+    for name in sorted(names):
+        head, *rest = name.split(".")
+        if rest or head in ("cli",):
+            importlib.import_module(f"flowrl.{name}")
+        else:
+            assert getattr(flowrl, head) is not None, name
+    for module in sorted(modules):
+        assert importlib.util.find_spec(module) is not None, module
