@@ -10,7 +10,7 @@ printed (``flowrl eval --spec``) and says whether each came back bit for bit.
 
     python bench/eval_output_compare.py record --tree /tmp/search_before --out /tmp/evalcmp/before
     python bench/eval_output_compare.py record --tree /work/main --out /tmp/evalcmp/after
-    python bench/eval_output_compare.py compare /tmp/evalcmp/before /tmp/evalcmp/after
+    python bench/eval_output_compare.py compare /tmp/evalcmp/before /tmp/evalcmp/after [--ignore spec.config.train.roles]
     python bench/eval_output_compare.py respec /tmp/evalcmp/before --tree /work/main --out /tmp/evalcmp/respec
 
 Each invocation runs in ``OUT/work`` with ``configs`` linked from the tree, so the paths it prints are the same
@@ -128,6 +128,18 @@ def _mask(value):
     return value
 
 
+def _drop(record, paths: list[str]):
+    """``record`` without the dotted ``paths``."""
+    for path in paths:
+        *parents, last = path.split(".")
+        node = record
+        for key in parents:
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return record
+
+
 def _differences(a, b, path: str = "") -> list[tuple[str, object, object]]:
     """(dotted path, before, after) of every value that differs between two parsed records."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -137,17 +149,19 @@ def _differences(a, b, path: str = "") -> list[tuple[str, object, object]]:
     return [] if a == b else [(path, a, b)]
 
 
-def _normal_stdout(stdout: str) -> list:
+def _normal_stdout(stdout: str, ignore: list[str] = ()) -> list:
     lines = []
     for line in stdout.splitlines():
         try:
-            lines.append(_mask(json.loads(line)))
+            lines.append(_drop(_mask(json.loads(line)), ignore))
         except json.JSONDecodeError:
             lines.append(SECONDS_TEXT.sub("<s>", line))
     return lines
 
 
-def compare(before: Path, after: Path) -> int:
+def compare(before: Path, after: Path, ignore: list[str] = ()) -> int:
+    """Invocation by invocation: equal once the clock is masked? ``ignore``: dotted paths in the printed records whose
+    difference is someone else's change (a config key another change added), reported, not counted."""
     a, b = (json.loads((d / "records.json").read_text()) for d in (before, after))
     differing = 0
     for name in a:
@@ -156,21 +170,27 @@ def compare(before: Path, after: Path) -> int:
             differing += 1
             continue
         ra, rb = a[name], b[name]
+        ignored = [
+            (p, va, vb) for la, lb in zip(_normal_stdout(ra["stdout"]), _normal_stdout(rb["stdout"])) for p, va, vb in _differences(la, lb)
+        ]
+        ignored = [d for d in ignored if d[0] in ignore]
         what = [
             part
             for part, same in (
                 ("exit status", ra["rc"] == rb["rc"]),
-                ("stdout", _normal_stdout(ra["stdout"]) == _normal_stdout(rb["stdout"])),
+                ("stdout", _normal_stdout(ra["stdout"], ignore) == _normal_stdout(rb["stdout"], ignore)),
                 ("stderr's last line", ra["stderr_last"] == rb["stderr_last"]),
                 ("files written", ra["files"] == rb["files"]),
             )
             if not same
         ]
         differing += bool(what)
-        print(f"{name}: {'EQUAL' if not what else 'DIFFERS in ' + ', '.join(what)}")
+        print(f"{name}: {'EQUAL' if not what else 'DIFFERS in ' + ', '.join(what)}" + (f" (ignored: {ignored[0][0]})" if ignored else ""))
         if "stdout" in what:
             for la, lb in zip(_normal_stdout(ra["stdout"]), _normal_stdout(rb["stdout"])):
                 for path, va, vb in _differences(la, lb):
+                    if path in ignore:
+                        continue
                     print(f"    {path or 'line'}: before {str(va)[:300]}\n    {' ' * len(path or 'line')}  after  {str(vb)[:300]}")
         if "stderr's last line" in what:
             print(f"    before: {ra['stderr_last']}\n    after:  {rb['stderr_last']}")
@@ -208,6 +228,7 @@ def main() -> int:
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
+    c.add_argument("--ignore", nargs="*", default=[], metavar="PATH", help="dotted paths of the records not compared (reported)")
     s = sub.add_parser("respec")
     s.add_argument("before", type=Path)
     s.add_argument("--tree", type=Path, required=True)
@@ -217,7 +238,7 @@ def main() -> int:
         record(args.tree.resolve(), args.out.resolve(), args.only or list(INVOCATIONS))
         return 0
     if args.command == "compare":
-        return compare(args.before, args.after)
+        return compare(args.before, args.after, args.ignore)
     return respec(args.before, args.tree.resolve(), args.out.resolve())
 
 
