@@ -138,33 +138,30 @@ def _load_snippet(config, kind: str, where: str, files: frozenset[str] = frozens
     )
 
 
-def build_model_card(
-    checkpoint: Path,
-    config,
-    kind: Literal["full", "lora"],
-    where: str,
-    license: str | None = None,
-    grid_caption: str | None = None,
-    files: frozenset[str] = frozenset(),
-):
-    """The ``huggingface_hub.ModelCard`` of ``checkpoint`` exported as ``kind``; ``where``: the path or repo id
-    the load snippet names; ``grid_caption``: set when the sample grid was copied beside the card."""
-    from huggingface_hub import ModelCard, ModelCardData
+def _summary(run: Path | None) -> dict[str, Any]:
+    """The run's summary.json, or {} (no run directory, no summary, or one cut by a crash)."""
+    if run is None or not (run / "summary.json").is_file():
+        return {}
+    try:
+        return json.loads((run / "summary.json").read_text())
+    except ValueError:
+        return {}
 
-    checkpoint = Path(checkpoint)
-    p, o, r = config.pipeline, config.objective, config.reward
-    run, step = _run_dir(checkpoint), _step(checkpoint)
-    summary = {}
-    if run is not None and (run / "summary.json").is_file():
-        try:
-            summary = json.loads((run / "summary.json").read_text())
-        except ValueError:
-            summary = {}
+
+def _hub_base(p: Any) -> bool:
+    """Whether the base model is a hub repository (a link and ``base_model`` in the card) rather than an embedded or local one."""
+    return p.name not in EMBEDDED and p.modality != "text" and not Path(p.pretrained).exists() and "/" in p.pretrained
+
+
+def _card_data(config, kind: str, license: str | None):
+    """The card's YAML front matter."""
+    from huggingface_hub import ModelCardData
+
+    p, o = config.pipeline, config.objective
     text = p.modality == "text"  # a diffusion language model
-    hub_base = p.name not in EMBEDDED and not text and not Path(p.pretrained).exists() and "/" in p.pretrained
-    data = ModelCardData(
+    return ModelCardData(
         library_name="transformers" if text else "diffusers",
-        base_model=p.pretrained if hub_base else None,
+        base_model=p.pretrained if _hub_base(p) else None,
         license=license,
         pipeline_tag="text-generation"
         if text
@@ -173,19 +170,27 @@ def build_model_card(
         else VIDEO.get(p.name, None if p.name == "toy2d" else "text-to-image"),
         tags=["flowrl", "reinforcement-learning", o.name, *(["lora"] if kind == "lora" else []), p.name],
     )
+
+
+def _base_text(p: Any) -> str:
+    """The base model as the card names it: a hub link, or where it comes from."""
+    if _hub_base(p):
+        return f"[`{p.pretrained}`](https://huggingface.co/{p.pretrained})"
+    where = "embedded in flowrl" if p.name in EMBEDDED or p.pretrained in ("arith_mdlm", "arith_bd3lm") else "a local model directory"
+    return f"`{p.pretrained}` ({where})"
+
+
+def _training_section(config, kind: str, step: int | None) -> list[str]:
+    """The title, what the export is, and the run's method, sampler, reward, key config and prompts."""
+    p, o, r, tc = config.pipeline, config.objective, config.reward, config.train
     lora = getattr(p, "lora", None)
     kind_text = (
         "a LoRA (`pytorch_lora_weights.safetensors`)"
         if kind == "lora"
         else "the full model" + (" with the LoRA merged into the denoiser" if lora else "")
     )
-    base_text = (
-        f"[`{p.pretrained}`](https://huggingface.co/{p.pretrained})"
-        if hub_base
-        else f"`{p.pretrained}` ({'embedded in flowrl' if p.name in EMBEDDED or p.pretrained in ('arith_mdlm', 'arith_bd3lm') else 'a local model directory'})"
-    )
-    tc = config.train
-    lines = [
+    base_text = _base_text(p)
+    return [
         f"# {o.name.upper()} fine-tune of {p.pretrained}",
         "",
         f"This is {kind_text}, fine-tuned from {base_text} with reinforcement learning by "
@@ -212,63 +217,94 @@ def build_model_card(
         "## Held-out metrics",
         "",
     ]
-    records = _eval_records(run)
-    first = records.get(min(records)) if records else None
-    mine = records.get(step) if step is not None else None
-    if first is None:
-        lines.append("No run metrics were found next to this checkpoint (it is not inside its run directory).")
-    else:
-        mine_step = step if mine is not None else None
-        if mine is None:  # this step was not evaluated: show the nearest earlier evaluation, and say so
-            earlier = [s for s in records if step is None or s <= step]
-            mine_step = max(earlier) if earlier else None
-            mine = records.get(mine_step) if mine_step is not None else None
-        keys = [
-            "eval/reward/mean",
-            *sorted(k for k in first if k.startswith("eval/reward/") and k != "eval/reward/mean"),
-            *[k for k in ("eval/judge/mean", "eval/diversity") if k in first],
-        ]
-        lines += [
-            f"Evaluated on held-out prompts and seeds with the deterministic sampler (samples per prompt: {config.eval.samples_per_prompt}"
-            "); `eval/reward/mean` is the training reward, the judge is scored on the evaluation only.",
-            "",
-            f"| metric | before training (step {min(records)}) | this model (step {_fmt(mine_step)}) |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| `{k}` | {_fmt(first.get(k))} | {_fmt((mine or {}).get(k))} |"
-            for k in keys
-            if first.get(k) is not None or (mine or {}).get(k) is not None
-        ]
-        if mine_step != step:
-            lines += ["", f"Step {step} was not evaluated; the right column is the nearest earlier evaluation."]
-        if summary:
-            lines += [
-                "",
-                f"Run: {summary.get('iterations_completed')} of {summary.get('iterations_planned')} iterations "
-                f"({summary.get('status')}); held-out reward {_fmt(summary.get('eval_reward_initial'))} → "
-                f"{_fmt(summary.get('eval_reward_final'))} at step {_fmt(summary.get('eval_reward_final_step'))}.",
-            ]
-    spec = summary.get("eval_spec") if isinstance(summary.get("eval_spec"), dict) else None
-    if spec is not None:
-        shown = {k: v for k, v in spec.items() if k != "config"}  # the resolved config is long; it is in summary.json
+
+
+def _evaluated_step(records: dict[int, dict[str, Any]], step: int | None) -> int | None:
+    """The step whose metrics stand for this checkpoint: its own, else the nearest earlier evaluation (None: none)."""
+    if step is not None and step in records:
+        return step
+    earlier = [s for s in records if step is None or s <= step]
+    return max(earlier) if earlier else None
+
+
+def _metrics_section(config, records: dict[int, dict[str, Any]], step: int | None, summary: dict[str, Any]) -> list[str]:
+    """The held-out metrics before training and at this checkpoint (or the nearest earlier evaluation), and the run's summary."""
+    if not records:
+        return ["No run metrics were found next to this checkpoint (it is not inside its run directory)."]
+    first = records[min(records)]
+    mine_step = _evaluated_step(records, step)
+    mine = records.get(mine_step) if mine_step is not None else None
+    keys = [
+        "eval/reward/mean",
+        *sorted(k for k in first if k.startswith("eval/reward/") and k != "eval/reward/mean"),
+        *[k for k in ("eval/judge/mean", "eval/diversity") if k in first],
+    ]
+    lines = [
+        f"Evaluated on held-out prompts and seeds with the deterministic sampler (samples per prompt: {config.eval.samples_per_prompt}"
+        "); `eval/reward/mean` is the training reward, the judge is scored on the evaluation only.",
+        "",
+        f"| metric | before training (step {min(records)}) | this model (step {_fmt(mine_step)}) |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| `{k}` | {_fmt(first.get(k))} | {_fmt((mine or {}).get(k))} |"
+        for k in keys
+        if first.get(k) is not None or (mine or {}).get(k) is not None
+    ]
+    if mine_step != step:
+        lines += ["", f"Step {step} was not evaluated; the right column is the nearest earlier evaluation."]
+    if summary:
         lines += [
             "",
-            "### Evaluation spec",
-            "",
-            f"The run's final held-out numbers (step {_fmt(summary.get('eval_reward_final_step'))}) were measured as this "
-            "versioned spec records: weights hash, sampler, steps, guidance, seeds, prompt set and its hash, reward, judge "
-            "and library versions. The complete spec, with the resolved config, is `eval_spec` in the run's `summary.json`; "
-            "`flowrl eval --spec RUN/summary.json` re-runs that evaluation and says whether it comes back bit for bit.",
-            "",
-            "<details><summary>eval spec</summary>",
-            "",
-            "```json",
-            json.dumps(shown, indent=2),
-            "```",
-            "",
-            "</details>",
+            f"Run: {summary.get('iterations_completed')} of {summary.get('iterations_planned')} iterations "
+            f"({summary.get('status')}); held-out reward {_fmt(summary.get('eval_reward_initial'))} → "
+            f"{_fmt(summary.get('eval_reward_final'))} at step {_fmt(summary.get('eval_reward_final_step'))}.",
         ]
+    return lines
+
+
+def _spec_section(summary: dict[str, Any]) -> list[str]:
+    """The evaluation spec the run's final numbers were measured under (none when the summary has none)."""
+    spec = summary.get("eval_spec")
+    if not isinstance(spec, dict):
+        return []
+    shown = {k: v for k, v in spec.items() if k != "config"}  # the resolved config is long; it is in summary.json
+    return [
+        "",
+        "### Evaluation spec",
+        "",
+        f"The run's final held-out numbers (step {_fmt(summary.get('eval_reward_final_step'))}) were measured as this "
+        "versioned spec records: weights hash, sampler, steps, guidance, seeds, prompt set and its hash, reward, judge "
+        "and library versions. The complete spec, with the resolved config, is `eval_spec` in the run's `summary.json`; "
+        "`flowrl eval --spec RUN/summary.json` re-runs that evaluation and says whether it comes back bit for bit.",
+        "",
+        "<details><summary>eval spec</summary>",
+        "",
+        "```json",
+        json.dumps(shown, indent=2),
+        "```",
+        "",
+        "</details>",
+    ]
+
+
+def build_model_card(
+    checkpoint: Path,
+    config,
+    kind: Literal["full", "lora"],
+    where: str,
+    license: str | None = None,
+    grid_caption: str | None = None,
+    files: frozenset[str] = frozenset(),
+):
+    """The ``huggingface_hub.ModelCard`` of ``checkpoint`` exported as ``kind``; ``where``: the path or repo id
+    the load snippet names; ``grid_caption``: set when the sample grid was copied beside the card."""
+    from huggingface_hub import ModelCard
+
+    checkpoint = Path(checkpoint)
+    run, step = _run_dir(checkpoint), _step(checkpoint)
+    summary = _summary(run)
+    lines = _training_section(config, kind, step) + _metrics_section(config, _eval_records(run), step, summary) + _spec_section(summary)
     lines += ["", "## Samples", ""]
     lines.append(
         f"![{grid_caption}]({GRID_FILE})\n\n*{grid_caption}*" if grid_caption else "No sample grid was found next to this checkpoint."
@@ -277,10 +313,10 @@ def build_model_card(
     lines.append(
         f"`{license}`."
         if license
-        else f"This model inherits the license of its base model, {base_text}; read it before you use or share this model."
+        else f"This model inherits the license of its base model, {_base_text(config.pipeline)}; read it before you use or share this model."
     )
     body = "\n".join(lines) + "\n"
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+    return ModelCard(f"---\n{_card_data(config, kind, license).to_yaml()}\n---\n\n{body}")
 
 
 def write_model_card(
