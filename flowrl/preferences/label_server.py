@@ -146,42 +146,57 @@ class LabelSession:
         return 200, self.answer(last["pair"], undone=last["pair"])
 
 
-def build_app(session: LabelSession, token: str | None, port: int, loopback: bool):
-    """The Starlette application. ``token``: required on every request when set (header, ``?token=`` or the
-    cookie the page gets with it). ``loopback``: only Host headers naming a loopback address and ``port``."""
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
-    from starlette.routing import Route
+def _refuse(status: int, sentence: str, api: bool):
+    """A refusal in one sentence: JSON for the page's API calls, plain text otherwise; with the security headers."""
+    from starlette.responses import JSONResponse, PlainTextResponse
 
+    body = JSONResponse({"error": sentence}, status) if api else PlainTextResponse(sentence + "\n", status)
+    body.headers.update(SECURITY_HEADERS)
+    return body
+
+
+def _refusal(request: Any, allowed_hosts: set[str] | None, token: str | None, cookie: str) -> tuple[int, str] | None:
+    """(status, sentence) when the guard refuses ``request``: a Host that is not loopback (``allowed_hosts``), a wrong
+    or missing token, or a POST that is not JSON; None when it passes."""
+    if allowed_hosts is not None and request.headers.get("host") not in allowed_hosts:
+        return 403, "this labelling server answers only requests addressed to 127.0.0.1 or localhost."
+    if token is not None:
+        given = request.headers.get(TOKEN_HEADER) or request.query_params.get("token") or request.cookies.get(cookie) or ""
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            return (
+                401,
+                "this labelling server needs its access token: open the address that `flowrl label` printed (it ends in ?token=...).",
+            )
+    if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        return 415, "labels are sent as JSON (Content-Type: application/json); nothing was saved."
+    return None
+
+
+def _guard(token: str | None, port: int, loopback: bool):
+    """The middleware's dispatch: refuses what ``_refusal`` names, adds the security headers to every answer and hands
+    the page its token cookie."""
     allowed_hosts = {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]")} if loopback else None
     # cookies are not kept apart by port: the name carries it. SameSite=Strict: never sent by another site's page
     cookie = f"flowrl_label_token_{port}"
 
-    def refuse(status: int, sentence: str, api: bool) -> Response:
-        body = JSONResponse({"error": sentence}, status) if api else PlainTextResponse(sentence + "\n", status)
-        body.headers.update(SECURITY_HEADERS)
-        return body
-
-    async def guard(request: Request, call_next):
-        api = request.url.path.startswith("/api/")
-        if allowed_hosts is not None and request.headers.get("host") not in allowed_hosts:
-            return refuse(403, "this labelling server answers only requests addressed to 127.0.0.1 or localhost.", api)
-        if token is not None:
-            given = request.headers.get(TOKEN_HEADER) or request.query_params.get("token") or request.cookies.get(cookie) or ""
-            if not secrets.compare_digest(given.encode(), token.encode()):
-                return refuse(
-                    401,
-                    "this labelling server needs its access token: open the address that `flowrl label` printed (it ends in ?token=...).",
-                    api,
-                )
-        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            return refuse(415, "labels are sent as JSON (Content-Type: application/json); nothing was saved.", api)
+    async def guard(request, call_next):
+        refusal = _refusal(request, allowed_hosts, token, cookie)
+        if refusal is not None:
+            return _refuse(*refusal, api=request.url.path.startswith("/api/"))
         response = await call_next(request)
         response.headers.update(SECURITY_HEADERS)
         if token is not None and request.url.path == "/":  # the page's own script, style and images then need no ?token=
             response.set_cookie(cookie, token, httponly=True, samesite="strict")
         return response
+
+    return guard
+
+
+def _routes(session: LabelSession) -> list[Any]:
+    """The page, its assets and images, and the API that reads the state and records a label or an undo."""
+    from starlette.requests import Request
+    from starlette.responses import FileResponse, JSONResponse, Response
+    from starlette.routing import Route
 
     def asset(name: str, media_type: str):
         async def endpoint(request: Request) -> Response:
@@ -196,7 +211,7 @@ def build_app(session: LabelSession, token: str | None, port: int, loopback: boo
         pair, slot = int(request.path_params["pair"]), request.path_params["slot"]
         path = image_path(session.directory, pair, slot) if slot in SLOTS and 0 <= pair < len(session.prompts) else None
         if path is None or not path.is_file():
-            return refuse(404, f"no image {slot} for pair {pair} in '{session.directory}'.", False)
+            return _refuse(404, f"no image {slot} for pair {pair} in '{session.directory}'.", False)
         return FileResponse(path, media_type="image/png")
 
     async def body(request: Request) -> dict[str, Any]:
@@ -215,10 +230,7 @@ def build_app(session: LabelSession, token: str | None, port: int, loopback: boo
         status, answer = session.undo((await body(request)).get("seq"))
         return JSONResponse(answer, status)
 
-    from starlette.middleware import Middleware
-    from starlette.middleware.base import BaseHTTPMiddleware
-
-    routes = [
+    return [
         Route("/", asset("index.html", "text/html")),
         Route("/label.js", asset("label.js", "text/javascript")),
         Route("/label.css", asset("label.css", "text/css")),
@@ -227,7 +239,16 @@ def build_app(session: LabelSession, token: str | None, port: int, loopback: boo
         Route("/api/label", label, methods=["POST"]),
         Route("/api/undo", undo, methods=["POST"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(BaseHTTPMiddleware, dispatch=guard)])
+
+
+def build_app(session: LabelSession, token: str | None, port: int, loopback: bool):
+    """The Starlette application. ``token``: required on every request when set (header, ``?token=`` or the
+    cookie the page gets with it). ``loopback``: only Host headers naming a loopback address and ``port``."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    return Starlette(routes=_routes(session), middleware=[Middleware(BaseHTTPMiddleware, dispatch=_guard(token, port, loopback))])
 
 
 def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8765) -> int:
