@@ -163,6 +163,47 @@ def _num_to_unmask(scores: Tensor, eligible: Tensor, scheduled: int, threshold: 
     return above.clamp_min(1).minimum(n_eligible)
 
 
+@dataclass(frozen=True)
+class _Denoising:
+    """One generation's settings and the step both of its loops (the full sequence, the cached block) take: the block
+    plan, how tokens are drawn and which positions a step commits, in one order, so both draw from the generator
+    alike."""
+
+    gen_length: int
+    steps: int
+    block_length: int
+    mask_token_id: int
+    temperature: float
+    remasking: str
+    threshold: float | None
+    position_scorer: PositionScorer | None
+    generator: torch.Generator | RowGenerators | None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    def skips(self, eligible: Tensor, scheduled: int) -> bool:
+        """Nothing to commit (no eligible position, or a fixed schedule's zero): the step's forward pass is skipped."""
+        return not eligible.any() or (self.threshold is None and scheduled == 0)
+
+    def step(
+        self, logits: Tensor, state: Tensor, eligible: Tensor, scheduled: int, last_step: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(tokens, their log-probs, scores, how many each row commits) of one step over the positions ``state`` (B, n)
+        with ``logits`` (B, n, V); ineligible positions score -inf."""
+        # The mask token is never a valid output: committing it would leave a hole the record calls filled.
+        x0 = gumbel_sample(logits, self.temperature, self.generator, exclude=self.mask_token_id)
+        log_p = _token_log_probs(logits, x0)
+        scores = _scores(logits, log_p, state, self.remasking, self.position_scorer, self.generator, self.temperature)
+        scores = scores.masked_fill(~eligible, float("-inf"))
+        return x0, log_p, scores, _num_to_unmask(scores, eligible, scheduled, self.threshold, last_step)
+
+
 @dataclass
 class _Recorder:
     """The growing record of a generation: completion (B, G) and per-position unmask step, rank, log-prob."""
@@ -290,45 +331,29 @@ def generate(
     random draws cover the current block only, so at a temperature its samples differ from ``none``'s, while the
     greedy tokens and every recorded log-prob are those of the full-sequence block-causal forward.
     """
-    num_blocks = _check_args(gen_length, steps, block_length, remasking, threshold, position_scorer)
+    _check_args(gen_length, steps, block_length, remasking, threshold, position_scorer)
     check_kv_cache(lm, block_length, kv_cache, remasking, logit_shift)
+    run = _Denoising(gen_length, steps, block_length, lm.mask_token_id, temperature, remasking, threshold, position_scorer, generator)
     if kv_cache == "exact":
-        return _generate_cached(lm, prompt_ids, prompt_mask, gen_length, steps, block_length, temperature, remasking, threshold, generator)
-    steps_per_block = steps // num_blocks
-    schedule = transfer_schedule(block_length, steps_per_block)
+        return _generate_cached(lm, prompt_ids, prompt_mask, run)
+    schedule = transfer_schedule(block_length, run.steps_per_block)
     rec = _Recorder.start(prompt_ids, gen_length, lm.mask_token_id)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(rec.completion, dtype=prompt_mask.dtype)], dim=1)
     positions = torch.arange(gen_length, device=prompt_ids.device)
-    for block in range(num_blocks):
+    for block in range(run.num_blocks):
         in_block = (positions >= block * block_length) & (positions < (block + 1) * block_length)
-        for s in range(steps_per_block):
+        for s in range(run.steps_per_block):
             eligible = (rec.unmask_step < 0) & in_block
-            if not eligible.any() or (threshold is None and schedule[s] == 0):
+            if run.skips(eligible, schedule[s]):
                 continue  # nothing to commit: skip the forward pass
             logits = lm.logits(torch.cat([prompt_ids, rec.completion], dim=1), attention_mask=attention_mask)
             logits = (shift_logits(logits) if logit_shift else logits)[:, prompt_ids.shape[1] :]
-            # The mask token is never a valid output: committing it would leave a hole the record calls filled.
-            x0 = gumbel_sample(logits, temperature, generator, exclude=lm.mask_token_id)
-            log_p = _token_log_probs(logits, x0)
-            scores = _scores(logits, log_p, rec.completion, remasking, position_scorer, generator, temperature)
-            scores = scores.masked_fill(~eligible, float("-inf"))
-            k = _num_to_unmask(scores, eligible, schedule[s], threshold, s == steps_per_block - 1)
-            rec.commit(x0, log_p, scores, k, block * steps_per_block + s)
+            x0, log_p, scores, k = run.step(logits, rec.completion, eligible, schedule[s], s == run.steps_per_block - 1)
+            rec.commit(x0, log_p, scores, k, block * run.steps_per_block + s)
     return rec.trajectory(prompt_ids, prompt_mask, steps)
 
 
-def _generate_cached(
-    lm: MaskedLM,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    gen_length: int,
-    steps: int,
-    block_length: int,
-    temperature: float,
-    remasking: Remasking,
-    threshold: float | None,
-    generator: torch.Generator | RowGenerators | None,
-) -> TokenTrajectory:
+def _generate_cached(lm: MaskedLM, prompt_ids: Tensor, prompt_mask: Tensor, run: _Denoising) -> TokenTrajectory:
     """:func:`generate` with the prompt and finished blocks in a key-value cache (block-causal models).
 
     One forward puts the prompt in the cache. Each step then runs only the current block's tokens; the first step of
@@ -336,36 +361,31 @@ def _generate_cached(
     block costs no extra forward. After each step the current block's own keys and values are dropped again, since
     its tokens change. Block-causal attention makes every kept key and value exactly what the full sequence gives.
     """
-    num_blocks, P = gen_length // block_length, prompt_ids.shape[1]
-    steps_per_block = steps // num_blocks
-    schedule = transfer_schedule(block_length, steps_per_block)
+    block_length, gen_length, P = run.block_length, run.gen_length, prompt_ids.shape[1]
+    schedule = transfer_schedule(block_length, run.steps_per_block)
     rec = _Recorder.start(prompt_ids, gen_length, lm.mask_token_id)
     keys = torch.cat([prompt_mask, torch.ones_like(rec.completion, dtype=prompt_mask.dtype)], dim=1)
     cache = lm.new_cache()
     lm.cached_logits(prompt_ids, keys[:, :P], cache)
     finished = 0  # completion positions whose keys and values are in the cache
-    for block in range(num_blocks):
+    for block in range(run.num_blocks):
         lo, hi = block * block_length, (block + 1) * block_length
-        for s in range(steps_per_block):
+        for s in range(run.steps_per_block):
             eligible = rec.unmask_step[:, lo:hi] < 0
-            if not eligible.any() or (threshold is None and schedule[s] == 0):
+            if run.skips(eligible, schedule[s]):
                 continue
             logits = lm.cached_logits(rec.completion[:, finished:hi], keys[:, : P + hi], cache)[:, -block_length:]
             lm.drop_from_cache(cache, block_length)  # keep the finished block just run, drop the current one
             finished = lo
-            x0 = gumbel_sample(logits, temperature, generator, exclude=lm.mask_token_id)
-            log_p = _token_log_probs(logits, x0)
-            scores = _scores(logits, log_p, rec.completion[:, lo:hi], remasking, None, generator, temperature)
-            scores = scores.masked_fill(~eligible, float("-inf"))
-            k = _num_to_unmask(scores, eligible, schedule[s], threshold, s == steps_per_block - 1)
+            x0, log_p, scores, k = run.step(logits, rec.completion[:, lo:hi], eligible, schedule[s], s == run.steps_per_block - 1)
             rec.commit(
                 _widen(x0, lo, gen_length, 0),
                 _widen(log_p, lo, gen_length, 0.0),
                 _widen(scores, lo, gen_length, float("-inf")),
                 k,
-                block * steps_per_block + s,
+                block * run.steps_per_block + s,
             )
-    return rec.trajectory(prompt_ids, prompt_mask, steps)
+    return rec.trajectory(prompt_ids, prompt_mask, run.steps)
 
 
 def _widen(block_values: Tensor, start: int, length: int, fill: float) -> Tensor:
