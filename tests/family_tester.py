@@ -9,7 +9,8 @@ variant of a family (v-prediction, another objective) is a subclass. The family'
 as plain functions of its module.
 
 Each check keeps the tolerances the families' own copies had (the class attributes say them per family); a hook
-that adds assertions for one family runs after the shared ones.
+that adds assertions for one family runs after the shared ones. The training checks (two real iterations) are
+marked slow: ``make test-fast`` (``pytest -m "not slow"``) leaves them out, ``make test`` runs them.
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ def assert_ddpm_grid_step(adapter, steps: int, theirs: torch.Tensor) -> None:
     ours = adapter.timestep(adapter.schedule.sigmas(steps))
     assert ours[-1] == -1 and torch.equal(ours[:-1], theirs.to(torch.int64)), (steps, ours, theirs)
     assert torch.equal(theirs.to(torch.int64).double(), theirs.double())
+
+
+def tiny_checkpoint(build: Callable[..., Path], *args, **kwargs):
+    """A module fixture (assigned to the fixture's name): the directory into which ``build(directory, *args,
+    **kwargs)`` saves a tiny checkpoint, built once per test module."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint_directory(tmp_path_factory):
+        return build(tmp_path_factory.mktemp(build.__name__.removeprefix("build_")), *args, **kwargs)
+
+    return checkpoint_directory
 
 
 def with_scheduler(directory, tmp_path: Path, scheduler) -> Path:
@@ -330,6 +342,7 @@ class FamilyTesterMixin:
     def check_grpo_run(self, trainer) -> None:
         """Further assertions on the trained GRPO run."""
 
+    @pytest.mark.slow
     def test_two_grpo_iterations(self):
         """Two GRPO iterations change every trainable tensor; re-scoring the rollout at unchanged weights gives ratio 1."""
         trainer = two_iterations_change_every_parameter(self.config(**self.grpo_overrides))
@@ -338,6 +351,7 @@ class FamilyTesterMixin:
         assert self.prediction_type is None or trainer.pipeline.prediction_type == self.prediction_type
         self.check_grpo_run(trainer)
 
+    @pytest.mark.slow
     def test_two_adjoint_matching_iterations(self):
         """Adjoint Matching (the memoryless sampler of the family's kind, the reward's gradient through the VAE
         decoder) changes every trainable tensor."""
@@ -346,6 +360,7 @@ class FamilyTesterMixin:
             as_adjoint_matching(overrides, flow=self.flow, guidance_mode=self.adjoint_matching_guidance_mode)
         )
 
+    @pytest.mark.slow
     def test_two_diffusion_nft_iterations(self):
         """DiffusionNFT (deterministic ODE rollouts, the forward-process loss) changes every trainable tensor."""
         overrides = self.config(**self.diffusion_nft_overrides)
@@ -365,6 +380,7 @@ class FamilyTesterMixin:
         """The prompts (and metadata) of the samples the round trip compares."""
         return list(self.prompts), self.metadata()
 
+    @pytest.mark.slow
     def test_lora_round_trip_through_diffusers_load_lora_weights(self):
         """Two LoRA GRPO iterations (every adapter tensor moves, ratio 1); the run's checkpoint loaded into the base
         checkpoint with the pipeline's own load_lora_weights reproduces flowrl's samples, which differ from the base

@@ -155,6 +155,7 @@ class TestAmusedDDPO(TestAmused):
     grpo_overrides = {**TestAmused.grpo_overrides, "objective.name": "ddpo"}
 
 
+@pytest.mark.slow
 def test_two_grpo_iterations_lora(amused_dir, tmp_path):
     """LoRA on the transformer's attention: every adapter tensor moves, the base stays, and the checkpoint's
     diffusers-format adapter loads back into a fresh UVit2DModel with load_lora_adapter."""

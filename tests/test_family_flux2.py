@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, Grid, flow_match, with_model_index
+from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, Grid, flow_match, tiny_checkpoint, with_model_index
 from tests.tiny_components import CORPUS, euler_final_latents, family_config, flux_dynamic_scheduler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,14 +149,8 @@ def build_tiny_flux2(directory, variant: str = "dev", dynamic: bool = True, is_d
     return directory
 
 
-@pytest.fixture(scope="module")
-def dev_dir(tmp_path_factory):
-    return build_tiny_flux2(tmp_path_factory.mktemp("tiny_flux2_dev"), "dev")
-
-
-@pytest.fixture(scope="module")
-def klein_dir(tmp_path_factory):
-    return build_tiny_flux2(tmp_path_factory.mktemp("tiny_flux2_klein_base"), "klein")
+dev_dir = tiny_checkpoint(build_tiny_flux2, "dev")
+klein_dir = tiny_checkpoint(build_tiny_flux2, "klein")
 
 
 def load(directory, variant: str = "dev", **kwargs):
@@ -225,6 +219,10 @@ class TestFlux2Dev(EmbeddedGuidanceTesterMixin, Flux2Tester):
     grids = {"dynamic": Grid(), "static": Grid(flow_match(shift=3.0))}
     guidance_embedder, embedded_guidance_scale = "time_guidance_embed.guidance_embedder", 4.0
 
+    @pytest.mark.slow  # over 5 s a grid: FLUX.2's pipeline call is the slowest of the families'
+    def test_default_grid_is_the_pipelines_for_k_1_to_50(self, grid):
+        super().test_default_grid_is_the_pipelines_for_k_1_to_50(grid)
+
     def check_conditioning(self, adapter, pipe, case):
         """Chat template + stacked layers (10, 20, 30), 4-D ids, as Flux2Pipeline.encode_prompt."""
         assert adapter.variant == "dev" and adapter.guidance_mode == "embedded" and adapter.lora_pipeline_class == "Flux2Pipeline"
@@ -269,6 +267,10 @@ class TestFlux2Klein(Flux2Tester):
     variant, checkpoint, pipeline_class = "klein", "klein_dir", "Flux2KleinPipeline"
     test_default_grid_is_the_pipelines_for_k_1_to_50 = None
     test_two_grpo_iterations = None
+
+    @pytest.mark.slow  # about 4 s with the 27-layer text encoder
+    def test_sampler_equals_the_diffusers_pipeline(self, oracle_case):
+        super().test_sampler_equals_the_diffusers_pipeline(oracle_case)
 
     def check_conditioning(self, adapter, pipe, case):
         assert adapter.variant == "klein" and not adapter.step_distilled and adapter.guidance_mode == "cfg"

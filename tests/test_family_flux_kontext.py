@@ -13,17 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin
-from tests.tiny_components import (
-    family_config,
-    flux_dynamic_scheduler,
-    ode_sample,
-    tiny_clip_text,
-    tiny_flux_transformer,
-    tiny_flux_vae,
-    tiny_t5,
-    tiny_tokenizer,
-)
+from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, tiny_checkpoint
+from tests.tiny_components import family_config, ode_sample, tiny_flux_components
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,22 +33,11 @@ def build_tiny_kontext(directory):
     shift, a 4-channel VAE with FLUX's scaling and shift factors."""
     from diffusers import FluxKontextPipeline
 
-    transformer, scheduler, vae = tiny_flux_transformer(guidance_embeds=True), flux_dynamic_scheduler(), tiny_flux_vae()
-    FluxKontextPipeline(
-        transformer=transformer,
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=tiny_clip_text(seed=1),
-        tokenizer=tiny_tokenizer(),
-        text_encoder_2=tiny_t5(d_model=32),
-        tokenizer_2=tiny_tokenizer(),
-    ).save_pretrained(directory)
+    FluxKontextPipeline(**tiny_flux_components(guidance_embeds=True)).save_pretrained(directory)
     return directory
 
 
-@pytest.fixture(scope="module")
-def kontext_dir(tmp_path_factory):
-    return build_tiny_kontext(tmp_path_factory.mktemp("tiny_kontext"))
+kontext_dir = tiny_checkpoint(build_tiny_kontext)
 
 
 @pytest.fixture(scope="module")

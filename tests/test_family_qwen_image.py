@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.family_tester import FamilyTesterMixin, Grid
-from tests.tiny_components import euler_final_latents, family_config
+from tests.family_tester import FamilyTesterMixin, Grid, tiny_checkpoint
+from tests.tiny_components import euler_final_latents, family_config, tiny_causal_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,23 +99,6 @@ def tiny_qwen_vl(tokenizer, hidden: int = 32):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def tiny_qwen_vae():
-    """AutoencoderKLQwenImage: 8x spatial compression (as the real one), 4 latent channels with a non-trivial
-    latents mean / std."""
-    from diffusers import AutoencoderKLQwenImage
-
-    torch.manual_seed(0)
-    return AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 2, 2, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0],
-        latents_std=[1.5, 0.8, 1.2, 2.0],
-    ).eval()
-
-
 def tiny_qwen_transformer(**kwargs):
     from diffusers import QwenImageTransformer2DModel
 
@@ -139,7 +122,7 @@ def build_tiny_qwen_image(directory):
     tokenizer = tiny_qwen_tokenizer()
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
-        vae=tiny_qwen_vae(),
+        vae=tiny_causal_vae("AutoencoderKLQwenImage", base_dim=8, dim_mult=(1, 2, 2, 2)),  # 8x spatial compression, as the real one
         text_encoder=tiny_qwen_vl(tokenizer),
         tokenizer=tokenizer,
         transformer=tiny_qwen_transformer(),
@@ -148,9 +131,7 @@ def build_tiny_qwen_image(directory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny_qwen_image"))
+qwen_dir = tiny_checkpoint(build_tiny_qwen_image)
 
 
 def load(name: str, directory, **kwargs):
@@ -207,7 +188,7 @@ def build_tiny_qwen_edit(directory, plus: bool = False):
     cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
     pipe = cls(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
-        vae=tiny_qwen_vae(),
+        vae=tiny_causal_vae("AutoencoderKLQwenImage", base_dim=8, dim_mult=(1, 2, 2, 2)),  # 8x spatial compression, as the real one
         text_encoder=tiny_qwen_vl(tokenizer),
         tokenizer=tokenizer,
         processor=None,
@@ -250,14 +231,8 @@ def qwen2vl_processor(directory):
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-@pytest.fixture(scope="module")
-def edit_dir(tmp_path_factory):
-    return build_tiny_qwen_edit(tmp_path_factory.mktemp("tiny_qwen_edit"))
-
-
-@pytest.fixture(scope="module")
-def edit_plus_dir(tmp_path_factory):
-    return build_tiny_qwen_edit(tmp_path_factory.mktemp("tiny_qwen_edit_plus"), plus=True)
+edit_dir = tiny_checkpoint(build_tiny_qwen_edit)
+edit_plus_dir = tiny_checkpoint(build_tiny_qwen_edit, plus=True)
 
 
 @pytest.fixture(scope="module")

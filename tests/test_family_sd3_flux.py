@@ -9,17 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, Grid, flow_match
-from tests.tiny_components import (
-    flux_dynamic_scheduler,
-    ode_sample,
-    tiny_clip_text,
-    tiny_flux_transformer,
-    tiny_flux_vae,
-    tiny_t5,
-    tiny_tokenizer,
-    tiny_vae,
-)
+from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, Grid, flow_match, tiny_checkpoint
+from tests.tiny_components import ode_sample, tiny_clip_text, tiny_flux_components, tiny_t5, tiny_tokenizer, tiny_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,28 +58,12 @@ def build_tiny_flux(directory, guidance_embeds: bool = True):
     """FLUX.1-shaped: one double- and one single-stream block, guidance embedding (dev) or not (schnell)."""
     from diffusers import FluxPipeline
 
-    transformer, scheduler, vae = tiny_flux_transformer(guidance_embeds), flux_dynamic_scheduler(), tiny_flux_vae()
-    pipe = FluxPipeline(
-        transformer=transformer,
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=tiny_clip_text(seed=1),
-        tokenizer=tiny_tokenizer(),
-        text_encoder_2=tiny_t5(d_model=32),
-        tokenizer_2=tiny_tokenizer(),
-    )
-    pipe.save_pretrained(directory)
+    FluxPipeline(**tiny_flux_components(guidance_embeds)).save_pretrained(directory)
     return directory
 
 
-@pytest.fixture(scope="module")
-def sd3_dir(tmp_path_factory):
-    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"))
-
-
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux"))
+sd3_dir = tiny_checkpoint(build_tiny_sd3)
+flux_dir = tiny_checkpoint(build_tiny_flux)
 
 
 def load(name: str, directory, **kwargs):

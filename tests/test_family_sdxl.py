@@ -9,7 +9,7 @@ import operator
 import pytest
 import torch
 
-from tests.family_tester import FamilyTesterMixin
+from tests.family_tester import FamilyTesterMixin, tiny_checkpoint
 from tests.tiny_components import tiny_clip_text, tiny_tokenizer, tiny_unet, tiny_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,14 +54,8 @@ def build_tiny_sdxl(directory, prediction_type: str = "epsilon", force_zeros_for
     return directory
 
 
-@pytest.fixture(scope="module")
-def sdxl_dir(tmp_path_factory):
-    return build_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl"))
-
-
-@pytest.fixture(scope="module")
-def sdxl_v_dir(tmp_path_factory):
-    return build_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl_v"), prediction_type="v_prediction")
+sdxl_dir = tiny_checkpoint(build_tiny_sdxl)
+sdxl_v_dir = tiny_checkpoint(build_tiny_sdxl, prediction_type="v_prediction")
 
 
 def _adapter(directory, **kwargs):

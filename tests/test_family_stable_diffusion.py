@@ -9,20 +9,14 @@ import operator
 import pytest
 import torch
 
-from tests.family_tester import FamilyTesterMixin
+from tests.family_tester import FamilyTesterMixin, tiny_checkpoint
 from tests.tiny_components import build_tiny_sd, family_config, rescoring_ratio_is_one, two_iterations_change_every_parameter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def sd_dir(tmp_path_factory):
-    return build_tiny_sd(tmp_path_factory.mktemp("tiny_sd"))
-
-
-@pytest.fixture(scope="module")
-def sd_v_dir(tmp_path_factory):
-    return build_tiny_sd(tmp_path_factory.mktemp("tiny_sd_v"), prediction_type="v_prediction")
+sd_dir = tiny_checkpoint(build_tiny_sd)
+sd_v_dir = tiny_checkpoint(build_tiny_sd, prediction_type="v_prediction")
 
 
 class TestStableDiffusion(FamilyTesterMixin):
@@ -101,6 +95,7 @@ def test_bad_sources_fail_with_one_sentence(tmp_path):
         build_pipeline(PipelineConfig(name="stable_diffusion", pretrained=str(tmp_path / "empty")), "cpu")
 
 
+@pytest.mark.slow
 def test_bf16_lora_with_autocast_keeps_fp32_step_math(sd_dir, tmp_path):
     """bf16 base weights + fp32 LoRA + bf16 autocast: trains, log-probs are fp32, re-scoring ratio == 1."""
     trainer = two_iterations_change_every_parameter(

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.family_tester import FamilyTesterMixin, Grid
-from tests.tiny_components import family_config, tiny_t5, tiny_tokenizer
+from tests.family_tester import FamilyTesterMixin, Grid, tiny_checkpoint
+from tests.tiny_components import family_config, tiny_causal_vae, tiny_t5, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,21 +21,6 @@ PROMPTS = ["a small boat moving left across a lake", "a bird flying up into the 
 
 
 # -- tiny builders (the way diffusers' own pipeline tests build dummy components) ---------------------
-
-
-def tiny_wan_vae():
-    from diffusers import AutoencoderKLWan
-
-    torch.manual_seed(0)  # non-trivial latents_mean / latents_std, so the normalisation is exercised
-    return AutoencoderKLWan(
-        base_dim=4,
-        z_dim=4,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0],
-        latents_std=[1.5, 0.8, 1.2, 2.0],
-    ).eval()
 
 
 def tiny_wan_transformer(in_channels: int = 4, image_dim: int | None = None, seed: int = 0, out_channels: int = 4):
@@ -66,7 +51,7 @@ def build_tiny_wan(directory, expand_timesteps: bool = False):
     WanPipeline(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_t5(umt5=True),
-        vae=tiny_wan_vae(),
+        vae=tiny_causal_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=tiny_wan_transformer(),
         expand_timesteps=expand_timesteps,
@@ -87,7 +72,7 @@ def build_tiny_wan_i2v(directory):
     WanImageToVideoPipeline(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_t5(umt5=True),
-        vae=tiny_wan_vae(),
+        vae=tiny_causal_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=tiny_wan_transformer(in_channels=12, image_dim=8),
         image_encoder=clip,
@@ -146,29 +131,11 @@ def build_tiny_cogvideox(directory, rotary: bool = True):
     return directory
 
 
-@pytest.fixture(scope="module")
-def wan_dir(tmp_path_factory):
-    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan"))
-
-
-@pytest.fixture(scope="module")
-def wan_expand_dir(tmp_path_factory):  # Wan2.2 TI2V-5B style: one timestep per token
-    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan_expand"), expand_timesteps=True)
-
-
-@pytest.fixture(scope="module")
-def wan_i2v_dir(tmp_path_factory):
-    return build_tiny_wan_i2v(tmp_path_factory.mktemp("tiny_wan_i2v"))
-
-
-@pytest.fixture(scope="module")
-def cogvideox_dir(tmp_path_factory):
-    return build_tiny_cogvideox(tmp_path_factory.mktemp("tiny_cogvideox"))
-
-
-@pytest.fixture(scope="module")
-def cogvideox_sincos_dir(tmp_path_factory):  # CogVideoX-2b style: sinusoidal positions, no rotary embeddings
-    return build_tiny_cogvideox(tmp_path_factory.mktemp("tiny_cogvideox_sincos"), rotary=False)
+wan_dir = tiny_checkpoint(build_tiny_wan)
+wan_expand_dir = tiny_checkpoint(build_tiny_wan, expand_timesteps=True)  # Wan2.2 TI2V-5B style: one timestep per token
+wan_i2v_dir = tiny_checkpoint(build_tiny_wan_i2v)
+cogvideox_dir = tiny_checkpoint(build_tiny_cogvideox)
+cogvideox_sincos_dir = tiny_checkpoint(build_tiny_cogvideox, rotary=False)  # CogVideoX-2b style: sinusoidal positions, no rotary embeddings
 
 
 @pytest.fixture(scope="module")

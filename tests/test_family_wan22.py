@@ -14,17 +14,23 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.family_tester import plain_adapter
+from tests.family_tester import plain_adapter, tiny_checkpoint
 from tests.test_family_video import (  # noqa: F401 (prompt_files: a fixture)
     PROMPTS,
     SIZE,
     VideoTester,
     prompt_files,
     tiny_wan_transformer,
-    tiny_wan_vae,
     video_config,
 )
-from tests.tiny_components import ode_sample, rescoring_ratio_is_one, tiny_t5, tiny_tokenizer, two_iterations_change_every_parameter
+from tests.tiny_components import (
+    ode_sample,
+    rescoring_ratio_is_one,
+    tiny_causal_vae,
+    tiny_t5,
+    tiny_tokenizer,
+    two_iterations_change_every_parameter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,7 +49,7 @@ def build_tiny_wan22(directory, i2v: bool = False, boundary_ratio: float | None 
     parts = dict(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_t5(umt5=True),
-        vae=tiny_wan_vae(),
+        vae=tiny_causal_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=tiny_wan_transformer(channels, seed=0),
         transformer_2=tiny_wan_transformer(channels, seed=1) if transformer_2 else None,
@@ -91,19 +97,9 @@ def build_tiny_ti2v(directory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def wan22_dir(tmp_path_factory):
-    return build_tiny_wan22(tmp_path_factory.mktemp("tiny_wan22"))
-
-
-@pytest.fixture(scope="module")
-def wan22_i2v_dir(tmp_path_factory):
-    return build_tiny_wan22(tmp_path_factory.mktemp("tiny_wan22_i2v"), i2v=True)
-
-
-@pytest.fixture(scope="module")
-def ti2v_dir(tmp_path_factory):
-    return build_tiny_ti2v(tmp_path_factory.mktemp("tiny_ti2v"))
+wan22_dir = tiny_checkpoint(build_tiny_wan22)
+wan22_i2v_dir = tiny_checkpoint(build_tiny_wan22, i2v=True)
+ti2v_dir = tiny_checkpoint(build_tiny_ti2v)
 
 
 TI2V_SIZE = {"pipeline.height": 64, "pipeline.width": 64, "pipeline.num_frames": 5}  # latents (48, 2, 4, 4)
@@ -259,6 +255,7 @@ def wan22_config(directory, run_dir, prompts, **extra):
     return video_config("wan", directory, run_dir, prompts, **{"rollout.guidance_scale": 3.0, "pipeline.guidance_scale_2": 2.0, **extra})
 
 
+@pytest.mark.slow
 def test_two_grpo_iterations_train_both_experts_and_load_back_in_diffusers(wan22_dir, prompt_files, tmp_path):  # noqa: F811
     """LoRA on both experts: every LoRA tensor of both moves; re-scoring gives ratio 1; each step's log-prob is the
     expert's that ran it (a change to one expert's LoRA moves only its own steps' log-probs, bit for bit); the
@@ -339,6 +336,7 @@ def test_two_grpo_iterations_train_both_experts_and_load_back_in_diffusers(wan22
     )
 
 
+@pytest.mark.slow
 def test_an_expert_without_a_trained_step_stays_bit_for_bit(wan22_dir, prompt_files, tmp_path):  # noqa: F811
     """Both experts carry a LoRA, but only step 0 (the high-noise expert's) is stochastic: the low-noise expert's
     LoRA gets no gradient (None, not zeros), so AdamW, weight decay 0.1 included, leaves it exactly as it was and
@@ -365,6 +363,7 @@ def test_an_expert_without_a_trained_step_stays_bit_for_bit(wan22_dir, prompt_fi
     assert not any(after[n] in trainer.optimizer.optimizer.state for n in low)
 
 
+@pytest.mark.slow
 def test_training_one_expert_leaves_the_other_untouched(wan22_dir, prompt_files, tmp_path):  # noqa: F811
     """train_experts: [low] with LoRA: only the low-noise expert gets an adapter (and one diffusers file); full
     fine-tuning of [low] with a KL reference: only transformer_2's weights train and are checkpointed, the

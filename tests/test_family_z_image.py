@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.family_tester import FamilyTesterMixin, Grid, flow_match
+from tests.family_tester import FamilyTesterMixin, Grid, flow_match, tiny_checkpoint
 from tests.tiny_components import CORPUS, family_config, ode_sample, tiny_flux_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,9 +93,7 @@ def build_tiny_z_image(directory, scheduler=None):
     return directory
 
 
-@pytest.fixture(scope="module")
-def z_dir(tmp_path_factory):
-    return build_tiny_z_image(tmp_path_factory.mktemp("tiny_z_image"))
+z_dir = tiny_checkpoint(build_tiny_z_image)
 
 
 def load(directory, **kwargs):

@@ -94,6 +94,23 @@ def tiny_vae(latent_channels: int = 4, seed: int = 0, **kwargs):
     ).eval()
 
 
+def tiny_causal_vae(cls_name: str = "AutoencoderKLWan", base_dim: int = 4, dim_mult=(1, 1, 1, 1)):
+    """A causal 3-D VAE of Wan's design (``AutoencoderKLWan``; Qwen-Image's ``AutoencoderKLQwenImage`` is one too) at
+    tiny size: 4 latent channels with a non-trivial latents_mean / latents_std, so the normalisation is exercised."""
+    import diffusers
+
+    torch.manual_seed(0)
+    return getattr(diffusers, cls_name)(
+        base_dim=base_dim,
+        z_dim=4,
+        dim_mult=list(dim_mult),
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    ).eval()
+
+
 def tiny_flux_vae():
     """The 4-channel VAE of the FLUX-shaped tiny models (FLUX.1, Kontext, Z-Image): FLUX's scaling and shift factors."""
     return tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
@@ -126,6 +143,20 @@ def tiny_flux_transformer(guidance_embeds: bool = True):
         pooled_projection_dim=32,
         axes_dims_rope=(4, 4, 8),
         guidance_embeds=guidance_embeds,
+    )
+
+
+def tiny_flux_components(guidance_embeds: bool = True) -> dict:
+    """The components of a FLUX.1-shaped pipeline (FluxPipeline, FluxKontextPipeline): the transformer, FLUX.1-dev's
+    dynamic scheduler, the FLUX VAE, CLIP and T5 with their tokenizers."""
+    return dict(
+        transformer=tiny_flux_transformer(guidance_embeds),
+        scheduler=flux_dynamic_scheduler(),
+        vae=tiny_flux_vae(),
+        text_encoder=tiny_clip_text(seed=1),
+        tokenizer=tiny_tokenizer(),
+        text_encoder_2=tiny_t5(d_model=32),
+        tokenizer_2=tiny_tokenizer(),
     )
 
 
