@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..samplers.rollout import padded_rows, rollout
+from ..samplers.rollout import padded_samples
 from ..seeding import RowGenerators
 from .batching import in_batches
 from .search import ImageSearchModel, Items
@@ -27,21 +27,11 @@ def sample_and_score(model: ImageSearchModel, reward, items: Items, noise: Tenso
     unscored), so a sample's bits do not depend on how many items are searched beside it."""
 
     def batch(idx: list[int]) -> Scored:
-        rows, streams = padded_rows(idx, model.batch_size, generator)
-        traj = rollout(
-            model.pipeline,
-            model.sampler,
-            [items.prompts[i] for i in rows],
-            [items.metadata[i] for i in rows],
-            torch.tensor(rows),
-            model.sigmas,
-            streams,
-            model.guidance_scale,
-            initial_noise=noise[rows],
-            same_noise_in_group=False,
-        )
-        kept = traj.samples[: len(idx)]
-        out = reward(kept, traj.prompts[: len(idx)], traj.metadata[: len(idx)])
+        kept = padded_samples(
+            model.pipeline, model.sampler, items.prompts, items.metadata, idx, model.batch_size, model.sigmas, generator,
+            model.guidance_scale, noise,
+        )  # fmt: skip
+        out = reward(kept, [items.prompts[i] for i in idx], [items.metadata[i] for i in idx])
         return Scored(kept.cpu(), out.scores.float().cpu(), {k: v.float().cpu() for k, v in out.extras.items()})
 
     return in_batches(len(items), model.batch_size, batch)

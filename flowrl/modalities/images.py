@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from .. import seeding
 from ..config import Config
 from ..errors import FlowRLError
 from ..evaluation.diversity import seed_diversity
@@ -21,7 +20,7 @@ from ..pipelines import build_pipeline
 from ..pipelines.guidance import training_guidance_scale
 from ..prompts import prompts_for
 from ..samplers import ODEConfig, build_sampler
-from ..samplers.rollout import padded_rows, rollout, sample, start_noise
+from ..samplers.rollout import padded_samples, sample, start_noise
 from ..training.run_logger import nanmean
 from ..types import Pipeline, Reward, Sampler, Trajectory
 from ..visualize import save_grid, save_points, save_videos
@@ -139,7 +138,23 @@ class ImageModality:
         # eval.batch_size rows per denoiser call, the last call padded: every sample is computed in a batch of the
         # same shape, so its bits do not depend on which other items are evaluated beside it
         size = self.config.eval.batch_size
-        samples = torch.cat([self._eval_rows(held, noise, gen, mine[start : start + size], size) for start in range(0, len(mine), size)])
+        samples = torch.cat(
+            [
+                padded_samples(
+                    self.pipeline,
+                    self.eval_sampler,
+                    held.prompts,
+                    held.metadata,
+                    mine[start : start + size],
+                    size,
+                    held.sigmas,
+                    gen,
+                    held.guidance_scale,
+                    noise,
+                )
+                for start in range(0, len(mine), size)
+            ]
+        )
         prompts, metadata = [held.prompts[i] for i in mine], [held.metadata[i] for i in mine]
         out = reward(samples, prompts, metadata)
         judged = judge(samples, prompts, metadata) if judge is not None else None
@@ -163,22 +178,6 @@ class ImageModality:
         metrics["eval/diversity"] = seed_diversity(samples, self.config.eval.samples_per_prompt)
         grid = samples[: self.config.log.grid_prompts * self.config.eval.samples_per_prompt]
         return metrics, grid
-
-    def _eval_rows(self, held: HeldOut, noise: torch.Tensor, gen: seeding.RowGenerators, rows: list[int], size: int) -> torch.Tensor:
-        """The evaluation samples of held-out items ``rows``, sampled in one batch of ``size`` rows (padded)."""
-        everything, streams = padded_rows(rows, size, gen)
-        traj = rollout(
-            self.pipeline,
-            self.eval_sampler,
-            [held.prompts[i] for i in everything],
-            [held.metadata[i] for i in everything],
-            torch.tensor(everything),
-            held.sigmas,
-            streams,
-            held.guidance_scale,
-            initial_noise=noise[everything],
-        )
-        return traj.samples[: len(rows)]
 
     def evaluated_items(self, shown: torch.Tensor) -> dict[str, Any]:
         """What an evaluation spec records of the held-out evaluation: its prompts, metadata, sampler, sample shape."""

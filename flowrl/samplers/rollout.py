@@ -76,6 +76,36 @@ def padded_rows(
     return full, streams
 
 
+def padded_samples(
+    pipeline: Pipeline,
+    sampler: Sampler,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    rows: list[int],
+    size: int,
+    sigmas: Tensor,
+    generator: torch.Generator | RowGenerators,
+    guidance_scale: float,
+    noise: Tensor,
+) -> Tensor:
+    """The samples of items ``rows`` (indices into ``prompts``, ``metadata``, ``noise`` and the streams of
+    ``generator``) from their start noise, drawn in one batch of exactly ``size`` rows (``padded_rows``): what the
+    held-out evaluation and every search over start noises sample, so a sample's bits do not depend on its batch."""
+    everything, streams = padded_rows(rows, size, generator)
+    traj = rollout(
+        pipeline,
+        sampler,
+        [prompts[i] for i in everything],
+        [metadata[i] for i in everything],
+        torch.tensor(everything),
+        sigmas,
+        streams,
+        guidance_scale,
+        initial_noise=noise[everything],
+    )
+    return traj.samples[: len(rows)]
+
+
 @torch.no_grad()
 def rollout(
     pipeline: Pipeline,
