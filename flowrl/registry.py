@@ -161,7 +161,7 @@ class Registry:
             elif self.derive is not None:
                 self._sections[name] = self.derive(target, name)
             else:
-                self._sections[name] = signature_section(target, _label(name), base=self.base)
+                self._sections[name] = signature_section(target, section_label(name), base=self.base)
         return self._sections[name]
 
     def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
@@ -200,5 +200,7 @@ class Registry:
         return Annotated[SerializeAsAny[base], WrapValidator(dispatch)]
 
 
-def _label(name: str) -> str:
+def section_label(name: str) -> str:
+    """A class-name-like label for the section read from a registered target's signature (``"my_pkg.mod:sharp_ness"`` ->
+    ``"SharpNess"``): what a validation error names."""
     return re.sub(r"\W", "_", name.split(":")[-1]).title().replace("_", "") or "Part"

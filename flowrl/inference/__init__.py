@@ -34,10 +34,10 @@ __all__ = [
 def _plain_class_section(target: Any, name: str) -> type[SearchSection]:
     """The section of a search that is not a section class: its constructor's parameters, and its ``modalities`` and
     ``stochastic`` as the class says."""
-    from ..registry import _label
+    from ..registry import section_label
     from ..sections import signature_section
 
-    section = signature_section(target, _label(name), base=SearchSection)
+    section = signature_section(target, section_label(name), base=SearchSection)
     for attribute in ("modalities", "stochastic"):
         if hasattr(target, attribute):
             setattr(section, attribute, getattr(target, attribute))
