@@ -132,12 +132,13 @@ def summary_of(obj: Any) -> str:
 # -- which tables ------------------------------------------------------------------------------------------------
 def registries() -> dict[str, Any]:
     """Part kind -> its registry (pipeline.name, sampler.name, objective.name, the keys of reward.components)."""
+    from .inference import SEARCHES
     from .objectives import OBJECTIVES
     from .pipelines import FAMILIES
     from .reward_models.registry import REWARDS
     from .samplers import SAMPLERS
 
-    return {"pipeline": FAMILIES, "sampler": SAMPLERS, "objective": OBJECTIVES, "reward": REWARDS}
+    return {"pipeline": FAMILIES, "sampler": SAMPLERS, "objective": OBJECTIVES, "reward": REWARDS, "search": SEARCHES}
 
 
 def part_table(kind: str, name: str, shared: type[BaseModel] | None = None) -> Table:
@@ -188,6 +189,8 @@ def all_tables() -> list[tuple[str, list[Table]]]:
             groups.append((key, [section_table(key)]))
         if key == "reward":
             groups.append(("reward.kwargs", [part_table("reward", n) for n in registries()["reward"].builtin_names()]))
+    searches = [part_table("search", n) for n in registries()["search"].builtin_names()]
+    groups.append(("search (flowrl eval --search NAME KEY=VALUE, or its flag)", searches))
     groups.append(("Reward server (flowrl serve-reward)", [server_table()]))
     return groups
 
@@ -272,7 +275,7 @@ def table_for(target: str, name: str | None = None) -> Table | None:
     rest = rest or name or ""
     if kind == "reward" and rest:
         return part_table("reward", rest.removeprefix("kwargs."))
-    if kind in PART_KINDS and rest:
+    if (kind in PART_KINDS or kind == "search") and rest:
         return part_table(kind, rest)
     if target == "serve-reward":
         return server_table()
