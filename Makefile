@@ -3,6 +3,8 @@
 # make install-test  flowrl with every test dependency, at the versions of .ci/constraints.txt (as root on Debian
 #                    also chromium + chromium-driver for the labelling page's browser test)
 # make test          install-test, then the ruff checks (lint + format) and the whole test suite (what CI runs)
+# make test-fast     the suite without the tests marked slow (pytest -m "not slow"): the inner loop, a few minutes;
+#                    nothing installed (run make install-test once); make test still runs everything
 # make lint          the ruff checks alone; `make format` applies ruff's fixes and formatting
 # make constraints   rewrite .ci/constraints.txt from .venv, once the suite passes with newer versions
 # make train     the README's main job: GRPO on the embedded digits model
@@ -11,7 +13,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test test lint format constraints train bench assets
+.PHONY: install install-test test test-fast lint format constraints train bench assets
 CONSTRAINTS := .ci/constraints.txt
 
 $(BIN)/python:
@@ -37,6 +39,11 @@ constraints:
 # each (tests/conftest.py): on 2 cores 1.75x faster than one process, with the same tests.
 test: install-test lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# The same workers without the tests marked @pytest.mark.slow (a call over about 3 s: real training runs, launched
+# processes, the family tests' training checks).
+test-fast:
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow"
 
 lint:
 	$(BIN)/ruff check .

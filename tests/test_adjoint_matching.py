@@ -384,6 +384,7 @@ def test_tilted_targets_match_numerical_integration(reward, lam):
         assert target.means[0] == pytest.approx((-4 / 3, 1 / 3)) and target.stds[0] == pytest.approx(0.5 / math.sqrt(1.5))
 
 
+@pytest.mark.slow
 def test_toy_adjoint_matching_moves_the_mode_weights_toward_the_tilted_target():
     """Reduced convergence (about 5 CPU seconds): 60 iterations of 256 rollouts on 8 memoryless steps. The right
     mode's weight moves from the base's 0.5 to near the target 0.881 and the mean reward from ~0 toward

@@ -73,6 +73,7 @@ def test_grid_times_are_interior_grid_points_distinct_per_sample():
     assert uniform.shape == (3, 6) and bool(((uniform > 0) & (uniform <= 1)).all())
 
 
+@pytest.mark.slow
 def test_two_iterations_with_ode_rollouts(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.num_times": 2, "objective.beta": 0.0}), AWM
@@ -82,6 +83,7 @@ def test_two_iterations_with_ode_rollouts(tmp_path, one_thread):
     assert {"loss/policy", "awm/matching_mse"} <= set(rows[1]) and "loss/kl" not in rows[1]
 
 
+@pytest.mark.slow
 def test_two_iterations_with_sde_rollouts_grid_times_ghuber_and_reference(tmp_path, one_thread):
     extra = {
         "train.learning_rate": 1e-3,

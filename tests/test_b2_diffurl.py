@@ -90,12 +90,14 @@ def test_identical_rewards_in_a_branch_group_give_zero_grpo_advantage(tmp_path):
 
 
 @pytest.mark.parametrize("objective", ["grpo", "ddpo"])
+@pytest.mark.slow
 def test_two_iterations_on_the_digits_flow_model(tmp_path, objective):
     config = B2 if objective == "grpo" else CONFIGS / "digits" / "ddpo.yaml"  # DDPO's preset, branching switched on
     trainer = two_iterations_change_every_parameter(fast_overrides(tmp_path, **{"rollout.branching.start_steps": 1}), config=config)
     assert trainer.objective.name == objective
 
 
+@pytest.mark.slow
 def test_two_iterations_on_the_ddpm_digits_model_with_ddim(tmp_path):
     overrides = fast_overrides(tmp_path, **{"rollout.branching.start_steps": 2})  # DDPO on the embedded DDPM model, DDIM eta = 1
     trainer = two_iterations_change_every_parameter(overrides, config=CONFIGS / "digits" / "ddpo_ddpm.yaml")
@@ -110,6 +112,7 @@ def test_two_iterations_on_the_ddpm_digits_model_with_ddim(tmp_path):
     rescoring_ratio_is_one(trainer)
 
 
+@pytest.mark.slow
 def test_stable_diffusion_family_with_ddim_and_branches(tmp_path):
     directory = build_tiny_sd(tmp_path / "sd")
     overrides = family_config("stable_diffusion", directory, tmp_path / "run", sampler="ddim", **{"rollout.branching": "{start_steps: 2}"})
@@ -120,6 +123,7 @@ def test_stable_diffusion_family_with_ddim_and_branches(tmp_path):
     rescoring_ratio_is_one(trainer)
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_schedule_and_the_run(tmp_path):
     extra = {"train.iterations": 4, "log.checkpoint_every": 2, "rollout.branching.start_steps": 1}
     full = b2_trainer(tmp_path / "full", **extra)

@@ -40,6 +40,7 @@ def _best_of(trainer, n, stop_at=None):
     return best_of_n(_model(trainer), trainer.reward, Items(held.prompts, held.metadata), n, held.generator(), stop_at=stop_at)
 
 
+@pytest.mark.slow
 def test_best_of_one_is_the_plain_evaluation(trainer):
     metrics, grid = trainer.evaluate(return_samples=True)
     result = _best_of(trainer, 1)
@@ -48,6 +49,7 @@ def test_best_of_one_is_the_plain_evaluation(trainer):
     assert result.best.eq(0).all()
 
 
+@pytest.mark.slow
 def test_chosen_candidate_is_the_argmax_and_the_curve_is_nested(trainer):
     result = _best_of(trainer, 5)
     scores = result.scores
@@ -88,6 +90,7 @@ def test_nonfinite_rewards_are_never_chosen(trainer):
     torch.testing.assert_close(result.scores.gather(1, result.best[:, None]).squeeze(1), result.scores[:, 0::2].max(1).values)
 
 
+@pytest.mark.slow
 def test_cli_best_of(tmp_path):
     from flowrl.cli import main
 
@@ -99,6 +102,7 @@ def test_cli_best_of(tmp_path):
     assert main(["eval", str(CONFIGS / "dllm" / "diffu_grpo.yaml"), "--best-of", "2"]) == 2
 
 
+@pytest.mark.slow
 def test_cli_best_of_prints_the_curve(tmp_path, capsys):
     from flowrl.cli import main
 
@@ -118,6 +122,7 @@ def test_cli_best_of_prints_the_curve(tmp_path, capsys):
     assert {"eval/reward/mean@1", "eval/reward/mean@2", "eval/reward/mean@3", "eval/reward/ink@3"} <= set(last)
 
 
+@pytest.mark.slow
 def test_stopping_at_a_reward_draws_each_items_candidates_until_one_reaches_it(trainer):
     full = _best_of(trainer, 4)
     n_items = len(full.best)
@@ -137,6 +142,7 @@ def test_stopping_at_a_reward_draws_each_items_candidates_until_one_reaches_it(t
         assert int(stopped.best[i]) == int(full.scores[i, :k].argmax())
 
 
+@pytest.mark.slow
 def test_cli_stop_at(tmp_path, capsys):
     from flowrl.cli import main
 

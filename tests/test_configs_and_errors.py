@@ -75,6 +75,7 @@ def _preset(tmp_path, sampler: str, model: str = "digits_flow"):
     return str(path)
 
 
+@pytest.mark.slow
 def test_sampler_that_does_not_fit_the_model(tmp_path, capsys):
     assert main(["train", _preset(tmp_path, "ddim")]) == 2
     assert "does not fit this rectified-flow" in capsys.readouterr().err
@@ -83,6 +84,7 @@ def test_sampler_that_does_not_fit_the_model(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_deterministic_sampler_refused_for_policy_gradient(tmp_path, capsys):
     assert main(["train", _preset(tmp_path, "ode")]) == 2
     assert "needs log-probs" in capsys.readouterr().err
@@ -96,6 +98,7 @@ def test_missing_config_and_missing_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_reported_not_loaded(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1})]) == 0
@@ -126,6 +129,7 @@ def test_corrupt_checkpoint_is_reported_not_loaded(tmp_path, capsys):
     assert "incomplete" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_process_exit_code_and_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", str(GRPO), "train.lr=1"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
@@ -148,6 +152,7 @@ def test_load_config_raises_flowrl_error_for_non_mapping(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.slow
 def test_fresh_run_refuses_an_existing_run_dir(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1})]) == 0

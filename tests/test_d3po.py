@@ -133,6 +133,7 @@ def test_pairs_need_even_sizes_and_pareto_needs_two_rewards(tmp_path):
         load_config(None, ["objective.name=d3po", "objective.preference=pareto"])
 
 
+@pytest.mark.slow
 def test_two_d3po_iterations_change_every_parameter(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(fast_overrides(tmp_path, **{"train.learning_rate": 1e-3}), D3PO)
     rows = trainer.logger.records()

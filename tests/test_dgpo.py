@@ -77,6 +77,7 @@ def test_timestep_clip_keeps_the_noisy_grid_times():
         DGPOConfig(min_sigma=0.9).build()._grid(torch.tensor([0.8, 0.4, 0.0]))
 
 
+@pytest.mark.slow
 def test_two_iterations_with_ode_rollouts_whole_groups(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.num_times": 2, "train.batch_size": 4}), DGPO
@@ -88,6 +89,7 @@ def test_two_iterations_with_ode_rollouts_whole_groups(tmp_path, one_thread):
     assert {"loss/policy", "dgpo/group_weight", "dgpo/margin", "dgpo/matching_mse"} <= set(row) and "loss/kl" not in row
 
 
+@pytest.mark.slow
 def test_two_iterations_with_sde_rollouts_clip_kl_and_per_sample_noise(tmp_path, one_thread):
     extra = {
         "train.learning_rate": 1e-3,

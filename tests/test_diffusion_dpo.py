@@ -77,6 +77,7 @@ def _pairs(tmp_path, config=DPO, n=24, **overrides):
     return write_pairs(tmp_path / "pairs", pairs, rewards), pairs, rewards
 
 
+@pytest.mark.slow
 def test_builder_labels_by_the_reward_and_files_round_trip(tmp_path):
     from flowrl.config import PipelineConfig
     from flowrl.pipelines import build_pipeline
@@ -139,6 +140,7 @@ def test_first_loss_is_log2_and_gradient_is_hand_derived(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["digits_flow", "digits_ddpm"])
+@pytest.mark.slow
 def test_two_iterations_change_every_parameter(tmp_path, model, one_thread):
     config = DPO
     if model == "digits_ddpm":  # the epsilon model: its config names the DDIM sampler (unused by training, built all the same)
@@ -158,6 +160,7 @@ def test_two_iterations_change_every_parameter(tmp_path, model, one_thread):
 
 
 @pytest.mark.parametrize("objective", ["diffusion_dpo", "d3po"])
+@pytest.mark.slow
 def test_resume_continues_exactly_with_the_initial_reference(tmp_path, objective, one_thread):
     """Both preference objectives keep the frozen initial model as reference: an interrupted run resumed to
     the end logs the same metrics and ends with the same weights as an uninterrupted one."""

@@ -121,6 +121,7 @@ def test_old_policy_soft_update_and_swap():
     assert torch.equal(on_policy._old[0], p.detach()) and on_policy._old[0].data_ptr() != p.data_ptr()
 
 
+@pytest.mark.slow
 def test_two_iterations_with_ode_rollouts_change_every_parameter(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(fast_overrides(tmp_path, **{"train.learning_rate": 1e-3}), NFT)
     assert trainer.sampler.name == "ode" and not trainer.sampler.stochastic
@@ -130,6 +131,7 @@ def test_two_iterations_with_ode_rollouts_change_every_parameter(tmp_path, one_t
     assert trainer.objective.optimizer_steps == 4  # 2 iterations x 8 samples / batch 4
 
 
+@pytest.mark.slow
 def test_soft_updated_old_policy_trains(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "objective.old_decay_rate": 0.2, "objective.timestep_fraction": 0.3}), NFT

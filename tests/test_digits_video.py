@@ -88,6 +88,7 @@ def test_shipped_model_is_small_and_documented(pipeline):
     assert info["train_seconds"] > 0 and info["final_loss_ema"] > 0
 
 
+@pytest.mark.slow
 def test_ode_samples_move_in_the_prompted_direction(pipeline):
     held_out = prompt_pool("digits_video", "eval")[:40]  # digits 0-9, every direction, one phrasing
     prompts, metadata = [p for p, _ in held_out], [m for _, m in held_out]
@@ -109,6 +110,7 @@ def test_bad_paths_fail_in_one_sentence(tmp_path):
 
 
 # -- GRPO -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_rescore_ratio_is_one_at_unchanged_weights(pipeline):
     sampler = build_sampler(FlowSDEConfig(noise_level=0.7), pipeline)
     prompts = [p for p, _ in prompt_pool("digits_video", "train")[:4] for _ in range(2)]
@@ -132,6 +134,7 @@ def test_rescore_ratio_is_one_at_unchanged_weights(pipeline):
         assert float(lo.metrics["policy/ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_two_iterations_change_every_parameter(tmp_path, one_thread):
     trainer = two_iterations_change_every_parameter(
         fast_overrides(tmp_path, **{"train.weight_decay": 0.0, "train.learning_rate": 1e-3, "log.grid_prompts": 2}),

@@ -178,6 +178,7 @@ def test_two_processes_train_as_one_process_does_per_iteration(runs, launch):
     assert max((w_single[k] - w_sharded[k]).abs().max().item() for k in w_single) <= 1e-5
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_holds_full_tensors(runs):
     """The main process writes every weight and AdamW moment whole (gathered from both shards)."""
     base = _base_unet_state()
@@ -194,6 +195,7 @@ def _base_unet_state() -> dict:
     return UNet2DConditionModel.from_pretrained(str(REPO / "flowrl" / "assets" / "digits_flow" / "unet")).state_dict()
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_holds_full_weights_and_the_engines_partitions(runs):
     """ZeRO-3 keeps a partition of every parameter per process: the checkpoint's weights are gathered whole, and
     DeepSpeed's own checkpoint beside them holds one AdamW partition file per process."""
@@ -207,6 +209,7 @@ def test_zero3_checkpoint_holds_full_weights_and_the_engines_partitions(runs):
 
 
 @pytest.mark.parametrize("launch", ["fsdp", "deepspeed_zero3"])
+@pytest.mark.slow
 def test_sharded_resume_continues_identically(runs, tmp_path, launch):
     resumed = tmp_path / "resumed"
     shutil.copytree(runs / launch, resumed)
@@ -222,6 +225,7 @@ def test_sharded_resume_continues_identically(runs, tmp_path, launch):
     assert all(torch.equal(w_original[k], w_again[k]) for k in w_original)  # bitwise: the shards were restored exactly
 
 
+@pytest.mark.slow
 def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_refused_in_one_sentence(runs, tmp_path):
     """Its AdamW moments lie in DeepSpeed's partition files, which a DDP or 1-process run cannot read: resuming
     there would restart the moments silently."""
@@ -243,6 +247,7 @@ def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_refused_in_one_sent
 # the export reads the checkpoint's full tensors, which both engines write alike (test_fsdp_checkpoint_holds_full_tensors,
 # test_zero3_checkpoint_holds_full_weights_...): one engine's export is the test of that path
 @pytest.mark.parametrize("launch", ["deepspeed_zero3"])
+@pytest.mark.slow
 def test_sharded_checkpoint_exports_a_diffusers_model_equal_to_the_gathered_weights(runs, tmp_path, launch):
     from diffusers import UNet2DConditionModel
 

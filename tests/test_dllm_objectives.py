@@ -121,6 +121,7 @@ def test_bgpo_equals_elbo_grpo_on_policy_in_value_and_gradient():
 
 
 @pytest.mark.parametrize("name", ["diffu_grpo", "unigrpo", "bgpo", "dcolt"])
+@pytest.mark.slow
 def test_text_trainer_two_iterations(tmp_path, name):
     from flowrl.trainer import Trainer
 
@@ -178,6 +179,7 @@ def test_seed_fixes_the_initial_weights_of_fresh_modules(tmp_path):
     assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
 
 
+@pytest.mark.slow
 def test_confidence_prior_head_starts_at_low_confidence_decoding():
     """objective.confidence_prior=c: the head's initial score is c * (top log-prob) exactly, so its greedy order
     (temperature 0: the top-k scores) is LLaDA's low-confidence order and the completions are identical."""

@@ -22,6 +22,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.slow
 def test_lora_run_round_trips_through_diffusers(family, tmp_path, one_thread):
     from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel, StableDiffusionPipeline, UNet2DConditionModel
 

@@ -98,6 +98,7 @@ class NaNFromCall:
         return RewardOutput(scores, out.extras)
 
 
+@pytest.mark.slow
 def test_an_iteration_whose_rewards_are_all_nan_stops_the_run_and_keeps_earlier_work(tmp_path):
     run = tmp_path / "run"
     config = load_config(GRPO, fast_overrides(run, **{"train.iterations": 4}))
@@ -130,6 +131,7 @@ class FiveOfEightNaN(NaNFromCall):
         return RewardOutput(scores, out.extras)
 
 
+@pytest.mark.slow
 def test_too_many_nan_rewards_over_the_window_stop_the_run_before_the_update(tmp_path):
     from safetensors.torch import load_file
 
@@ -220,6 +222,7 @@ def test_a_named_gpu_is_honoured(tmp_path):
 # ------------------------------------------------------------------ 3. checksums, valid JSON
 
 
+@pytest.mark.slow
 def test_a_checkpoint_records_the_sha256_of_every_file(trained):
     ckpt = trained / "checkpoints" / "step_000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -229,6 +232,7 @@ def test_a_checkpoint_records_the_sha256_of_every_file(trained):
     assert verify_checkpoint(ckpt)["iteration"] == 2
 
 
+@pytest.mark.slow
 def test_corruption_is_named_by_eval_sample_export_and_resume(trained, tmp_path, capsys):
     good = trained / "checkpoints" / "step_000002"
     assert main(["eval", str(good)]) == 0
@@ -267,6 +271,7 @@ def test_corruption_is_named_by_eval_sample_export_and_resume(trained, tmp_path,
     assert "is a run directory, not a checkpoint" in one_line_error(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_printed_json_and_metric_lines_never_hold_a_bare_nan(trained, tmp_path, capsys):
     for line in (trained / "metrics.jsonl").read_text().splitlines():
         strict_json(line)
@@ -401,6 +406,7 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_full_and_read_only_file_systems_are_one_sentence_and_leave_nothing_partial(tmp_path):
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux)")
@@ -494,6 +500,7 @@ def test_files_and_directories_are_fsynced_before_the_rename(tmp_path, monkeypat
     assert events[-3][0] == "fsync" and events[-2][1].endswith(f"-> {tmp_path / 'x.txt'}") and events[-1] == ("fsync", str(tmp_path))
 
 
+@pytest.mark.slow
 def test_resume_latest_takes_the_newest_valid_checkpoint_and_says_which(trained, tmp_path, capsys):
     run = copy_run(trained, tmp_path)
     ckpts = run / "checkpoints"
@@ -666,6 +673,7 @@ def test_an_unreachable_hub_is_said_after_a_bounded_wait(unreachable_hub, tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_a_multi_process_launch_that_fails_at_start_says_the_sentence_once(tmp_path):
     """2 CPU processes under accelerate launch, into an output_dir that holds a run: rank 0 prints flowrl's sentence
     once (rank 1 would say it only if it were still alive 10 s later), and the launcher's failure report names it

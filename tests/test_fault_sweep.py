@@ -33,12 +33,14 @@ def uninterrupted(tmp_path_factory):
     return sweep.reference(tmp_path_factory.mktemp("uninterrupted"), in_process=True)
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_evaluation_and_mid_checkpoint_file_resumes_bit_for_bit(uninterrupted, tmp_path):
     result = sweep.kill_chain(["evaluate@2", "checkpoint:optimizer.safetensors@3"], tmp_path, uninterrupted)
     assert result.survived, result.detail
     assert "(the kill left checkpoints/.flowrl-tmp-step_000003-" in result.detail, result.detail  # and the resume removed it
 
 
+@pytest.mark.slow
 def test_a_reward_server_killed_mid_run_and_restarted_within_retry_for_changes_nothing(uninterrupted, tmp_path):
     # The remote reward scores exactly as the rewards in process do, so the uninterrupted in-process run is the
     # reference for everything but the metrics' names (remote/...).
@@ -60,6 +62,7 @@ def judge_failing_at(evaluation: int):
     return flaky_judge
 
 
+@pytest.mark.slow
 def test_an_iteration_whose_evaluation_failed_is_not_saved_so_the_resume_evaluates_and_logs_it(tmp_path):
     run = tmp_path / "run"
     config = load_config(sweep.GRPO, sweep.run_overrides(run, **{"train.iterations": 2}))  # evaluations at 0 and 2

@@ -41,6 +41,7 @@ def modes(root) -> tuple[dict[str, int], dict[str, int]]:
 
 
 @pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o027, 0o640, 0o750)], indirect=["umask"], ids=["umask027"])
+@pytest.mark.slow
 def test_every_file_and_directory_of_a_run_has_one_mode(tmp_path, umask, file_mode, dir_mode):
     run = tmp_path / "run"
     overrides = fast_overrides(run, **{"log.checkpoint_every": 1, "eval.every": 1})

@@ -81,6 +81,7 @@ def _rollout(pipeline, sampler, n=8):
     return traj
 
 
+@pytest.mark.slow
 def test_rescore_at_unchanged_weights_then_the_old_means_after_a_step(one_thread):
     pipeline = build_pipeline(PipelineConfig(pretrained="digits_flow"), "cpu")
     sampler = build_sampler(FlowSDEConfig(noise_level=0.7), pipeline)
@@ -126,6 +127,7 @@ def _step(pipeline, sampler, batch, k):
         return sampler.step(pipeline.predict(x, s, batch.cond, batch.guidance_scale), x, s, s_next, x_next=batch.latents[:, k + 1])
 
 
+@pytest.mark.slow
 def test_two_iterations_through_the_trainer(tmp_path, one_thread):
     # beta > 0 also runs the KL to the frozen initial model
     overrides = fast_overrides(tmp_path, **{"train.learning_rate": 1e-3, "train.batch_size": 4, "objective.beta": 0.01})

@@ -50,6 +50,7 @@ def _records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_digits_run_logs_every_instrument_and_draws_the_picture(tmp_path):
     # one minibatch per iteration: the update re-scores the rollout at unchanged weights, so every ratio is 1, spread 0
     over = {"eval.every": 1, "eval.samples_per_prompt": 2, "train.batch_size": 8}

@@ -45,6 +45,7 @@ def test_log_replays_labels_and_undo_and_a_reopened_log_continues(fresh):
         assert labelled.pairs.trajectories.winners[row, -1].equal(first)
 
 
+@pytest.mark.slow
 def test_a_corrupted_line_stops_the_server_and_training_in_one_sentence_and_nothing_is_changed(fresh):
     good = '{"seq": 0, "pair": 0, "choice": "skip", "preferred": "skip", "time": "t"}\n'
     (fresh / "labels.jsonl").write_text(good + '{"seq": 1, "pair": 1, "choi\n')  # a torn write
@@ -61,6 +62,7 @@ def test_a_corrupted_line_stops_the_server_and_training_in_one_sentence_and_noth
     assert (fresh / "labels.jsonl").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_missing_images_can_only_be_skipped_and_no_images_at_all_is_refused(fresh, tmp_path):
     image_path(fresh, 2, "loser").unlink()
     with LabelServer(fresh) as server:
@@ -82,6 +84,7 @@ def test_missing_images_can_only_be_skipped_and_no_images_at_all_is_refused(fres
     assert done.returncode == 2 and "has no images/ folder, so there is nothing to show" in done.stderr
 
 
+@pytest.mark.slow
 def test_two_tabs_on_one_pair_the_second_click_is_refused_and_a_stale_undo_too(fresh):
     with LabelServer(fresh) as server:
         assert call(server.base + "api/state")[1]["current"]["pair"] == 0  # both tabs show pair 0
@@ -108,6 +111,7 @@ def test_two_tabs_on_one_pair_the_second_click_is_refused_and_a_stale_undo_too(f
     ]
 
 
+@pytest.mark.slow
 def test_token_host_and_content_type_guards(fresh):
     with LabelServer(fresh, "--host", "0.0.0.0") as server:  # any other address: a token is generated and printed
         assert server.token and len(server.token) >= 24 and f":{server.port}/?token=" in server.url
@@ -135,6 +139,7 @@ def test_token_host_and_content_type_guards(fresh):
     assert [(r["pair"], r["choice"]) for r in records(fresh)] == [(0, "skip")]
 
 
+@pytest.mark.slow
 def test_a_failed_write_saves_nothing_and_leaves_the_file_whole(fresh):
     """A real write failure (the file-size limit: EFBIG, as a full disk gives ENOSPC) in a separate process:
     one sentence, the state and the file exactly as before."""

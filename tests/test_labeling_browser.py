@@ -39,6 +39,7 @@ def browser():
     driver.quit()
 
 
+@pytest.mark.slow
 def test_label_in_chromium_then_d3po_and_diffusion_dpo_train_from_the_clicks(browser, tmp_path_factory, tmp_path, capfd):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By

@@ -304,6 +304,7 @@ def test_loaders():
 
 @needs_data
 @needs_math_verify
+@pytest.mark.slow
 def test_grader_on_recorded_llada_generations(capsys):
     """d1 reports LLaDA-8B-Instruct at 256 tokens at 76.7% (GSM8K) and 32.4% (MATH500); its own grader reads 0.7651
     on this GSM8K file. flowrl's read 871/1128 and 179/500 before the reading rules of issue 15, 884 and 180 after

@@ -38,6 +38,7 @@ def _python_block(text: str) -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_full_export_card(runs, tmp_path):
     run, out = runs / "full", tmp_path / "model"
     assert main(["export", str(run / "checkpoints" / "step_000002"), str(out), "--license", "apache-2.0"]) == 0
@@ -60,6 +61,7 @@ def test_full_export_card(runs, tmp_path):
     assert scope["pipe"].source == str(out)
 
 
+@pytest.mark.slow
 def test_lora_export_card_and_default_license(runs, tmp_path):
     checkpoint, out = runs / "lora" / "checkpoints" / "step_000002", tmp_path / "lora"
     assert main(["export", str(checkpoint), str(out), "--lora-only"]) == 0
@@ -86,6 +88,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_push_to_unreachable_hub_is_one_sentence_and_keeps_the_export_whole(runs, tmp_path):
     endpoint, out = f"http://127.0.0.1:{_closed_port()}", tmp_path / "pushed"
     env = {
@@ -136,6 +139,7 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_push_to_a_refusing_hub_and_a_bad_repo_id(runs, tmp_path, monkeypatch, capsys):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
     threading.Thread(target=server.serve_forever, daemon=True).start()

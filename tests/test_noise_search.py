@@ -31,6 +31,7 @@ def _model(trainer, batch_size=16):
     return ImageSearchModel(trainer.pipeline, trainer.modality.eval_sampler, held.sigmas, held.guidance_scale, batch_size)
 
 
+@pytest.mark.slow
 def test_one_round_of_fresh_neighbours_is_best_of_n(trainer):
     held = trainer.modality.held_out
     items = Items(held.prompts[:8], held.metadata[:8])
@@ -41,6 +42,7 @@ def test_one_round_of_fresh_neighbours_is_best_of_n(trainer):
     assert zo.evaluations == 4
 
 
+@pytest.mark.slow
 def test_pivot_reward_never_decreases_and_round_zero_is_the_evaluation(trainer):
     metrics = trainer.evaluate()
     held = trainer.modality.held_out  # the search starts from the noise the plain evaluation draws
@@ -63,6 +65,7 @@ def test_neighbour_proposal_keeps_the_standard_normal():
     assert corr.item() == pytest.approx(math.sqrt(1 - 0.25), abs=0.02)  # a local move: correlation sqrt(1 - step^2)
 
 
+@pytest.mark.slow
 def test_cli_noise_search_prints_its_cost_and_a_spec_that_reruns_bit_for_bit(tmp_path, capsys):
     import json
 

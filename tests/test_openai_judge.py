@@ -232,6 +232,7 @@ def relay(server):
 
 
 @needs_serve
+@pytest.mark.slow
 def test_numbers_equal_in_process_generate_with_bounded_concurrency(models, relay):
     images = judge_images(6, 3, seed=0)
     prompts = [f"a photo of {i}" for i in range(6)]
@@ -254,6 +255,7 @@ def test_numbers_equal_in_process_generate_with_bounded_concurrency(models, rela
 
 
 @needs_serve
+@pytest.mark.slow
 def test_video_frames_are_sent_uniformly_spaced_in_one_message(models, server):
     videos = judge_images(14, 3, seed=3).reshape(2, 7, 3, 32, 32).permute(0, 2, 1, 3, 4)  # (B, C, T, H, W)
     judge = OpenAIJudgeReward(base_url=server.url, model=str(models.digits), frames=3, max_tokens=2, score_range=[0, 9])
@@ -268,6 +270,7 @@ def test_video_frames_are_sent_uniformly_spaced_in_one_message(models, server):
 
 
 @needs_serve
+@pytest.mark.slow
 def test_yes_no_answers_and_unparsable_ones_score_nan_counted_and_warned(models, server):
     images = torch.cat([judge_images(6, 3, seed=1), torch.full((1, 3, 32, 32), math.nan)])  # the last one diverged
     prompts = [f"a photo of {i}" for i in range(7)]
@@ -294,6 +297,7 @@ def test_yes_no_answers_and_unparsable_ones_score_nan_counted_and_warned(models,
 
 
 @needs_serve
+@pytest.mark.slow
 def test_a_4xx_is_not_retried_and_a_5xx_is(models, relay):
     refused = OpenAIJudgeReward(base_url=relay.url, model=str(models.digits), extra_body={"not_a_field": 1}, retry_for_s=60)
     start = time.monotonic()

@@ -116,6 +116,7 @@ def ext(tmp_path_factory):
         del sys.modules[name]
 
 
+@pytest.mark.slow
 def test_import_paths_name_every_kind_of_part(ext, tmp_path, one_thread):
     from flowrl.trainer import Trainer
 
@@ -154,6 +155,7 @@ def test_import_paths_name_every_kind_of_part(ext, tmp_path, one_thread):
     assert written.objective.name == "my_ext.rwr:RWRConfig" and written.pipeline.name == "my_ext.family:SmallDigitsConfig"
 
 
+@pytest.mark.slow
 def test_entry_points_from_an_installed_package_from_the_command_line(ext, tmp_path):
     """A separate process, started outside the repository, finds the package's entry points by name."""
     import os

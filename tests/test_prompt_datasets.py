@@ -378,6 +378,7 @@ def test_offline_for_the_call_only_and_missing_extra(tmp_path, monkeypatch):
     assert one_sentence(e) == "reading Hugging Face datasets needs the 'datasets' package: pip install 'flowrl[datasets]'."
 
 
+@pytest.mark.slow
 def test_a_run_trains_on_a_dataset_through_the_config(tmp_path, one_thread):
     """``prompts.dataset: hf`` with a column mapping: the run's prompts and the metadata its reward reads (the
     classifier's ``digit``) come from a parquet file, the held-out ones from the "test" split of a saved DatasetDict."""

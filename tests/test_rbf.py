@@ -99,6 +99,7 @@ def test_deterministic_sampler_is_refused(trainer):
         rbf_sample(model, trainer.reward, items, 2, torch.Generator())
 
 
+@pytest.mark.slow
 def test_cli_rbf_prints_its_cost_and_a_spec_that_reruns_bit_for_bit(tmp_path, capsys):
     from flowrl.cli import main
 

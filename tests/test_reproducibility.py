@@ -142,6 +142,7 @@ def trained_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_training_records_a_complete_spec_that_flowrl_eval_reproduces_bit_for_bit(trained_run, tmp_path, capsys):
     import json
 
@@ -185,6 +186,7 @@ def test_training_records_a_complete_spec_that_flowrl_eval_reproduces_bit_for_bi
     assert "NOT reproduced: 1 of" in err and "differs: environment.versions.torch" in err
 
 
+@pytest.mark.slow
 def test_best_of_n_records_its_spec_and_reproduces(trained_run, tmp_path, capsys):
     from flowrl.cli import main
 
@@ -230,6 +232,7 @@ def test_bad_spec_files_are_one_sentence(tmp_path, capsys):
 # ------------------------------------------------------------------ deterministic mode
 
 
+@pytest.mark.slow
 def test_deterministic_mode_gives_bit_identical_weights_run_to_run(tmp_path):
     import os
 

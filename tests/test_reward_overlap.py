@@ -29,6 +29,7 @@ def _two_iterations(tmp_path, overlap: bool):
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow
 def test_overlap_on_and_off_train_the_same_bits(tmp_path):
     serial, serial_weights = _two_iterations(tmp_path / "off", False)
     overlapped, overlapped_weights = _two_iterations(tmp_path / "on", True)

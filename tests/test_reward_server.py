@@ -185,6 +185,7 @@ def assert_healthy(url: str) -> None:
 # ----------------------------------------------------------------------------------------- scores
 
 
+@pytest.mark.slow
 def test_remote_scores_equal_in_process_scores(server, reference):
     images, prompts, meta = digits(7)
     out = RemoteReward(server.url, token=TOKEN)(images, prompts, meta)
@@ -497,6 +498,7 @@ def test_non_finite_samples_score_nan_without_being_sent(server, reference):
     assert not out.scores[keep].isnan().any()
 
 
+@pytest.mark.slow
 def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path):
     proc = ServerProcess(write_config(tmp_path / "server.yaml", device="cpu"), tmp_path / "server.log")
     try:
@@ -624,6 +626,7 @@ def raw(url: str, method: str, path: str, body: bytes | None = None, headers: di
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_saturated_server_answers_503_with_retry_after_and_the_client_comes_back(tmp_path):
     proc = ServerProcess(write_config(tmp_path / "server.yaml", device="cpu", max_connections=2), tmp_path / "server.log")
     parts = urlsplit(proc.url)
@@ -687,6 +690,7 @@ def test_5xx_answers_are_retried_and_4xx_are_not(status, attempts):
 # ----------------------------------------------------------------------------------------- config
 
 
+@pytest.mark.slow
 def test_unknown_config_key_fails_to_start_with_one_line(tmp_path):
     config = write_config(tmp_path / "bad.yaml", bogus=1)
     env = dict(os.environ, PYTHONPATH=str(REPO), FLOWRL_REWARD_TOKEN=TOKEN, OMP_NUM_THREADS="1")
@@ -782,6 +786,7 @@ class KillServerAfterFirstCall:
         return out
 
 
+@pytest.mark.slow
 def test_trainer_stops_cleanly_and_keeps_its_work_when_the_server_dies(tmp_path, monkeypatch, capsys):
     from conftest import CONFIGS, fast_overrides
 

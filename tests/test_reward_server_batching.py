@@ -273,6 +273,7 @@ def test_replica_urls_are_checked_and_can_come_from_the_environment(monkeypatch,
         assert client.url == f"{a.url}, {b.url}"
 
 
+@pytest.mark.slow
 def test_without_the_server_extra_the_command_says_so_in_one_sentence(tmp_path):
     config = write_config(tmp_path / "server.yaml", device="cpu")
     code = "import sys; sys.modules['uvicorn'] = None; from flowrl.reward_server import main; sys.exit(main([sys.argv[1]]))"

@@ -35,6 +35,7 @@ def _step(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step_{step:06d}"
 
 
+@pytest.mark.slow
 def test_each_trained_role_has_its_own_optimizer_learning_rate_and_checkpoint_entry(tmp_path):
     trainer = _trainer(tmp_path / "run")
     policy, critic = trainer.roles.trained
@@ -110,6 +111,7 @@ def _assert_equal_tree(a, b, where: str) -> None:
 
 
 @pytest.mark.parametrize("extra", [{}, ADAPTER], ids=["module_critic", "adapter_critic"])
+@pytest.mark.slow
 def test_a_two_role_run_resumes_bit_for_bit_in_one_process(tmp_path, extra):
     def launch(out: Path, **more) -> None:
         _trainer(out, **{**extra, **more}).fit()
@@ -119,6 +121,7 @@ def test_a_two_role_run_resumes_bit_for_bit_in_one_process(tmp_path, extra):
     _assert_same_second_iteration(tmp_path / "run", tmp_path / "resumed")
 
 
+@pytest.mark.slow
 def test_an_adapter_role_is_a_second_lora_on_the_policys_base(tmp_path):
     trainer = _trainer(tmp_path / "run", **ADAPTER)
     pipeline, critic = trainer.pipeline, trainer.roles["critic"]

@@ -45,6 +45,7 @@ def steps(run: Path) -> list[int]:
 
 
 # -- one run per output directory ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_runs_started_together_into_one_directory_one_is_refused(tmp_path):
     run = tmp_path / "twin"
     procs = [flowrl_process("train", str(GRPO), *fast_overrides(run, **{"train.iterations": 3, "seed": s})) for s in (0, 1)]
@@ -59,6 +60,7 @@ def test_two_runs_started_together_into_one_directory_one_is_refused(tmp_path):
     assert summary == json.loads((run / "summary.json").read_text())  # the summary printed is the run's own
 
 
+@pytest.mark.slow
 def test_a_running_run_refuses_a_second_run_and_a_resume_naming_its_pid(tmp_path):
     run = tmp_path / "run"
     first = flowrl_process("train", str(GRPO), *fast_overrides(run, **{"train.iterations": 5000, "log.checkpoint_every": 1}))
@@ -80,6 +82,7 @@ def test_a_running_run_refuses_a_second_run_and_a_resume_naming_its_pid(tmp_path
     assert first.returncode == 143
 
 
+@pytest.mark.slow
 def test_the_lock_is_the_kernels_a_killed_run_leaves_none(tmp_path):
     run = tmp_path / "run"
     first = flowrl_process("train", str(GRPO), *fast_overrides(run, **{"train.iterations": 60, "log.checkpoint_every": 1}))
@@ -98,6 +101,7 @@ def saved_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_resuming_under_another_objective_or_model_is_refused_naming_the_keys(saved_run, tmp_path, capsys):
     run = tmp_path / "copy"
     import shutil
@@ -116,6 +120,7 @@ def test_resuming_under_another_objective_or_model_is_refused_naming_the_keys(sa
     assert (run / "metrics.jsonl").read_text() == before and not (run / "config_history").exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_more_iterations_and_a_new_learning_rate_resume_and_the_config_history_is_kept(saved_run, tmp_path):
     import shutil
 
@@ -158,6 +163,7 @@ def test_a_mapping_on_the_command_line_replaces_the_presets():
 
 
 # -- SIGTERM ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigterm_saves_the_iteration_says_preempted_and_the_resume_is_exact(tmp_path):
     overrides = {"train.iterations": 4, "log.checkpoint_every": 0, "log.trackers": "[]"}
     whole = tmp_path / "whole"
@@ -186,6 +192,7 @@ def test_sigterm_saves_the_iteration_says_preempted_and_the_resume_is_exact(tmp_
 
 # -- a run killed before its first checkpoint ---------------------------------------------------------------------
 @pytest.mark.parametrize("extra", [[], ["resume_from=latest"]], ids=["restart", "resume"])
+@pytest.mark.slow
 def test_a_run_killed_while_writing_its_first_checkpoint_starts_again_without_overwrite(tmp_path, capsys, extra):
     run = tmp_path / "run"
     run.mkdir()
@@ -205,6 +212,7 @@ def leftovers(run: Path) -> list[str]:
     return sorted(p.relative_to(run).as_posix() for p in run.rglob(".flowrl-tmp-*"))
 
 
+@pytest.mark.slow
 def test_a_kill_9_during_a_checkpoint_write_leaves_nothing_after_the_resume_and_the_resume_is_exact(tmp_path, capsys):
     overrides = {"train.iterations": 2, "log.checkpoint_every": 1, "log.trackers": "[]"}
     run = tmp_path / "killed"
@@ -288,6 +296,7 @@ def stops(trainer: Trainer) -> str:
     return str(info.value)
 
 
+@pytest.mark.slow
 def test_the_nonfinite_reward_window_is_resumed_so_the_run_stops_where_the_uninterrupted_one_does(tmp_path):
     # Uninterrupted: iterations 2, 3, 4 score 6 of 8 NaN; the window of 3 passes 6 of 24 and 12 of 24, stops at 18 of 24.
     whole = nan_trainer(tmp_path / "whole")

@@ -618,6 +618,7 @@ def test_ddim_gaussian_toy_100_steps_matches_discretised_moments(pred, eta):
 
 
 @pytest.mark.parametrize("pred,eta", DDIM_TOY, ids=DDIM_TOY_IDS)
+@pytest.mark.slow
 def test_ddim_gaussian_toy_final_marginal(pred, eta):
     """With every training timestep (1000 steps) DDPM and DDIM reach N(mu, s^2) (bias 1.6% / 0.6% in variance)."""
     x = run_ddim_toy(pred, eta, 1000)

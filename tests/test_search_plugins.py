@@ -108,6 +108,7 @@ def best_of(tmp_path_factory):
     return json.loads(printed.getvalue().strip().splitlines()[-1]), _sha(out)
 
 
+@pytest.mark.slow
 def test_a_search_from_an_outside_package_runs_by_import_path_and_entry_point(outside, best_of, tmp_path):
     ours, grid = best_of
     run = [GRPO, *SETTING, f"output_dir={tmp_path / 'run'}"]
@@ -134,6 +135,7 @@ def test_a_search_from_an_outside_package_runs_by_import_path_and_entry_point(ou
     assert again["reproduction"]["bit_for_bit"] and again["reproduction"]["differing_fields"] == []
 
 
+@pytest.mark.slow
 def test_a_registered_plain_class_and_bad_settings(outside, best_of, tmp_path, capsys):
     from my_searches.plain import FirstCandidate
 

@@ -17,6 +17,7 @@ SPECS = json.loads((REPO / "tests" / "goldens" / "search_specs_before_parts.json
 
 
 @pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.slow
 def test_a_spec_written_before_searches_were_parts_reruns_bit_for_bit(name, tmp_path, capsys):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPECS[name]["spec"]))

@@ -236,6 +236,7 @@ def _overrides(run, **extra):
     )
 
 
+@pytest.mark.slow
 def test_first_iteration_is_log2_all_flipped_and_reference_samples_are_the_initial_models(tmp_path):
     """Iteration 0: the only snapshot is the current model, so every DPO logit is 0 (loss log 2 for any I) and the
     winner's errors tie: the paper's "otherwise" learns every reference sample as a winner (v2: SFT on the
@@ -273,6 +274,7 @@ def test_first_iteration_is_log2_all_flipped_and_reference_samples_are_the_initi
 
 
 @pytest.mark.parametrize("model", ["digits_flow", "digits_ddpm"])
+@pytest.mark.slow
 def test_two_iterations_change_every_parameter(tmp_path, model):
     extra = {"objective.ref_update_every": 1, "objective.reference_strategy": "latest"}
     if model == "digits_ddpm":
@@ -284,6 +286,7 @@ def test_two_iterations_change_every_parameter(tmp_path, model):
     assert sorted(trainer.objective.replay.snapshots) == [0, 1]
 
 
+@pytest.mark.slow
 def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
     """The paper's setting: an epsilon UNet in VAE latents; winners are PNGs encoded by the VAE."""
     from tiny_components import build_tiny_sd, family_config
@@ -308,6 +311,7 @@ def test_tiny_stable_diffusion_winners_from_jsonl(tmp_path):
     torch.testing.assert_close(winner_latents(trainer.pipeline, winners.images), z)
 
 
+@pytest.mark.slow
 def test_resume_restores_the_replay_and_continues_exactly(tmp_path):
     from safetensors.torch import load_file
 
@@ -362,6 +366,7 @@ def test_bad_winners_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_lora_snapshots_hold_only_the_adapter(tmp_path):
     """A LoRA run snapshots the adapter tensors alone (the frozen base is shared), and a reference forward
     with the initial snapshot equals the base model's (LoRA B starts at zero)."""

@@ -258,6 +258,7 @@ def test_masked_smc_one_particle_is_the_plain_evaluation_and_counts_its_rows(tex
 # ------------------------------------------------------------------ the command line and its spec
 
 
+@pytest.mark.slow
 def test_cli_smc_prints_a_spec_that_reruns_bit_for_bit(tmp_path, capsys):
     from flowrl.cli import main
 

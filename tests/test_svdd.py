@@ -68,6 +68,7 @@ def test_deterministic_sampler_is_refused(trainer):
         svdd_sample(model, trainer.reward, items, 2, torch.Generator())
 
 
+@pytest.mark.slow
 def test_cli_svdd(tmp_path, capsys):
     from flowrl.cli import main
 

@@ -80,6 +80,7 @@ def plain(setup):
     return modality.evaluate(grader, 0, 1)
 
 
+@pytest.mark.slow
 def test_best_of_one_is_the_plain_evaluation_for_every_rule(setup, best, plain):
     metrics, rows = plain
     assert [r["completion"] for r in rows] == [c[0] for c in best.completions]
@@ -238,6 +239,7 @@ def test_svdd_counts_its_forwards_and_keeps_the_best_look_ahead(setup):
         masked_svdd(_model(setup, 1.0, prompt_length=None), type("M", (), {"name": "majority"})(), prompts[:2], 2, torch.Generator())
 
 
+@pytest.mark.slow
 def test_cli_best_of_n_and_svdd_on_a_dllm_config(tmp_path, capsys):
     from flowrl.cli import main
 

@@ -105,6 +105,7 @@ def test_weighting_scales_each_step_policy_loss_and_leaves_ratios(tmp_path, one_
         assert out.metrics["loss/policy"].item() == pytest.approx(-1.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_bench_counts_denoiser_work_by_hand(one_thread):
     # One iteration, 2 prompts x 2 samples = 4 rows, 3 steps, evaluation 20 held-out prompts x 1 seed on 3 steps.
     bench = _bench()
@@ -134,6 +135,7 @@ def test_bench_counts_denoiser_work_by_hand(one_thread):
     assert (window["rollout_forwards"], window["train_forwards"], window["train_backwards"]) == (3 * 4, 2 * 4, 2 * 4)
 
 
+@pytest.mark.slow
 def test_bench_quick_prints_parseable_json():
     proc = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -150,6 +152,7 @@ def test_bench_quick_prints_parseable_json():
         assert set(s["per_seed"]) == {"0"}
 
 
+@pytest.mark.slow
 def test_bench_refuses_unknown_method():
     proc = subprocess.run([sys.executable, str(BENCH), "--methods", "full_sde,nope"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode != 0 and "unknown method 'nope'" in proc.stderr

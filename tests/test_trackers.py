@@ -76,6 +76,7 @@ def read_offline_run(run_dir: Path) -> dict:
     return {"project": project, "config": config, "history": history, "media": media}
 
 
+@pytest.mark.slow
 def test_wandb_offline_gets_config_scalars_and_sample_grids(tmp_path, offline_wandb, one_thread):
     run = tmp_path / "run"
     cfg = load_config(
@@ -101,6 +102,7 @@ def test_wandb_offline_gets_config_scalars_and_sample_grids(tmp_path, offline_wa
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))  # TensorBoard still written beside W&B
 
 
+@pytest.mark.slow
 def test_wandb_gets_videos_of_a_video_model(tmp_path, offline_wandb, one_thread):
     run = tmp_path / "run"
     cfg = load_config(VIDEO, fast_overrides(run, **{"log.trackers": "[wandb]", "log.project": "flowrl-video-test"}))
@@ -114,6 +116,7 @@ def test_wandb_gets_videos_of_a_video_model(tmp_path, offline_wandb, one_thread)
     assert not (run / "tensorboard").exists()  # only the trackers named
 
 
+@pytest.mark.slow
 def test_tensorboard_default_gets_scalars_config_and_grids(tmp_path, one_thread):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -132,6 +135,7 @@ def test_tensorboard_default_gets_scalars_config_and_grids(tmp_path, one_thread)
     assert hparams["objective.name"] == "grpo" and hparams["train.iterations"] == 2  # the resolved config, flattened
 
 
+@pytest.mark.slow
 def test_no_trackers_writes_metrics_only(tmp_path, one_thread):
     run = tmp_path / "run"
     Trainer(load_config(GRPO, fast_overrides(run, **{"log.trackers": "[]"}))).fit()

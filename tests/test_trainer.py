@@ -38,6 +38,7 @@ TRAIN_KEYS = {
 
 
 @pytest.mark.parametrize("config", [GRPO, DDPO], ids=["grpo", "ddpo"])
+@pytest.mark.slow
 def test_two_iterations_change_every_parameter_and_log_keys(tmp_path, config):
     cfg = load_config(config, fast_overrides(tmp_path, **{"train.weight_decay": 0.0, "train.learning_rate": 1e-3}))
     trainer = Trainer(cfg)
@@ -60,6 +61,7 @@ def test_two_iterations_change_every_parameter_and_log_keys(tmp_path, config):
     assert not [p for p in tmp_path.rglob(".*") if p.name.startswith(".") and p.is_file()]  # no temp leftovers
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     extra = {"train.iterations": 4, "eval.every": 2, "log.checkpoint_every": 2, "objective.beta": 0.01}
     full = Trainer(load_config(DDPO, fast_overrides(tmp_path / "full", **extra)))
@@ -94,6 +96,7 @@ class NaNEveryThird:
         return RewardOutput(scores, out.extras)
 
 
+@pytest.mark.slow
 def test_nonfinite_rewards_are_dropped_and_counted(tmp_path):
     config = load_config(GRPO, fast_overrides(tmp_path))
     trainer = Trainer(config, reward=NaNEveryThird(build_reward_from_config(config.reward)))
@@ -111,6 +114,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_accelerate_launch_two_cpu_processes(tmp_path):
     # accelerate's --cpu flag always takes its single-process launcher; several CPU processes come from its
     # torchrun path (--multi_gpu), which on a machine without GPUs gives DistributedType.MULTI_CPU over gloo.
@@ -149,6 +153,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_an_iteration_is_being_logged_stops_after_the_next_with_its_evaluation(tmp_path):
     """The Ctrl-C race CI once hit: the signal lands after an iteration decided not to evaluate (here: while
     iteration 1 is being written to metrics.jsonl). The run finishes iteration 2, evaluates and saves it."""
@@ -167,6 +172,7 @@ def test_ctrl_c_while_an_iteration_is_being_logged_stops_after_the_next_with_its
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
 
+@pytest.mark.slow
 def test_ctrl_c_finishes_the_iteration_and_saves(tmp_path):
     """SIGINT mid-run: the current iteration completes, a checkpoint is written, the exit is clean."""
     import signal

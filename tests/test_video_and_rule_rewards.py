@@ -268,6 +268,7 @@ def render_text(word: str, size: tuple[int, int] = (320, 112), font_size: int = 
     return torch.from_numpy(np.asarray(image).astype(np.float32) / 255.0).permute(2, 0, 1)
 
 
+@pytest.mark.slow
 def test_ocr_reads_rendered_text():
     text = render_text("flowrl")
     blank = torch.ones_like(text)

@@ -73,12 +73,14 @@ def run(bin_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(bin_dir / args[0]), *args[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_installed_package_is_the_wheel_not_the_checkout(installed, tmp_path):
     proc = run(installed, tmp_path, "python", "-c", "import flowrl, flowrl.presets as p; print(flowrl.__file__); print(p.PRESET_DIR)")
     where, presets = proc.stdout.split()
     assert str(installed.parent) in where and str(REPO) not in where and str(installed.parent) in presets, proc.stdout
 
 
+@pytest.mark.slow
 def test_presets_are_listed_and_run_by_name_from_an_unrelated_directory(installed, tmp_path):
     listing = run(installed, tmp_path, "flowrl", "presets")
     assert listing.returncode == 0, listing.stderr
@@ -115,6 +117,7 @@ def test_presets_are_listed_and_run_by_name_from_an_unrelated_directory(installe
     assert sampled.returncode == 0 and (tmp_path / "seven.png").is_file(), sampled.stderr
 
 
+@pytest.mark.slow
 def test_a_name_that_is_no_preset_is_one_sentence(installed, tmp_path):
     proc = run(installed, tmp_path, "flowrl", "train", "digits/grpoo")
     assert proc.returncode == 2
