@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import http.client
 import ipaddress
+import json
 import math
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from flowrl.errors import FlowRLError
@@ -120,6 +122,17 @@ def failure_cause(error: Exception, timeout: float, server: str, url: str, error
     if isinstance(error, socket.gaierror):
         return f"host not found: {error.strerror or error}"
     return (getattr(error, "strerror", None) or str(error) or type(error).__name__).rstrip(".")
+
+
+def json_answer(data: bytes, server: str, url: str, error_class: type[FlowRLError], max_bytes: int = MAX_RESPONSE_BYTES) -> Any:
+    """A server's answer read by :func:`post` as JSON; one over ``max_bytes`` (post's limit) or not JSON raises
+    ``error_class`` naming the server (another attempt would not mend it)."""
+    if len(data) > max_bytes:
+        raise error_class(f"{server} {url} sent an answer over {max_bytes} bytes.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise error_class(f"{server} {url} sent an answer that is not JSON.") from None
 
 
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)  # what post() raises that failure_cause names

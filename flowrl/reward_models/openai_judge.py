@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import FlowRLError
+from flowrl.reward_models import http_post
 from flowrl.reward_models.http_post import TRANSPORT_ERRORS, Endpoint, backoff_seconds, failure_cause, is_loopback, parse_server_url, post
 from flowrl.types import RewardOutput
 
@@ -296,14 +297,8 @@ class OpenAIJudgeReward:
         if self.score not in SCORE_MODES:
             raise FlowRLError(f"judge score must be one of {', '.join(SCORE_MODES)}, got {score!r}.")
         low, high = self._check_range(score_range if score_range is not None else preset_range or (0.0, 10.0))
-        for label, value in (
-            ("top_logprobs", top_logprobs),
-            ("max_tokens", 1 if max_tokens is None else max_tokens),
-            ("frames", frames),
-            ("max_concurrency", max_concurrency),
-        ):
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise FlowRLError(f"judge {label} must be a positive integer, got {value!r}.")
+        max_tokens_given = 1 if max_tokens is None else max_tokens  # None: left out of the request
+        self._check_counts(top_logprobs=top_logprobs, max_tokens=max_tokens_given, frames=frames, max_concurrency=max_concurrency)
         if image_size is not None and not (isinstance(image_size, int) and image_size >= 1):
             raise FlowRLError(f"judge image_size must be a positive integer or null, got {image_size!r}.")
         if retries is not None and not (isinstance(retries, int) and retries >= 1):
@@ -311,11 +306,7 @@ class OpenAIJudgeReward:
         numbers = {"timeout_s": timeout_s, "retry_for_s": retry_for_s, "backoff_s": backoff_s, "temperature": temperature or 0.0}
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers.values()) or timeout_s <= 0:
             raise FlowRLError(f"judge timeout_s must be positive and retry_for_s, backoff_s and temperature non-negative, got {numbers}.")
-        if score_regex is not None:
-            try:
-                re.compile(score_regex)
-            except re.error as e:
-                raise FlowRLError(f"judge score_regex {score_regex!r} is not a valid regular expression ({e}).") from None
+        self._check_regex(score_regex)
         self.name, self.differentiable = name, False
         self.model, self.api_key_env, self.system = model, api_key_env, system
         self.score_range, self.normalize, self.score_regex = (low, high), bool(normalize), score_regex
@@ -345,6 +336,21 @@ class OpenAIJudgeReward:
                 f"judge template {template[:60]!r} is not a valid format string ({e}); write literal braces as {{{{ and }}}}."
             ) from None
         return template, "number", None
+
+    @staticmethod
+    def _check_counts(**counts: Any) -> None:
+        """Each count is a positive integer (checked in the order given: the first bad one is named)."""
+        for label, value in counts.items():
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise FlowRLError(f"judge {label} must be a positive integer, got {value!r}.")
+
+    @staticmethod
+    def _check_regex(score_regex: str | None) -> None:
+        if score_regex is not None:
+            try:
+                re.compile(score_regex)
+            except re.error as e:
+                raise FlowRLError(f"judge score_regex {score_regex!r} is not a valid regular expression ({e}).") from None
 
     @staticmethod
     def _check_range(score_range: Sequence[float]) -> tuple[float, float]:
@@ -433,12 +439,7 @@ class OpenAIJudgeReward:
                 message = _error_message(payload)
                 detail = f"HTTP {status}: {message}" if message else f"HTTP {status}"
                 raise _Refused(f"judge server {endpoint.url} refused the request ({detail}).", status)
-            if len(payload) > MAX_RESPONSE_BYTES:
-                raise JudgeServerError(f"judge server {endpoint.url} sent an answer over {MAX_RESPONSE_BYTES} bytes.")
-            try:
-                return json.loads(payload)
-            except (ValueError, RecursionError):
-                raise JudgeServerError(f"judge server {endpoint.url} sent an answer that is not JSON.") from None
+            return http_post.json_answer(payload, "judge server", endpoint.url, JudgeServerError, MAX_RESPONSE_BYTES)
         raise JudgeServerError(f"judge server {endpoint.url} did not answer after {attempt} attempt{'s' * (attempt != 1)} ({cause}).")
 
     def _choice(self, endpoint: Endpoint, body: dict[str, Any], abort: threading.Event) -> Mapping[str, Any]:

@@ -25,7 +25,7 @@ import random
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,12 +35,12 @@ from torch import Tensor
 
 from flowrl.errors import FlowRLError
 from flowrl.reward_models.http_post import (
-    MAX_RESPONSE_BYTES,
     TRANSPORT_ERRORS,
     Endpoint,
     backoff_seconds,
     failure_cause,
     is_loopback,
+    json_answer,
     parse_server_url,
     post,
 )
@@ -208,46 +208,54 @@ class RemoteReward:
         cause, attempt, start, retry_after = "", 0, time.monotonic(), None
         order = self._order()
         n = len(order)
-        while True:
-            if attempt:
-                if self.retries is not None and attempt >= self.retries:
-                    break
-                left = self.retry_for - (time.monotonic() - start)
-                if left <= 0:
-                    break
-                if attempt % n == 0:  # every replica failed this round: back off (the last attempt starts at retry_for)
-                    time.sleep(min(backoff_seconds(attempt // n, self.backoff, retry_after, self._jitter), left))
-                    retry_after = None
+        while attempt == 0 or self._wait_before(attempt, n, start, retry_after):
+            if attempt and attempt % n == 0:
+                retry_after = None  # the round's Retry-After has been waited for
             endpoint = order[attempt % n]
             attempt += 1
-            try:
-                status, data, answer_retry_after = post(endpoint, body, content_type, self.timeout, self.token)
-                failure = None
-            except TRANSPORT_ERRORS as e:
-                failure = failure_cause(e, self.timeout, "reward server", endpoint.url, RewardServerError)
+            failure, status, data, answer_retry_after = self._attempt(endpoint, body, content_type)
             if failure is None:
-                message = self._error_message(data)
-                if status >= 500:
-                    failure = f"HTTP {status}: {message}" if message else f"HTTP {status}"
-                    if answer_retry_after is not None:
-                        retry_after = max(retry_after or 0.0, answer_retry_after)
-            if failure is not None:
-                endpoint.down_until = time.monotonic() + DOWN_S
-                cause = failure if n == 1 else f"{endpoint.url}: {failure}"
-                continue
-            endpoint.down_until = 0.0
-            if status != 200:
-                raise RewardServerError(
-                    f"reward server {endpoint.url} refused the request (HTTP {status}" + (f": {message}" if message else "") + ")."
-                )
-            if len(data) > MAX_RESPONSE_BYTES:
-                raise RewardServerError(f"reward server {endpoint.url} sent an answer over {MAX_RESPONSE_BYTES} bytes.")
-            try:
-                return json.loads(data)
-            except (ValueError, RecursionError):
-                raise RewardServerError(f"reward server {endpoint.url} sent an answer that is not JSON.") from None
+                endpoint.down_until = 0.0
+                return self._answer(endpoint, status, data)
+            if answer_retry_after is not None:
+                retry_after = max(retry_after or 0.0, answer_retry_after)
+            endpoint.down_until = time.monotonic() + DOWN_S
+            cause = failure if n == 1 else f"{endpoint.url}: {failure}"
         servers = f"reward server {self.url}" if n == 1 else f"reward servers {self.url}"
         raise RewardServerError(f"{servers} did not answer after {attempt} attempt{'s' * (attempt != 1)} ({cause}).")
+
+    def _wait_before(self, attempt: int, n: int, start: float, retry_after: float | None) -> bool:
+        """Whether attempt ``attempt + 1`` may start (``retries`` and ``retry_for`` not spent); when each of the ``n``
+        replicas failed this round, it backs off first (the last attempt starts at ``retry_for`` at the latest)."""
+        if self.retries is not None and attempt >= self.retries:
+            return False
+        left = self.retry_for - (time.monotonic() - start)
+        if left <= 0:
+            return False
+        if attempt % n == 0:
+            time.sleep(min(backoff_seconds(attempt // n, self.backoff, retry_after, self._jitter), left))
+        return True
+
+    def _attempt(self, endpoint: Endpoint, body: bytes, content_type: str) -> tuple[str | None, int, bytes, float | None]:
+        """One attempt: (why it is worth another, or None: an answer to read), status, payload, and the server's
+        Retry-After when it failed with a 5xx."""
+        try:
+            status, data, retry_after = post(endpoint, body, content_type, self.timeout, self.token)
+        except TRANSPORT_ERRORS as e:
+            return failure_cause(e, self.timeout, "reward server", endpoint.url, RewardServerError), 0, b"", None
+        if status >= 500:
+            message = self._error_message(data)
+            return (f"HTTP {status}: {message}" if message else f"HTTP {status}"), status, data, retry_after
+        return None, status, data, None
+
+    def _answer(self, endpoint: Endpoint, status: int, data: bytes) -> dict:
+        """The server's answer to a request it did not fail on: its JSON, or one sentence why there is none."""
+        if status != 200:
+            message = self._error_message(data)
+            raise RewardServerError(
+                f"reward server {endpoint.url} refused the request (HTTP {status}" + (f": {message}" if message else "") + ")."
+            )
+        return json_answer(data, "reward server", endpoint.url, RewardServerError)
 
     @staticmethod
     def _error_message(data: bytes) -> str:
@@ -271,7 +279,8 @@ class RemoteReward:
             raise RewardServerError(f"reward server {self.url} sent an unreadable answer ({e}).") from None
         return scores, extras
 
-    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+    def _check_call(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> None:
+        """The url (read from FLOWRL_REWARD_URL on the first call when none was given) and the batch's shapes."""
         if not self.endpoints:
             url = os.environ.get(URL_ENV)
             if not url:
@@ -282,6 +291,18 @@ class RemoteReward:
             raise FlowRLError(f"a remote reward sends (B, C, H, W) images or (B, C, T, H, W) videos, got shape {tuple(samples.shape)}.")
         if len(prompts) != n or len(metadata) != n:
             raise FlowRLError(f"a remote reward got {n} samples but {len(prompts)} prompts and {len(metadata)} metadata entries.")
+
+    def _score_chunks(self, score: Callable[[list[int]], Any], chunks: list[list[int]]) -> list[Any]:
+        """Every chunk's answer, in order: one chunk per replica at a time when there are several."""
+        if len(self.endpoints) > 1 and len(chunks) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(len(self.endpoints), thread_name_prefix="flowrl-remote-reward")
+            return list(self._pool.map(score, chunks))
+        return [score(chunk) for chunk in chunks]
+
+    def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+        self._check_call(samples, prompts, metadata)
+        n = samples.shape[0]
         # The server refuses non-finite float samples (it validates [0, 1]); such a sample (a diverged rollout)
         # scores NaN without being sent, as an in-process reward would score it, and is dropped by the trainer.
         finite = torch.isfinite(samples.detach().reshape(n, -1)).all(dim=1).cpu() if n else torch.ones(0, dtype=torch.bool)
@@ -292,15 +313,9 @@ class RemoteReward:
         def score(chunk: list[int]):
             return self._score_chunk(samples[chunk], [prompts[i] for i in chunk], [metadata[i] for i in chunk])
 
-        if len(self.endpoints) > 1 and len(chunks) > 1:  # one chunk per replica at a time
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(len(self.endpoints), thread_name_prefix="flowrl-remote-reward")
-            answers = list(self._pool.map(score, chunks))
-        else:
-            answers = [score(chunk) for chunk in chunks]
         scores: list[float] = []
         extras: dict[str, list[float]] | None = None
-        for chunk_scores, chunk_extras in answers:
+        for chunk_scores, chunk_extras in self._score_chunks(score, chunks):
             scores += chunk_scores
             if extras is None:
                 extras = chunk_extras

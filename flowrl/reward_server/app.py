@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -158,6 +159,24 @@ async def _score(state: ServerState, request: Request, length: int) -> Response:
     return JSONResponse({"scores": scores, "extras": extras})
 
 
+def _refusal(state: ServerState, headers: Headers) -> tuple[Response | None, int]:
+    """What answers a POST /score before a byte of its body is read (the token, a Content-Length, the size limit, the
+    requests in flight), or None when it may be read; and its Content-Length (-1 when it has none or a bad one)."""
+    if not _token_ok(state, headers.get("authorization", "")):
+        return _error(401, "wrong or missing token.", {"WWW-Authenticate": 'Bearer realm="flowrl-reward"'}), -1
+    if "transfer-encoding" in headers or "content-length" not in headers:
+        return _error(411, "a Content-Length header is required (chunked bodies are refused)."), -1
+    length = int(headers["content-length"]) if headers["content-length"].isdigit() else -1
+    limit = state.config.max_request_bytes
+    if length < 0:
+        return _error(400, "the Content-Length header is not a non-negative integer."), length
+    if length > limit:
+        return _error(413, f"the request body has {length} bytes, more than this server's limit of {limit}."), length
+    if state.in_flight >= state.config.max_connections:
+        return _error(503, BUSY, {"Retry-After": str(RETRY_AFTER_S)}), length
+    return None, length
+
+
 def build_app(state: ServerState) -> Starlette:
     """The ASGI app serving ``state``'s reward."""
 
@@ -180,21 +199,7 @@ def build_app(state: ServerState) -> Starlette:
         )
 
     async def score(request: Request) -> Response:
-        headers = request.headers
-        refusal: Response | None = None
-        if not _token_ok(state, headers.get("authorization", "")):
-            refusal = _error(401, "wrong or missing token.", {"WWW-Authenticate": 'Bearer realm="flowrl-reward"'})
-        elif "transfer-encoding" in headers or "content-length" not in headers:
-            refusal = _error(411, "a Content-Length header is required (chunked bodies are refused).")
-        else:
-            length = int(headers["content-length"]) if headers["content-length"].isdigit() else -1
-            limit = state.config.max_request_bytes
-            if length < 0:
-                refusal = _error(400, "the Content-Length header is not a non-negative integer.")
-            elif length > limit:
-                refusal = _error(413, f"the request body has {length} bytes, more than this server's limit of {limit}.")
-            elif state.in_flight >= state.config.max_connections:
-                refusal = _error(503, BUSY, {"Retry-After": str(RETRY_AFTER_S)})
+        refusal, length = _refusal(state, request.headers)
         if refusal is not None:
             await _drain(request)
             return refusal
