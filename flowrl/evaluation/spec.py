@@ -175,6 +175,31 @@ def build_spec(
     }
 
 
+def _json_records(text: str) -> list[Any]:
+    """The JSON in ``text``: the whole of it, or else each line that parses as a JSON object (the output of flowrl
+    eval: text lines and one JSON line)."""
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError:
+        pass
+    records = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("{"):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def _spec_of(record: Any) -> dict[str, Any] | None:
+    """The spec a record is or holds (a spec, a summary's ``eval_spec``, an eval line's ``spec``), or None."""
+    if not isinstance(record, dict):
+        return None
+    spec = record if record.get("format") == SPEC_FORMAT else record.get("spec") or record.get("eval_spec")
+    return spec if isinstance(spec, dict) and spec.get("format") == SPEC_FORMAT else None
+
+
 def read_spec(path: str | Path) -> dict[str, Any]:
     """The spec in ``path``: a spec file, a run's summary.json (its ``eval_spec``), or the output of ``flowrl
     eval`` (the last JSON line holding a ``spec``)."""
@@ -185,21 +210,9 @@ def read_spec(path: str | Path) -> dict[str, Any]:
         raise FlowRLError(f"spec file '{path}' does not exist.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FlowRLError(f"could not read spec file '{path}': {e}.") from None
-    candidates: list[Any] = []
-    try:
-        candidates.append(json.loads(text))
-    except json.JSONDecodeError:
-        for line in text.splitlines():  # the output of flowrl eval: text lines and one JSON line
-            if line.lstrip().startswith("{"):
-                try:
-                    candidates.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    for record in reversed(candidates):
-        if not isinstance(record, dict):
-            continue
-        spec = record if record.get("format") == SPEC_FORMAT else record.get("spec") or record.get("eval_spec")
-        if isinstance(spec, dict) and spec.get("format") == SPEC_FORMAT:
+    for record in reversed(_json_records(text)):
+        spec = _spec_of(record)
+        if spec is not None:
             if spec.get("version") != SPEC_VERSION:
                 raise FlowRLError(
                     f"'{path}' holds an evaluation spec of version {spec.get('version')}; this flowrl reads version {SPEC_VERSION}."
