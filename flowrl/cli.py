@@ -48,6 +48,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("config", help="a shipped preset by name (digits/grpo; see flowrl presets) or a YAML file")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iterations=10")
+    _add_sample_parser(sub)
+    _add_eval_parser(sub)
+    _add_export_parser(sub)
+    sub.add_parser("presets", help="list the presets shipped with flowrl (flowrl train NAME)")
+    c = sub.add_parser("config", help="explain the config: its sections, or one section's keys with types, defaults and descriptions")
+    c.add_argument(
+        "target",
+        nargs="?",
+        help="a section (train), a part (objective.grpo, pipeline.flux, reward.pickscore), serve-reward, "
+        "or a preset / YAML file to show its values beside the descriptions; none: the list of sections",
+    )
+    c.add_argument("--name", default=None, help="the part's name, for a target pipeline, sampler, objective or reward")
+    _add_server_parsers(sub)
+    return p
+
+
+def _add_sample_parser(sub) -> None:
     s = sub.add_parser("sample", help="sample a grid of images from a checkpoint or a pretrained model")
     s.add_argument("source", help="checkpoint directory, or an embedded model name / model directory")
     s.add_argument(
@@ -75,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("samples.png"),
         help="a .png grid (images; videos also as MP4 / GIF), or a .npy file: the final samples as a float32 array (N, ...)",
     )
-    _add_eval_parser(sub)
+
+
+def _add_export_parser(sub) -> None:
     x = sub.add_parser(
         "export", help="write a run checkpoint as a standalone diffusers model directory (merged weights) or as a diffusers LoRA file"
     )
@@ -95,15 +114,10 @@ def _parser() -> argparse.ArgumentParser:
         "(created if needed; token from HF_TOKEN or `hf auth login`; endpoint HF_ENDPOINT)",
     )
     x.add_argument("--private", action="store_true", help="(--push-to-hub) create the repo private")
-    sub.add_parser("presets", help="list the presets shipped with flowrl (flowrl train NAME)")
-    c = sub.add_parser("config", help="explain the config: its sections, or one section's keys with types, defaults and descriptions")
-    c.add_argument(
-        "target",
-        nargs="?",
-        help="a section (train), a part (objective.grpo, pipeline.flux, reward.pickscore), serve-reward, "
-        "or a preset / YAML file to show its values beside the descriptions; none: the list of sections",
-    )
-    c.add_argument("--name", default=None, help="the part's name, for a target pipeline, sampler, objective or reward")
+
+
+def _add_server_parsers(sub) -> None:
+    """The local servers: the reward server and the labelling page."""
     r = sub.add_parser("serve-reward", help="serve a reward model over HTTP on loopback (token in FLOWRL_REWARD_TOKEN)")
     r.add_argument("config", help="reward server YAML (see docs/reward_server.md)")
     r.add_argument("--port", type=int, default=None, help="override the config's port (0 = any free port)")
@@ -116,7 +130,6 @@ def _parser() -> argparse.ArgumentParser:
         "FLOWRL_LABEL_TOKEN or a random one printed in the address)",
     )
     lb.add_argument("--port", type=int, default=8765, help="port (0 = any free port)")
-    return p
 
 
 # flowrl eval's search flags: metavar, type and help. Each sets a field of a search's section (inference/sections.py),
@@ -424,93 +437,135 @@ def _eval(args) -> int:
 
 
 def _sample(args) -> int:
-    import torch
-
-    from .pipelines import FAMILIES, build_pipeline
-    from .pipelines.common import device_for
-    from .samplers import ODEConfig, build_sampler
     from .samplers.rollout import sample
-    from .training.checkpoint import load_checkpoint_weights
-    from .visualize import save_grid
 
     if args.num_samples < 1:
         raise FlowRLError(f"-n must be at least 1, got {args.num_samples}.")
-    source = Path(args.source)
-    if source.is_dir() and (source / "config.yaml").is_file():
-        config, _ = _config_for_source(args.source, [])
-        pipe_cfg, steps, guidance = config.pipeline, config.rollout.num_inference_steps, config.rollout.guidance_scale
-    else:
-        # the embedded models by name
-        family = {"digits_video": "digits_video", "digits_masked": "amused"}.get(args.source, "digits")
-        pipe_cfg, steps, guidance, config = FAMILIES.section(family)(pretrained=args.source), 10, 1.0, None
-    threads = config.train.num_threads if config is not None else None
-    if threads or pipe_cfg.default_num_threads():
-        torch.set_num_threads(threads or pipe_cfg.default_num_threads())
-    device = device_for(pipe_cfg.device)
-    pipeline = build_pipeline(pipe_cfg, device)
-    if config is not None:
-        load_checkpoint_weights(pipeline, source)
-        pipeline.guidance_mode = config.rollout.guidance_mode
-    pipeline.denoiser.eval()
-    if args.prompt is None:
-        if config is None:
-            raise FlowRLError(f"--prompt is required when sampling from '{args.source}' (it is not a run checkpoint).")
-        from .evaluation.held_out import eval_pool
-
-        args.prompt = [eval_pool(config)[0][0]]
+    pipe_cfg, steps, guidance, config = _sample_source(args.source)
+    pipeline = _sample_pipeline(Path(args.source), pipe_cfg, config)
+    prompts = args.prompt or [_first_held_out_prompt(args.source, config)]
     if args.image is not None and not Path(args.image).is_file():
         raise FlowRLError(f"--image '{args.image}' does not exist.")
-    metadata = [{"image": args.image} if args.image else {} for _ in args.prompt]
-    if args.sampler == "rollout" and config is None:
-        raise FlowRLError(f"--sampler rollout uses a checkpoint's training sampler, and '{args.source}' is not a run checkpoint.")
-    if pipeline.prediction_type == "masked_tokens":  # image tokens have no ODE: the model's own sampler, as its evaluation
-        from .samplers.masked_image import MaskedImageConfig
-
-        section = config.sampler if config is not None else MaskedImageConfig()
-    else:
-        section = config.sampler if args.sampler == "rollout" else ODEConfig()
-    sampler = build_sampler(section, pipeline)
+    metadata = [{"image": args.image} if args.image else {} for _ in prompts]
     traj = sample(
         pipeline,
-        sampler,
-        args.prompt,
+        _sample_sampler(args, pipeline, config),
+        prompts,
         args.num_samples,
         args.steps or steps,
         guidance if args.guidance_scale is None else args.guidance_scale,
         seed=args.seed,
         metadata=metadata,
     )
-    if args.out.suffix.lower() == ".npy":  # the raw final samples, for analysis (e.g. the 2-D toy's (N, 2) points)
+    _write_samples(traj.samples, args.out, len(prompts), args.num_samples)
+    return 0
+
+
+def _sample_source(source: str):
+    """(pipeline section, steps, guidance, the run's config or None) of a run checkpoint or an embedded model's name."""
+    if Path(source).is_dir() and (Path(source) / "config.yaml").is_file():
+        config, _ = _config_for_source(source, [])
+        return config.pipeline, config.rollout.num_inference_steps, config.rollout.guidance_scale, config
+    from .pipelines import FAMILIES
+
+    family = {"digits_video": "digits_video", "digits_masked": "amused"}.get(source, "digits")  # the embedded models by name
+    return FAMILIES.section(family)(pretrained=source), 10, 1.0, None
+
+
+def _sample_pipeline(source: Path, pipe_cfg, config):
+    """The model, on the threads its family runs best on, with a checkpoint's weights loaded."""
+    import torch
+
+    from .pipelines import build_pipeline
+    from .pipelines.common import device_for
+    from .training.checkpoint import load_checkpoint_weights
+
+    threads = (config.train.num_threads if config is not None else None) or pipe_cfg.default_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    pipeline = build_pipeline(pipe_cfg, device_for(pipe_cfg.device))
+    if config is not None:
+        load_checkpoint_weights(pipeline, source)
+        pipeline.guidance_mode = config.rollout.guidance_mode
+    pipeline.denoiser.eval()
+    return pipeline
+
+
+def _first_held_out_prompt(source: str, config) -> str:
+    if config is None:
+        raise FlowRLError(f"--prompt is required when sampling from '{source}' (it is not a run checkpoint).")
+    from .evaluation.held_out import eval_pool
+
+    return eval_pool(config)[0][0]
+
+
+def _sample_sampler(args, pipeline, config):
+    """The deterministic sampler, or a checkpoint's own training sampler (--sampler rollout); a masked-token model's
+    own unmasking sampler (image tokens have no ODE), as its evaluation uses."""
+    from .samplers import ODEConfig, build_sampler
+
+    if args.sampler == "rollout" and config is None:
+        raise FlowRLError(f"--sampler rollout uses a checkpoint's training sampler, and '{args.source}' is not a run checkpoint.")
+    if pipeline.prediction_type == "masked_tokens":
+        from .samplers.masked_image import MaskedImageConfig
+
+        section = config.sampler if config is not None else MaskedImageConfig()
+    else:
+        section = config.sampler if args.sampler == "rollout" else ODEConfig()
+    return build_sampler(section, pipeline)
+
+
+def _write_samples(samples, out: Path, prompts: int, per_prompt: int) -> None:
+    """A .npy array of the final samples (for analysis), or a grid (videos also as MP4 and GIF clips)."""
+    from .visualize import save_grid, save_videos
+
+    if out.suffix.lower() == ".npy":  # the raw final samples, e.g. the 2-D toy's (N, 2) points
         import numpy as np
 
         from .atomic_files import atomic_path
 
-        with atomic_path(args.out) as tmp, open(tmp, "wb") as f:
-            np.save(f, traj.samples.detach().float().cpu().numpy())
-        print(f"wrote {args.out} (array {tuple(traj.samples.shape)}, {len(args.prompt)} prompt(s) x {args.num_samples} samples)")
-        return 0
-    save_grid(traj.samples, args.out, ncol=args.num_samples)
-    written = [args.out]
-    if traj.samples.ndim == 5:  # videos: the PNG is a filmstrip; the clips themselves as MP4 and GIF
-        from .visualize import save_videos
-
-        written += save_videos(traj.samples, args.out.with_suffix(""), ncol=args.num_samples)
-    print(f"wrote {', '.join(map(str, written))} ({len(args.prompt)} prompt(s) x {args.num_samples} samples)")
-    return 0
+        with atomic_path(out) as tmp, open(tmp, "wb") as f:
+            np.save(f, samples.detach().float().cpu().numpy())
+        print(f"wrote {out} (array {tuple(samples.shape)}, {prompts} prompt(s) x {per_prompt} samples)")
+        return
+    save_grid(samples, out, ncol=per_prompt)
+    written = [out]
+    if samples.ndim == 5:  # videos: the PNG is a filmstrip; the clips themselves as MP4 and GIF
+        written += save_videos(samples, out.with_suffix(""), ncol=per_prompt)
+    print(f"wrote {', '.join(map(str, written))} ({prompts} prompt(s) x {per_prompt} samples)")
 
 
 def _export(args) -> int:
     """A standalone model directory: the base model's components with the fine-tuned denoiser (LoRA
     merged into its weights), loadable with ``DiffusionPipeline.from_pretrained(out)`` for diffusers
     checkpoints; or, with --lora-only, the diffusers LoRA file for ``load_lora_weights``."""
-    import shutil
-
     from .atomic_files import atomic_directory
-    from .model_card import push_to_hub, write_model_card
+    from .model_card import write_model_card
     from .pipelines import build_pipeline
     from .training.checkpoint import load_checkpoint_weights
 
     source = Path(args.checkpoint)
+    _check_export_arguments(source, args)
+    config, _ = _config_for_source(str(source), [])
+    pipeline = build_pipeline(config.pipeline, "cpu")
+    load_checkpoint_weights(pipeline, source)
+    with atomic_directory(args.out) as tmp:
+        if args.lora_only:
+            if not pipeline.has_lora:
+                raise FlowRLError("--lora-only needs a LoRA run (this checkpoint fine-tuned the whole denoiser).")
+            pipeline.save_lora(tmp)
+        else:
+            _write_merged_model(tmp, pipeline, config)
+        write_model_card(
+            tmp, source, config, "lora" if args.lora_only else "full", where=args.push_to_hub or str(args.out), license=args.license
+        )
+    print(f"wrote {args.out}")
+    if args.push_to_hub is not None:  # the local export is complete before anything is sent: a failed push leaves it whole
+        _push_export(args)
+    return 0
+
+
+def _check_export_arguments(source: Path, args) -> None:
     if not (source / "config.yaml").is_file():
         raise FlowRLError(f"'{source}' is not a run checkpoint directory (it has no config.yaml).")
     if args.out.exists():
@@ -523,42 +578,42 @@ def _export(args) -> int:
             validate_repo_id(args.push_to_hub)
         except HFValidationError:
             raise FlowRLError(f"--push-to-hub '{args.push_to_hub}' is not a hub repository id (expected 'user/name').") from None
-    config, _ = _config_for_source(str(source), [])
-    pipeline = build_pipeline(config.pipeline, "cpu")
-    load_checkpoint_weights(pipeline, source)
-    subfolder = pipeline.denoiser_subfolder
-    with atomic_directory(args.out) as tmp:
-        if args.lora_only:
-            if not pipeline.has_lora:
-                raise FlowRLError("--lora-only needs a LoRA run (this checkpoint fine-tuned the whole denoiser).")
-            pipeline.save_lora(tmp)
-        else:
-            # by subfolder; several for a denoiser that spans components (Wan2.2's transformer + transformer_2)
-            merged = pipeline.merged_components() if hasattr(pipeline, "merged_components") else {subfolder: pipeline.merged_denoiser()}
-            base = Path(pipeline.source)  # a local directory (embedded models: their shipped one) or a hub id
-            if base.is_dir():
-                shutil.copytree(base, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*merged, "training_info.json"))
-                for name, module in merged.items():
-                    module.save_pretrained(tmp / name)
-            else:  # a hub id: diffusers assembles the pipeline around the merged denoiser
-                from diffusers import DiffusionPipeline
 
-                assembled = DiffusionPipeline.from_pretrained(config.pipeline.pretrained, revision=config.pipeline.revision, **merged)
-                assembled.save_pretrained(tmp)
-        write_model_card(
-            tmp, source, config, "lora" if args.lora_only else "full", where=args.push_to_hub or str(args.out), license=args.license
-        )
-    print(f"wrote {args.out}")
-    if args.push_to_hub is not None:  # the local export is complete before anything is sent: a failed push leaves it whole
-        try:
-            url = push_to_hub(args.out, args.push_to_hub, private=args.private)
-        except FlowRLError as e:
-            raise FlowRLError(
-                f"could not push to the hub: {str(e).rstrip('.')}; the local export '{args.out}' is complete, "
-                f"upload it later with `hf upload {args.push_to_hub} {args.out}`."
-            ) from None
-        print(f"pushed to {url}")
-    return 0
+
+def _write_merged_model(tmp: Path, pipeline, config) -> None:
+    """The base model's components with the merged denoiser: copied from a local base, assembled by diffusers around
+    the merged denoiser for a hub id."""
+    import shutil
+
+    # by subfolder; several for a denoiser that spans components (Wan2.2's transformer + transformer_2)
+    merged = (
+        pipeline.merged_components()
+        if hasattr(pipeline, "merged_components")
+        else {pipeline.denoiser_subfolder: pipeline.merged_denoiser()}
+    )
+    base = Path(pipeline.source)  # a local directory (embedded models: their shipped one) or a hub id
+    if base.is_dir():
+        shutil.copytree(base, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*merged, "training_info.json"))
+        for name, module in merged.items():
+            module.save_pretrained(tmp / name)
+        return
+    from diffusers import DiffusionPipeline
+
+    assembled = DiffusionPipeline.from_pretrained(config.pipeline.pretrained, revision=config.pipeline.revision, **merged)
+    assembled.save_pretrained(tmp)
+
+
+def _push_export(args) -> None:
+    from .model_card import push_to_hub
+
+    try:
+        url = push_to_hub(args.out, args.push_to_hub, private=args.private)
+    except FlowRLError as e:
+        raise FlowRLError(
+            f"could not push to the hub: {str(e).rstrip('.')}; the local export '{args.out}' is complete, "
+            f"upload it later with `hf upload {args.push_to_hub} {args.out}`."
+        ) from None
+    print(f"pushed to {url}")
 
 
 if __name__ == "__main__":
