@@ -2,8 +2,8 @@
 
 Runs every preset that needs no hub weights (digits, digits_video, dllm, toy) for a few iterations with the
 evaluation before and after, then `flowrl eval` and `flowrl sample` on one checkpoint, each in its own process on
-one thread, and records a SHA-256 of every run's metrics (metrics.jsonl without the perf/* timings) and of its final
-weights. Two fingerprint files compare key by key: a refactoring that claims to change no number must leave every
+one thread, and records a SHA-256 of every run's metrics (metrics.jsonl without the perf/* timings), of its final
+weights, of the evaluation's printed record (without the spec's resolved config and environment) and of the samples. Two fingerprint files compare key by key: a refactoring that claims to change no number must leave every
 fingerprint equal. Runs another checkout's code with ``--src`` (its flowrl is put first on the path), so a change
 is measured against the commit before it:
 
@@ -58,6 +58,19 @@ def pairs_module(src: Path) -> str:
     return "flowrl.preferences.pairs" if (src / "flowrl" / "preferences").is_dir() else "flowrl.preference_pairs"
 
 
+def eval_digest(stdout: str) -> str:
+    """The digest of the record `flowrl eval` printed (its last line), every number and setting in it, less the spec's
+    resolved config and environment: a config key a change adds with its default, or another library version, is not a
+    number that moved."""
+    try:
+        record = json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return f"failed: {stdout.strip()[-200:]}"
+    record.get("spec", {}).pop("config", None)
+    record.get("spec", {}).pop("environment", None)
+    return digest(json.dumps(record, sort_keys=True).encode())
+
+
 def fingerprints(src: Path, work: Path) -> dict[str, str]:
     presets = sorted(p for p in (src / "configs").rglob("*.yaml") if p.relative_to(src / "configs").parts[0] in GROUPS)
     pairs = work / "pairs"
@@ -79,7 +92,7 @@ def fingerprints(src: Path, work: Path) -> dict[str, str]:
         print(f"{name:<32} {out[name]}", flush=True)
     checkpoint = work / "digits_grpo" / "checkpoints" / "step_000002"
     evaluated = flowrl(src, src, "-m", "flowrl.cli", "eval", str(checkpoint))
-    out["eval digits/grpo"] = digest(evaluated.stdout.encode())
+    out["eval digits/grpo"] = eval_digest(evaluated.stdout)
     flowrl(
         src, src, "-m", "flowrl.cli", "sample", str(checkpoint), "--prompt", "a handwritten seven", "-n", "4", "--out", str(work / "s.npy")
     )
