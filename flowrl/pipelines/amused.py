@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..samplers.masked_image import MaskSchedule
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter, PipelineConfig, resolve_source
+from .diffusers_base import DiffusersAdapter, PipelineConfig, prompt_token_ids, resolve_source
 from .embedded_adapter import ASSETS
 
 EMBEDDED = ("digits_masked",)
@@ -51,12 +51,9 @@ class AmusedAdapter(DiffusersAdapter):
 
     def _load_components(self) -> None:
         from diffusers import AmusedScheduler, UVit2DModel, VQModel
-        from transformers import AutoTokenizer, CLIPTextModelWithProjection
+        from transformers import CLIPTextModelWithProjection
 
-        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
-        self.text_encoder = self._load(CLIPTextModelWithProjection, "text_encoder")
-        self.vae = self._load(VQModel, "vqvae")
-        self.denoiser = self._load(UVit2DModel, "transformer")
+        self._load_single_encoder(CLIPTextModelWithProjection, VQModel, UVit2DModel, vae_subfolder="vqvae")
         scheduler = self._load(AmusedScheduler, "scheduler")
         self.mask_token_id = int(scheduler.config.mask_token_id)
         self.schedule = MaskSchedule(scheduler.config.masking_schedule)
@@ -70,9 +67,7 @@ class AmusedAdapter(DiffusersAdapter):
         return h // self.vae_scale_factor, w // self.vae_scale_factor
 
     def _encode_prompts(self, prompts: list[str]) -> Condition:
-        ids = self.tokenizer(
-            prompts, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"
-        ).input_ids
+        ids = prompt_token_ids(self.tokenizer, prompts, self.tokenizer.model_max_length)
         with self._frozen_on_device(self.text_encoder):
             out = self.text_encoder(ids.to(self.text_encoder.device), return_dict=True, output_hidden_states=True)
         return {"pooled_text_emb": out.text_embeds.float(), "encoder_hidden_states": out.hidden_states[-2].float()}

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter, PipelineConfig
+from .diffusers_base import DiffusersAdapter, PipelineConfig, prompt_token_ids
 from .stable_diffusion import discrete_schedule
 
 
@@ -32,12 +32,9 @@ class CogVideoXAdapter(DiffusersAdapter):
 
     def _load_components(self) -> None:
         from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXTransformer3DModel
-        from transformers import AutoTokenizer, T5EncoderModel
+        from transformers import T5EncoderModel
 
-        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
-        self.text_encoder = self._load(T5EncoderModel, "text_encoder")
-        self.vae = self._load(AutoencoderKLCogVideoX, "vae")
-        self.denoiser = self._load(CogVideoXTransformer3DModel, "transformer")
+        self._load_single_encoder(T5EncoderModel, AutoencoderKLCogVideoX, CogVideoXTransformer3DModel)
         # the 5B checkpoints ship CogVideoXDPMScheduler: the same alpha-bar table, read through the DDIM class
         scheduler = self._load(CogVideoXDDIMScheduler, "scheduler")
         self.prediction_type = scheduler.config.prediction_type
@@ -71,14 +68,7 @@ class CogVideoXAdapter(DiffusersAdapter):
     # -- conditioning ---------------------------------------------------------------------------
     def _encode_prompts(self, prompts: list[str]) -> Condition:
         """T5 hidden states over max_sequence_length tokens (CogVideoXPipeline._get_t5_prompt_embeds)."""
-        ids = self.tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        ).input_ids
+        ids = prompt_token_ids(self.tokenizer, prompts, self.max_sequence_length)
         with self._frozen_on_device(self.text_encoder):
             hidden = self.text_encoder(ids.to(self.text_encoder.device))[0]
         return {"prompt_embeds": hidden.float()}

@@ -100,6 +100,14 @@ def _loaded_source(loaded: Any, pretrained: str) -> str:
     return str(source) if source else pretrained
 
 
+def prompt_token_ids(tokenizer: Any, prompts: list[str], max_length: int) -> Tensor:
+    """(B, max_length) token ids of ``prompts`` as diffusers' pipelines tokenize them for a text encoder: special tokens
+    added, truncated and padded to ``max_length``."""
+    return tokenizer(
+        prompts, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True, return_tensors="pt"
+    ).input_ids
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "module", module)  # DDP / accelerate wrappers
 
@@ -245,6 +253,16 @@ class DiffusersAdapter:
     def _load_components(self) -> None:
         raise NotImplementedError
 
+    def _load_single_encoder(self, text_encoder_class: Any, vae_class: Any, denoiser_class: Any, vae_subfolder: str = "vae") -> None:
+        """The components of a family with one tokenizer and one text encoder, in the order every such family loads
+        them: ``tokenizer``, ``text_encoder``, ``vae`` (from ``vae_subfolder``), the denoiser (``denoiser_subfolder``)."""
+        from transformers import AutoTokenizer
+
+        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
+        self.text_encoder = self._load(text_encoder_class, "text_encoder")
+        self.vae = self._load(vae_class, vae_subfolder)
+        self.denoiser = self._load(denoiser_class, self.denoiser_subfolder)
+
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Text encoders, VAE, image encoders: never trained, optionally kept on the CPU."""
         return [
@@ -276,22 +294,30 @@ class DiffusersAdapter:
         # otherwise diffusers' default processors call torch's scaled_dot_product_attention (SDPA)
 
     def _add_lora(self, lora) -> None:
+        self._add_lora_to([self.denoiser], lora)
+
+    def _add_lora_to(self, modules: Sequence[torch.nn.Module], lora) -> None:
+        """Freeze the denoiser and give each of ``modules`` (the denoiser, or the experts it trains) the policy's LoRA
+        adapter with the ``pipeline.lora`` settings; the adapters train in fp32 over a bf16/fp16 base."""
         try:
             from peft import LoraConfig
         except ImportError:
             raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
         self.denoiser.requires_grad_(False)
         targets = list(lora.target_modules or self.default_lora_targets)
-        try:
-            self.denoiser.add_adapter(
-                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=targets)
-            )
-        except ValueError as e:
-            raise FlowRLError(
-                f"pipeline.lora.target_modules {targets} do not match {type(self.denoiser).__name__}: {str(e).splitlines()[0][:160]}"
-            ) from None
+        for module in modules:
+            try:
+                module.add_adapter(
+                    LoraConfig(
+                        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=targets
+                    )
+                )
+            except ValueError as e:
+                raise FlowRLError(
+                    f"pipeline.lora.target_modules {targets} do not match {type(module).__name__}: {str(e).splitlines()[0][:160]}"
+                ) from None
         for p in self.denoiser.parameters():
-            if p.requires_grad:  # the adapter trains in fp32 over a bf16/fp16 base
+            if p.requires_grad:
                 p.data = p.data.float()
 
     @property

@@ -18,8 +18,7 @@ from torch import Tensor
 from ..data.digits import MAX_PROMPT_TOKENS
 from ..samplers.schedules import DiscreteSchedule, FlowSchedule
 from ..types import Condition
-from .diffusers_base import PipelineConfig
-from .embedded_adapter import EmbeddedAdapter
+from .embedded_adapter import EmbeddedAdapter, EmbeddedPipelineConfig
 
 
 class DigitsPipeline(EmbeddedAdapter):
@@ -63,14 +62,11 @@ class DigitsPipeline(EmbeddedAdapter):
         return (self.in_channels, *self.sample_size())
 
 
-class DigitsConfig(PipelineConfig):
+class DigitsConfig(EmbeddedPipelineConfig):
     """``pipeline.name: digits`` (the embedded 8x8 digit generators digits_flow / digits_ddpm)."""
 
     name: str = "digits"
     adapter: ClassVar[Any] = DigitsPipeline
-
-    def default_num_threads(self) -> int | None:
-        return 1  # an embedded model: too small to share among threads
 
     def probe_samples(self, n: int) -> Any:
         return torch.rand(n, 1, 8, 8, generator=torch.Generator().manual_seed(0))

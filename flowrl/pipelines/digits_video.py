@@ -20,8 +20,7 @@ from ..data.digits_video import CANVAS, MAX_PROMPT_TOKENS, NUM_FRAMES
 from ..errors import FlowRLError
 from ..samplers.schedules import FlowSchedule
 from ..types import Condition
-from .diffusers_base import PipelineConfig
-from .embedded_adapter import EmbeddedAdapter
+from .embedded_adapter import EmbeddedAdapter, EmbeddedPipelineConfig
 
 
 def denoise(transformer: torch.nn.Module, x: Tensor, timestep: Tensor, context: Tensor) -> Tensor:
@@ -71,14 +70,11 @@ class DigitsVideoPipeline(EmbeddedAdapter):
         return (self.in_channels, self.config.num_frames or NUM_FRAMES, *self.sample_size())
 
 
-class DigitsVideoConfig(PipelineConfig):
+class DigitsVideoConfig(EmbeddedPipelineConfig):
     """``pipeline.name: digits_video`` (the embedded text-to-video model of moving digits)."""
 
     name: str = "digits_video"
     adapter: ClassVar[Any] = DigitsVideoPipeline
-
-    def default_num_threads(self) -> int | None:
-        return 1  # an embedded model: too small to share among threads
 
     def probe_samples(self, n: int) -> Any:
         return torch.rand(n, 1, self.num_frames or NUM_FRAMES, CANVAS, CANVAS, generator=torch.Generator().manual_seed(0))

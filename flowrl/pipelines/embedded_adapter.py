@@ -20,9 +20,16 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import DiffusersAdapter, PipelineConfig, prompt_token_ids
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+class EmbeddedPipelineConfig(PipelineConfig):
+    """The section of an embedded model's family (digits, digits_video)."""
+
+    def default_num_threads(self) -> int | None:
+        return 1  # an embedded model: too small to share among threads
 
 
 class EmbeddedAdapter(DiffusersAdapter):
@@ -57,9 +64,7 @@ class EmbeddedAdapter(DiffusersAdapter):
             raise FlowRLError(f"could not read the scheduler config of '{self.source}': {str(e).splitlines()[0][:160]}") from None
 
     def _encode_prompts(self, prompts: list[str]) -> Condition:
-        ids = self.tokenizer(
-            prompts, padding="max_length", max_length=self.max_prompt_tokens, truncation=True, return_tensors="pt"
-        ).input_ids
+        ids = prompt_token_ids(self.tokenizer, prompts, self.max_prompt_tokens)
         with self._frozen_on_device(self.text_encoder):
             hidden = self.text_encoder(ids.to(self.text_encoder.device)).last_hidden_state
         return {"prompt_embeds": hidden.float()}  # (B, L, D)

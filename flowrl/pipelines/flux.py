@@ -26,8 +26,8 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import FLOW_GRIDS, sampling_grid
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter, PipelineConfig
-from .sd3 import batch_timestep, decode_latents, flow_schedule
+from .diffusers_base import DiffusersAdapter, PipelineConfig, prompt_token_ids
+from .sd3 import JOINT_ATTENTION_LORA_TARGETS, batch_timestep, decode_latents, flow_schedule
 
 
 def pack_latents(x: Tensor) -> Tensor:
@@ -42,6 +42,19 @@ def unpack_latents(x: Tensor, height: int, width: int) -> Tensor:
     return x.view(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, height, width)
 
 
+def patchable_sample_size(adapter: DiffusersAdapter, family: str) -> tuple[int, int]:
+    """The sample size (height, width) in pixels, refused in one sentence unless its latents split into the 2x2
+    patches a FLUX-style transformer takes as tokens (FLUX.1, FLUX.2, Qwen-Image): a multiple of twice the VAE's scale
+    factor."""
+    h, w = adapter.sample_size()
+    multiple = adapter.vae_scale_factor * 2
+    if h % multiple or w % multiple:
+        raise FlowRLError(
+            f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for {family} (2x2 latent patches)."
+        )
+    return h, w
+
+
 def latent_image_ids(height: int, width: int) -> Tensor:
     """(H/2 * W/2, 3) RoPE positions of the packed image tokens (diffusers' _prepare_latent_image_ids)."""
     ids = torch.zeros(height // 2, width // 2, 3)
@@ -53,18 +66,9 @@ def latent_image_ids(height: int, width: int) -> Tensor:
 class FluxAdapter(DiffusersAdapter):
     denoiser_subfolder = "transformer"
     lora_pipeline_class = "FluxPipeline"
-    # Flow-GRPO's FLUX targets: the attention projections of the double-stream blocks (image + text)
-    # and, through the same names, q/k/v of the single-stream blocks
-    default_lora_targets = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-    )
+    # Flow-GRPO's FLUX targets: the joint attention of the double-stream blocks (image + text) and, through the same
+    # names, q/k/v of the single-stream blocks
+    default_lora_targets = JOINT_ATTENTION_LORA_TARGETS
     default_max_sequence_length = 512  # T5 tokens (diffusers' default; FLUX.1-schnell was trained with 256)
 
     def __init__(self, config, device, loaded=None):
@@ -112,12 +116,8 @@ class FluxAdapter(DiffusersAdapter):
 
     # -- conditioning ---------------------------------------------------------------------------
     def _encode_prompts(self, prompts: list[str]) -> Condition:
-        clip_ids = self.tokenizer(
-            prompts, padding="max_length", max_length=self.clip_max_length, truncation=True, return_tensors="pt"
-        ).input_ids
-        t5_ids = self.tokenizer_2(
-            prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True, return_tensors="pt"
-        ).input_ids
+        clip_ids = prompt_token_ids(self.tokenizer, prompts, self.clip_max_length)
+        t5_ids = prompt_token_ids(self.tokenizer_2, prompts, self.max_sequence_length)
         with self._frozen_on_device(self.text_encoder, self.text_encoder_2):
             pooled = self.text_encoder(clip_ids.to(self.text_encoder.device), output_hidden_states=False).pooler_output.float()
             hidden = self.text_encoder_2(t5_ids.to(self.text_encoder_2.device), output_hidden_states=False)[0].float()
@@ -142,12 +142,7 @@ class FluxAdapter(DiffusersAdapter):
         return unpack_latents(out, h, w)
 
     def latent_shape(self) -> tuple[int, ...]:
-        h, w = self.sample_size()
-        multiple = self.vae_scale_factor * 2
-        if h % multiple or w % multiple:
-            raise FlowRLError(
-                f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for FLUX (2x2 latent patches)."
-            )
+        h, w = patchable_sample_size(self, "FLUX")
         return (self.denoiser.config.in_channels // 4, h // self.vae_scale_factor, w // self.vae_scale_factor)
 
     def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad

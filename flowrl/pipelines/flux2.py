@@ -41,6 +41,7 @@ from ..errors import FlowRLError
 from ..samplers.schedules import FLOW_GRIDS, FlowSchedule, sampling_grid
 from ..types import Condition
 from .diffusers_base import DiffusersAdapter, PipelineConfig
+from .flux import patchable_sample_size
 from .sd3 import batch_timestep, flow_shift, model_index
 
 Variant = Literal["dev", "klein"]
@@ -289,12 +290,8 @@ class Flux2Adapter(DiffusersAdapter):
         return unpack_latents(out, h, w)
 
     def latent_shape(self) -> tuple[int, ...]:
-        h, w = self.sample_size()
-        multiple = self.vae_scale_factor * 2
-        if h % multiple or w % multiple:
-            raise FlowRLError(
-                f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for FLUX.2 (2x2 latent patches)."
-            )
+        h, w = patchable_sample_size(self, "FLUX.2")
+        multiple = self.vae_scale_factor * 2  # the VAE's latents come 2x2-patched into channels
         return (self.denoiser.config.in_channels, h // multiple, w // multiple)
 
     def denormalize(self, x: Tensor) -> Tensor:

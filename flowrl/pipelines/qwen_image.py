@@ -40,8 +40,8 @@ from ..errors import FlowRLError
 from ..samplers.schedules import FlowSchedule, sampling_grid
 from ..types import Condition, cat_conditions
 from .diffusers_base import DiffusersAdapter, PipelineConfig
-from .flux import pack_latents, unpack_latents
-from .sd3 import flow_shift
+from .flux import pack_latents, patchable_sample_size, unpack_latents
+from .sd3 import JOINT_ATTENTION_LORA_TARGETS, flow_shift, modules_ending_with
 
 # QwenImagePipeline's prompt template; its first 34 tokens (the system prompt and the user turn's header) are
 # dropped from the encoder's hidden states
@@ -153,18 +153,7 @@ class QwenImageAdapter(DiffusersAdapter):
     default_max_sequence_length = 512  # QwenImagePipeline.__call__'s default
     template = T2I_TEMPLATE
     template_drop = T2I_DROP
-    # the joint attention of both streams (image: to_q/k/v/out; text: add_*_proj, to_add_out), Flow-Factory's
-    # default for Qwen-Image without the feed-forward layers
-    lora_target_suffixes = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-    )
+    lora_target_suffixes = JOINT_ATTENTION_LORA_TARGETS  # both streams' joint attention (Flow-Factory's default)
 
     # -- loading --------------------------------------------------------------------------------
     def _load_components(self) -> None:
@@ -205,12 +194,7 @@ class QwenImageAdapter(DiffusersAdapter):
         (``attn.add_q_proj``) and text output projection (``attn.to_add_out``) change nothing a LoRA there could
         train (the "every tensor changes" test found them).
         """
-        dead = set(self._dead_text_modules())
-        return tuple(
-            name
-            for name, _ in self.denoiser.named_modules()
-            if name.endswith(tuple("." + t for t in self.lora_target_suffixes)) and name not in dead
-        )
+        return modules_ending_with(self.denoiser, self.lora_target_suffixes, set(self._dead_text_modules()))
 
     def _dead_text_modules(self) -> list[str]:
         """Modules of the last block that only feed the text stream after its attention, which no output reads."""
@@ -323,12 +307,7 @@ class QwenImageAdapter(DiffusersAdapter):
         return unpack_latents(rescaled, h, w)
 
     def latent_shape(self) -> tuple[int, ...]:
-        h, w = self.sample_size()
-        multiple = self.vae_scale_factor * 2
-        if h % multiple or w % multiple:
-            raise FlowRLError(
-                f"pipeline.height and pipeline.width ({h}x{w}) must be multiples of {multiple} for Qwen-Image (2x2 latent patches)."
-            )
+        h, w = patchable_sample_size(self, "Qwen-Image")
         return (self.denoiser.config.in_channels // 4, h // self.vae_scale_factor, w // self.vae_scale_factor)
 
     def decode(self, x: Tensor) -> Tensor:  # differentiable (reward gradients); samplers call it under no_grad

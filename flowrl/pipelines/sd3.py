@@ -22,7 +22,27 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import FLOW_GRIDS, FlowGrid, FlowSchedule, sampling_grid
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter, PipelineConfig
+from .diffusers_base import DiffusersAdapter, PipelineConfig, prompt_token_ids
+
+# The joint attention of an MMDiT block, image stream (to_q/k/v, to_out) and text stream (add_*_proj, to_add_out):
+# Flow-GRPO's LoRA targets for SD3.5 and FLUX.1, Flow-Factory's for Qwen-Image (without the feed-forward layers).
+JOINT_ATTENTION_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+def modules_ending_with(model: torch.nn.Module, suffixes: tuple[str, ...], exclude: set[str]) -> tuple[str, ...]:
+    """Full names of ``model``'s modules whose name ends in one of ``suffixes`` (after a dot), less ``exclude``: the
+    LoRA targets of a model whose output cannot depend on some of them (a LoRA there would never train)."""
+    endings = tuple("." + t for t in suffixes)
+    return tuple(name for name, _ in model.named_modules() if name.endswith(endings) and name not in exclude)
 
 
 def flow_shift(scheduler_config, image_seq_len: int, default_max_shift: float = 1.16) -> float:
@@ -78,17 +98,7 @@ def model_index(adapter: DiffusersAdapter) -> dict:
 class SD3Adapter(DiffusersAdapter):
     denoiser_subfolder = "transformer"
     lora_pipeline_class = "StableDiffusion3Pipeline"
-    # Flow-GRPO's SD3.5 targets: the joint attention of every MMDiT block (image and text streams)
-    lora_target_suffixes = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-    )
+    lora_target_suffixes = JOINT_ATTENTION_LORA_TARGETS  # Flow-GRPO's SD3.5 targets, every MMDiT block's
     default_max_sequence_length = 256  # T5 tokens, diffusers' default for SD3
 
     def _load_components(self) -> None:
@@ -129,29 +139,18 @@ class SD3Adapter(DiffusersAdapter):
         dead = {
             f"transformer_blocks.{i}.attn.add_q_proj" for i, block in enumerate(self.denoiser.transformer_blocks) if block.context_pre_only
         }
-        return tuple(
-            name
-            for name, _ in self.denoiser.named_modules()
-            if name.endswith(tuple("." + t for t in self.lora_target_suffixes)) and name not in dead
-        )
+        return modules_ending_with(self.denoiser, self.lora_target_suffixes, dead)
 
     # -- conditioning ---------------------------------------------------------------------------
     def _clip(self, tokenizer, encoder, prompts: list[str]) -> tuple[Tensor, Tensor]:
-        ids = tokenizer(prompts, padding="max_length", max_length=self.clip_max_length, truncation=True, return_tensors="pt").input_ids
+        ids = prompt_token_ids(tokenizer, prompts, self.clip_max_length)
         out = encoder(ids.to(encoder.device), output_hidden_states=True)
         return out.hidden_states[-2].float(), out.text_embeds.float()  # penultimate layer, pooled projection
 
     def _t5(self, prompts: list[str]) -> Tensor:
         if self.text_encoder_3 is None:
             return torch.zeros(len(prompts), self.max_sequence_length, self.denoiser.config.joint_attention_dim)
-        ids = self.tokenizer_3(
-            prompts,
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        ).input_ids
+        ids = prompt_token_ids(self.tokenizer_3, prompts, self.max_sequence_length)
         return self.text_encoder_3(ids.to(self.text_encoder_3.device))[0].float()
 
     def _encode_prompts(self, prompts: list[str]) -> Condition:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..errors import FlowRLError
 from ..types import Condition
-from .diffusers_base import PipelineConfig
+from .diffusers_base import PipelineConfig, prompt_token_ids
 from .stable_diffusion import StableDiffusionAdapter, discrete_schedule
 
 
@@ -79,9 +79,7 @@ class SDXLAdapter(StableDiffusionAdapter):
         hidden, pooled = [], None
         with self._frozen_on_device(self.text_encoder, self.text_encoder_2):
             for tokenizer, encoder in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
-                ids = tokenizer(
-                    prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-                ).input_ids
+                ids = prompt_token_ids(tokenizer, prompts, tokenizer.model_max_length)
                 out = encoder(ids.to(encoder.device), output_hidden_states=True)
                 hidden.append(out.hidden_states[-2])
             pooled = out.text_embeds  # text_encoder_2's projection of the EOS token

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..errors import FlowRLError
 from ..samplers.schedules import SPACINGS, DiscreteSchedule, config_default, sampling_grid
 from ..types import Condition
-from .diffusers_base import DiffusersAdapter, PipelineConfig
+from .diffusers_base import DiffusersAdapter, PipelineConfig, prompt_token_ids
 
 
 def discrete_schedule(adapter: DiffusersAdapter, scheduler) -> DiscreteSchedule:
@@ -42,12 +42,9 @@ class StableDiffusionAdapter(DiffusersAdapter):
 
     def _load_components(self) -> None:
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-        from transformers import AutoTokenizer, CLIPTextModel
+        from transformers import CLIPTextModel
 
-        self.tokenizer = self._load(AutoTokenizer, "tokenizer")
-        self.text_encoder = self._load(CLIPTextModel, "text_encoder")
-        self.vae = self._load(AutoencoderKL, "vae")
-        self.denoiser = self._load(UNet2DConditionModel, "unet")
+        self._load_single_encoder(CLIPTextModel, AutoencoderKL, UNet2DConditionModel)
         scheduler = self._load(DDPMScheduler, "scheduler")
         self.prediction_type = scheduler.config.prediction_type  # "epsilon" or "v_prediction"
         if self.prediction_type not in ("epsilon", "v_prediction"):
@@ -58,9 +55,7 @@ class StableDiffusionAdapter(DiffusersAdapter):
         self.default_size = (size, size)
 
     def _encode_prompts(self, prompts: list[str]) -> Condition:
-        ids = self.tokenizer(
-            prompts, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"
-        ).input_ids
+        ids = prompt_token_ids(self.tokenizer, prompts, self.tokenizer.model_max_length)
         with self._frozen_on_device(self.text_encoder):
             hidden = self.text_encoder(ids.to(self.text_encoder.device))[0]
         return {"prompt_embeds": hidden.float()}

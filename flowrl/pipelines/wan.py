@@ -360,27 +360,8 @@ class WanAdapter(DiffusersAdapter):
         if not self.two_experts:
             super()._add_lora(lora)
             return
-        try:
-            from peft import LoraConfig
-        except ImportError:
-            raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
-        self.denoiser.requires_grad_(False)
-        targets = list(lora.target_modules or self.default_lora_targets)
-        for name in self.trained_experts:  # one adapter per trained expert; the other keeps no adapter at all
-            expert = getattr(self.denoiser, name)
-            try:
-                expert.add_adapter(
-                    LoraConfig(
-                        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=targets
-                    )
-                )
-            except ValueError as e:
-                raise FlowRLError(
-                    f"pipeline.lora.target_modules {targets} do not match {type(expert).__name__}: {str(e).splitlines()[0][:160]}"
-                ) from None
-        for p in self.denoiser.parameters():
-            if p.requires_grad:  # the adapters train in fp32 over a bf16/fp16 base
-                p.data = p.data.float()
+        # one adapter per trained expert; the other keeps no adapter at all
+        self._add_lora_to([getattr(self.denoiser, name) for name in self.trained_experts], lora)
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """The LoRA weights, or (full fine-tuning) the whole denoiser; of two experts, the trained ones only."""
