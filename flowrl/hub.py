@@ -5,6 +5,9 @@ model-based rewards (flowrl/reward_models/clip_common.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 from .errors import FlowRLError
 
 _HUB_PROBES: dict[tuple[str, float], str | None] = {}  # (endpoint, timeout) -> None (reachable) or why not, once per process
@@ -104,3 +107,16 @@ def check_hub(repo_id: str, revision: str | None, what: str, instead: str) -> bo
             )
         return True
     raise hub_unreachable(repo_id, what, instead, reason)
+
+
+def download_files(repo_id: str, filenames: Sequence[str], instead: str) -> list[Path]:
+    """Each of ``filenames`` from the hub repo ``repo_id`` (or the local cache), for a model that is a few files rather
+    than a ``from_pretrained`` directory (HPSv2, ImageReward); any failure is one sentence naming the files and what
+    the user can do ``instead``."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return [Path(hf_hub_download(repo_id, name)) for name in filenames]
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FlowRLError(f"could not fetch {' / '.join(filenames)} from the hub repo '{repo_id}' ({first}); {instead}.") from e

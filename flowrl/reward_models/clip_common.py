@@ -187,6 +187,12 @@ class ClipPreprocess:
     std: tuple[float, ...] = OPENAI_CLIP_STD
 
     @classmethod
+    def openai(cls, size: int) -> ClipPreprocess:
+        """OpenAI CLIP's own preprocessing (``clip.py``'s ``_transform``) at ``size``: shortest side to ``size``, a center
+        crop of ``size`` x ``size``, the OpenAI mean / std; what HPSv2 and ImageReward read."""
+        return cls(size=size, crop=(size, size), mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
+
+    @classmethod
     def from_image_processor(cls, ip: Any) -> ClipPreprocess:
         """Read size, crop, mean and std from a transformers image processor (4.x dicts or 5.x SizeDicts)."""
         size_cfg = getattr(ip, "size", None)
@@ -330,7 +336,24 @@ class LazyLoadedModel:
         return self._model
 
 
-class ClipBackedReward(LazyLoadedModel):
+@dataclass(eq=False, repr=False)
+class PretrainedReward(LazyLoadedModel):
+    """A lazily loaded reward model read from ``pretrained``: the constructor parameters every such reward takes,
+    declared once. A subclass is a dataclass too; its own parameters follow these three (a default for
+    ``pretrained`` among them), so its constructor, and the config section read from it, list pretrained, device and
+    dtype first. Construction loads nothing; ``dtype`` becomes the torch dtype it names."""
+
+    pretrained: str
+    device: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        self._model: Any = None
+
+
+@dataclass(eq=False, repr=False)
+class ClipBackedReward(PretrainedReward):
     """Lazy, frozen CLIPModel + processor shared by the CLIP-family rewards.
 
     Nothing is loaded in ``__init__``; the first call loads the model onto ``device`` (or the samples'
@@ -345,21 +368,13 @@ class ClipBackedReward(LazyLoadedModel):
     """
 
     name = "clip"
+    processor: str | None = None
+    differentiable: bool = True
 
-    def __init__(
-        self,
-        pretrained: str,
-        processor: str | None = None,
-        device: str | None = None,
-        dtype: str = "float32",
-        differentiable: bool = True,
-    ) -> None:
-        self.pretrained = pretrained
-        self.processor_source = processor if processor is not None else pretrained
-        self.device = device
-        self.dtype = parse_dtype(dtype)
-        self.differentiable = bool(differentiable)
-        self._model: Any = None
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.processor_source = self.processor if self.processor is not None else self.pretrained
+        self.differentiable = bool(self.differentiable)
         self._processor: Any = None
         self._preprocess: ClipPreprocess | None = None
 
@@ -372,7 +387,8 @@ class ClipBackedReward(LazyLoadedModel):
         self._model = model
 
     @property
-    def processor(self) -> Any:
+    def clip_processor(self) -> Any:
+        """The loaded processor (image processor + tokenizer); loads on first use."""
         if self._processor is None:
             outside_inference_mode(self._load)
         return self._processor
@@ -389,7 +405,7 @@ class ClipBackedReward(LazyLoadedModel):
         """The model's input: torch preprocessing (differentiable) or the image processor (no graph)."""
         if self.differentiable:
             return self.preprocess(samples.to(device))
-        return processor_pixel_values(self.processor.image_processor, samples).to(device)
+        return processor_pixel_values(self.clip_processor.image_processor, samples).to(device)
 
     def embed_images(self, samples: Tensor) -> Tensor:
         """(B, D) normalised float32 image embeddings on the model's device."""
@@ -402,7 +418,7 @@ class ClipBackedReward(LazyLoadedModel):
         """Normalised (image, text) embeddings, (B, D) float32 each, on the model's device."""
         check_batch(samples, prompts)
         img = self.embed_images(samples)
-        txt = text_embeddings(self._model, self.processor.tokenizer, prompts, img.device)
+        txt = text_embeddings(self._model, self.clip_processor.tokenizer, prompts, img.device)
         return img, txt
 
 
@@ -410,6 +426,7 @@ __all__ = [
     "OPENAI_CLIP_MEAN",
     "OPENAI_CLIP_STD",
     "ClipBackedReward",
+    "PretrainedReward",
     "ClipPreprocess",
     "center_crop",
     "image_embeddings",

@@ -15,6 +15,7 @@ The raw cosine is always logged as ``extras["cosine"]``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -25,6 +26,7 @@ from flowrl.types import RewardOutput
 DEFAULT_MODEL = "openai/clip-vit-large-patch14"
 
 
+@dataclass(eq=False, repr=False)
 class ClipScoreReward(ClipBackedReward):
     """``scale * cos(image, prompt)`` (``scale * max(cos, 0)`` with ``clip_negative``).
 
@@ -35,19 +37,13 @@ class ClipScoreReward(ClipBackedReward):
 
     name = "clip_score"
 
-    def __init__(
-        self,
-        pretrained: str = DEFAULT_MODEL,
-        device: str | None = None,
-        dtype: str = "float32",
-        processor: str | None = None,
-        differentiable: bool = True,
-        scale: float = 1.0,
-        clip_negative: bool = False,
-    ) -> None:
-        super().__init__(pretrained, processor=processor, device=device, dtype=dtype, differentiable=differentiable)
-        self.scale = float(scale)
-        self.clip_negative = bool(clip_negative)
+    pretrained: str = DEFAULT_MODEL
+    scale: float = 1.0
+    clip_negative: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.scale, self.clip_negative = float(self.scale), bool(self.clip_negative)
 
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         img, txt = self.embed(samples, prompts)

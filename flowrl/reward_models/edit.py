@@ -27,6 +27,7 @@ A typical edit reward is the mix of the two (``reward.components: {source_preser
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,21 +101,14 @@ class SourcePreservationReward:
         return RewardOutput(scores=torch.stack(scores), extras={"preserved_fraction": torch.stack(kept).detach()})
 
 
+@dataclass(eq=False, repr=False)
 class ClipDirectionalReward(ClipBackedReward):
     """CLIP directional similarity of an edit (module docstring); its arguments are every CLIP reward's
     (:class:`~flowrl.reward_models.clip_common.ClipBackedReward`)."""
 
     name = "clip_directional"
 
-    def __init__(
-        self,
-        pretrained: str = DEFAULT_MODEL,
-        device: str | None = None,
-        dtype: str = "float32",
-        processor: str | None = None,
-        differentiable: bool = True,
-    ) -> None:
-        super().__init__(pretrained, processor=processor, device=device, dtype=dtype, differentiable=differentiable)
+    pretrained: str = DEFAULT_MODEL
 
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         samples = as_rgb(samples)
@@ -131,7 +125,7 @@ class ClipDirectionalReward(ClipBackedReward):
             source = self.embed_images(sources.to(samples.device))
         targets = [str(m.get("target_caption", p)) for m, p in zip(metadata, prompts)]
         originals = [str(m.get("source_caption", "")) for m in metadata]
-        tokenizer = self.processor.tokenizer
+        tokenizer = self.clip_processor.tokenizer
         t_target = text_embeddings(self._model, tokenizer, targets, edited.device)
         t_source = text_embeddings(self._model, tokenizer, originals, edited.device)
         cosine = F.cosine_similarity(edited - source, t_target - t_source, dim=-1, eps=1e-8)

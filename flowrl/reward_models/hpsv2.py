@@ -23,6 +23,7 @@ open_clip imports torchvision and no matching torchvision is installable in this
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowrl.errors import FlowRLError
+from flowrl.hub import download_files
 from flowrl.reward_models.clip_common import (
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
     ClipPreprocess,
-    LazyLoadedModel,
+    PretrainedReward,
     as_rgb,
     check_batch,
     looks_local,
-    parse_dtype,
     to_uint8_images,
 )
 from flowrl.types import RewardOutput
@@ -88,19 +87,12 @@ def resolve_checkpoint(pretrained: str, version: str) -> Path:
         if not file.is_file():
             raise FlowRLError(f"HPS checkpoint not found at {file}; download {filename} from the hub repo {DEFAULT_REPO}.")
         return file
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(pretrained, filename))
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise FlowRLError(
-            f"could not fetch {filename} from the hub repo '{pretrained}' ({first}); download it while online "
-            "and pass its path as pretrained."
-        ) from e
+    (file,) = download_files(pretrained, [filename], "download it while online and pass its path as pretrained")
+    return file
 
 
-class HPSv2Reward(LazyLoadedModel):
+@dataclass(eq=False, repr=False)
+class HPSv2Reward(PretrainedReward):
     """HPSv2.1 score of each image for its prompt (cosine; ``scale=100`` for the README's numbers).
 
     Args:
@@ -113,23 +105,15 @@ class HPSv2Reward(LazyLoadedModel):
 
     name = "hpsv2"
 
-    def __init__(
-        self,
-        pretrained: str = DEFAULT_REPO,
-        device: str | None = None,
-        dtype: str = "float32",
-        version: str = "v2.1",
-        differentiable: bool = True,
-        scale: float = 1.0,
-    ) -> None:
-        self.pretrained = pretrained
-        self.device = device
-        self.dtype = parse_dtype(dtype)
-        self.version = version
-        self.differentiable = bool(differentiable)
-        self.scale = float(scale)
-        self.preprocess = ClipPreprocess(size=224, crop=(224, 224), mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
-        self._model: Any = None
+    pretrained: str = DEFAULT_REPO
+    version: str = "v2.1"
+    differentiable: bool = True
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.differentiable, self.scale = bool(self.differentiable), float(self.scale)
+        self.preprocess = ClipPreprocess.openai(224)
         self._tokenizer: Any = None
         self._preprocess_val: Any = None
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +44,15 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.errors import FlowRLError
+from flowrl.hub import download_files
 from flowrl.reward_models.aesthetic import AestheticHead
 from flowrl.reward_models.clip_common import (
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
     ClipPreprocess,
-    LazyLoadedModel,
+    PretrainedReward,
     as_rgb,
     check_batch,
     from_pretrained,
     looks_local,
-    parse_dtype,
     processor_pixel_values,
     read_state_dict,
 )
@@ -211,16 +210,8 @@ def resolve_files(pretrained: str) -> tuple[Path, Path]:
         if not med.is_file():
             raise FlowRLError(f"{MED_CONFIG} not found at {med}; download it from the hub repo {DEFAULT_REPO}.")
         return ckpt, med
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(pretrained, "ImageReward.pt")), Path(hf_hub_download(pretrained, MED_CONFIG))
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise FlowRLError(
-            f"could not fetch ImageReward.pt / {MED_CONFIG} from the hub repo '{pretrained}' ({first}); "
-            "download them while online and pass their directory."
-        ) from e
+    ckpt, med = download_files(pretrained, ["ImageReward.pt", MED_CONFIG], "download them while online and pass their directory")
+    return ckpt, med
 
 
 def load_image_reward_model(pretrained: str, vision_num_heads: int | None = None) -> ImageRewardModel:
@@ -269,7 +260,8 @@ def normalize_scores(raw: Tensor) -> Tensor:
     return (raw - SCORE_MEAN) / SCORE_STD
 
 
-class ImageRewardReward(LazyLoadedModel):
+@dataclass(eq=False, repr=False)
+class ImageRewardReward(PretrainedReward):
     """ImageReward score (normalised head output, roughly standard normal over its training set).
 
     ``extras["raw"]`` is the head output before normalisation.
@@ -284,23 +276,16 @@ class ImageRewardReward(LazyLoadedModel):
 
     name = "image_reward"
 
-    def __init__(
-        self,
-        pretrained: str = DEFAULT_REPO,
-        device: str | None = None,
-        dtype: str = "float32",
-        tokenizer: str = DEFAULT_TOKENIZER,
-        differentiable: bool = True,
-        vision_num_heads: int | None = None,
-    ) -> None:
-        self.pretrained = pretrained
-        self.tokenizer_source = tokenizer
-        self.device = device
-        self.dtype = parse_dtype(dtype)
-        self.differentiable = bool(differentiable)
-        self.vision_num_heads = vision_num_heads
-        self.preprocess = ClipPreprocess(size=IMAGE_SIZE, crop=(IMAGE_SIZE, IMAGE_SIZE), mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
-        self._model: ImageRewardModel | None = None
+    pretrained: str = DEFAULT_REPO
+    tokenizer: str = DEFAULT_TOKENIZER
+    differentiable: bool = True
+    vision_num_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.tokenizer_source = self.tokenizer
+        self.differentiable = bool(self.differentiable)
+        self.preprocess = ClipPreprocess.openai(IMAGE_SIZE)
         self._tokenizer: Any = None
         self._image_processor: Any = None
 
@@ -313,12 +298,7 @@ class ImageRewardReward(LazyLoadedModel):
         tokenizer = load_blip_tokenizer(self.tokenizer_source)
         model = load_image_reward_model(self.pretrained, self.vision_num_heads)
         if model.vision.config.image_size != IMAGE_SIZE:
-            self.preprocess = ClipPreprocess(
-                size=model.vision.config.image_size,
-                crop=(model.vision.config.image_size,) * 2,
-                mean=OPENAI_CLIP_MEAN,
-                std=OPENAI_CLIP_STD,
-            )
+            self.preprocess = ClipPreprocess.openai(model.vision.config.image_size)
         side = self.preprocess.crop[0] if self.preprocess.crop else IMAGE_SIZE
         self._image_processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
         # The towers run in the requested dtype; the head stays float32 as in ImageReward (.float()).

@@ -12,6 +12,7 @@ released weights ``logit_scale.exp()`` is about 100 and scores sit around 18-24.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -24,6 +25,7 @@ DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 FLOW_GRPO_DIVISOR = 26.0
 
 
+@dataclass(eq=False, repr=False)
 class PickScoreReward(ClipBackedReward):
     """PickScore of each image for its prompt (``/ 26`` with ``normalize``).
 
@@ -33,17 +35,13 @@ class PickScoreReward(ClipBackedReward):
 
     name = "pickscore"
 
-    def __init__(
-        self,
-        pretrained: str = DEFAULT_MODEL,
-        device: str | None = None,
-        dtype: str = "float32",
-        processor: str = DEFAULT_PROCESSOR,
-        differentiable: bool = True,
-        normalize: bool = False,
-    ) -> None:
-        super().__init__(pretrained, processor=processor, device=device, dtype=dtype, differentiable=differentiable)
-        self.normalize = bool(normalize)
+    pretrained: str = DEFAULT_MODEL
+    processor: str = DEFAULT_PROCESSOR
+    normalize: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.normalize = bool(self.normalize)
 
     def __call__(self, samples: Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
         img, txt = self.embed(samples, prompts)
