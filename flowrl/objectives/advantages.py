@@ -34,6 +34,7 @@ from ..errors import FlowRLError
 from ..sections import BuildContext, Section
 from ..types import Trajectory
 from .functional import StdConvention, group_advantages
+from .stateless import Stateless
 
 MultiReward = Literal["weighted_sum", "per_reward", "gdpo"]
 GDPO_BATCH_EPS = 1e-4  # the authors' epsilon of the batch-wise normalisation (TRL and verl ports alike)
@@ -71,7 +72,7 @@ def clip_advantages(advantages: Tensor, clip_max: float | None) -> Tensor:
 
 
 @dataclass
-class GroupAdvantages:
+class GroupAdvantages(Stateless):  # each batch's groups are normalised on their own
     """Group-normalised advantages of the combined reward, or, with ``component_weights``, the weighted sum of each
     component's own group-normalised advantage (``per_reward``), batch-normalised when ``batch_normalise`` (GDPO)."""
 
@@ -87,12 +88,6 @@ class GroupAdvantages:
         if self.batch_normalise:
             total = batch_normalised(total, torch.isfinite(batch.rewards))
         return total
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # stateless: each batch's groups are normalised on their own
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 def std_option(default: StdConvention, whose: str) -> Any:

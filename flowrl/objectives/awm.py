@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -42,6 +42,7 @@ from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption, clip_advantages, std_eps_option, std_option
 from .functional import StdConvention, masked_mean
+from .stateless import Stateless
 
 TimeSampling = Literal["uniform", "grid"]
 Weighting = Literal["uniform", "t", "ghuber"]
@@ -66,7 +67,7 @@ def awm_loss(pred: Tensor, target: Tensor, advantages: Tensor, sigma: Tensor, we
 
 
 @dataclass
-class AWMObjective:
+class AWMObjective(Stateless):
     advantage_estimator: GroupAdvantages
     adv_clip_max: float | None
     num_times: int
@@ -123,12 +124,6 @@ class AWMObjective:
                 loss = loss + self.beta * kl
                 metrics["loss/kl"] = kl.detach()
             yield LossOutput(loss / len(times), metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class AWMConfig(ObjectiveSection, MultiRewardOption):

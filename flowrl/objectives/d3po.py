@@ -34,12 +34,13 @@ from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .functional import d3po_pair_loss, masked_mean, pair_preferences
 from .policy_gradient import TimestepOrder, choose_train_steps, timestep_fraction_option, timestep_order_option
+from .stateless import Stateless
 
 Preference = Literal["reward", "pareto", "human"]
 
 
 @dataclass
-class D3POObjective:
+class D3POObjective(Stateless):
     beta: float
     clip_range: float  # D3PO's eps: the ratio to the reference is clamped to [1 - eps, 1 + eps]
     preference: Preference
@@ -101,12 +102,6 @@ class D3POObjective:
                     "d3po/decisive_fraction": decisive.mean(),
                 }
             yield LossOutput(loss=loss / len(steps), metrics=metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class D3POConfig(ObjectiveSection):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -32,10 +32,11 @@ from ..samplers.forward_process import denoising_errors, noised_and_target, trai
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .functional import diffusion_dpo_loss
+from .stateless import Stateless
 
 
 @dataclass
-class DiffusionDPOObjective:
+class DiffusionDPOObjective(Stateless):
     beta: float
     preference: Literal["stored", "human"]  # which order of the pairs is trained; the modality reads it
     name: str = field(default="diffusion_dpo", init=False)
@@ -69,12 +70,6 @@ class DiffusionDPOObjective:
                 "dpo/err_loser": err[1::2].mean(),
             }
         yield LossOutput(loss=loss, metrics=metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class DiffusionDPOConfig(ObjectiveSection):

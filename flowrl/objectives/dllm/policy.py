@@ -42,6 +42,7 @@ from ...sections import BuildContext, ObjectiveSection
 from ...types import LossOutput, ReferenceModel, Role, TokenTrajectory, TrainedRole, TrainingData
 from ..advantages import GroupAdvantages, MultiRewardOption, std_eps_option, std_option
 from ..functional import StdConvention, clipped_surrogate_terms, k3_kl, masked_mean
+from ..stateless import Stateless
 from .estimators import AnswerMaskEstimator, EstimatorOutput, OneStepEstimator, elbo_terms
 from .plackett_luce import DCoLTStepLogProb, dcolt_log_probs
 
@@ -74,7 +75,7 @@ def ratio_metrics(loss: Tensor, ratio: Tensor, log_ratio: Tensor | None, counted
 
 
 @dataclass
-class _DLLMBase:
+class _DLLMBase(Stateless):
     name: str
     clip_range: float
     beta: float
@@ -105,12 +106,6 @@ class _DLLMBase:
 
     def _valid(self, batch: TokenTrajectory) -> Tensor:
         return torch.isfinite(batch.rewards).float().to(batch.completion_ids.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 @dataclass
