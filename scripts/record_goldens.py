@@ -330,14 +330,29 @@ def _version(package: str) -> str | None:
 
 
 def platform_key() -> dict[str, str]:
-    """What must match for the goldens to apply at all: the OS, the CPU architecture and the vector instructions
-    torch's CPU kernels dispatch to (AVX2 and AVX-512 kernels may round differently)."""
+    """What must match for the goldens to apply at all: the OS, the CPU architecture, the vector instructions torch's
+    CPU kernels dispatch to (AVX2 and AVX-512 kernels may round differently) and the CPU model: two AVX-512 CPUs of
+    other generations were seen to round the same float32 matmuls differently (MKL picks its kernels by model)."""
     return {
         "system": platform.system(),
         "machine": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": cpu_model(),
         "byteorder": sys.byteorder,
     }
+
+
+def cpu_model() -> str:
+    """The CPU's vendor, family and model (Linux: /proc/cpuinfo), e.g. "GenuineIntel family 6 model 207"; elsewhere
+    what the platform module reports."""
+    try:
+        fields = dict(
+            line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line
+        )  # the first processor's block
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        return f"{fields['vendor_id']} family {fields['cpu family']} model {fields['model']}"
+    except (OSError, KeyError):
+        return platform.processor() or platform.machine()
 
 
 def environment() -> dict[str, Any]:
