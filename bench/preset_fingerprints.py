@@ -60,14 +60,18 @@ def pairs_module(src: Path) -> str:
 
 def eval_digest(stdout: str) -> str:
     """The digest of the record `flowrl eval` printed (its last line), every number and setting in it, less the spec's
-    resolved config and environment: a config key a change adds with its default, or another library version, is not a
-    number that moved."""
+    resolved config and environment (a config key a change adds with its default, or another library version, is not a
+    number that moved) and the checkpoint's directory (a temporary one; its name stays)."""
     try:
         record = json.loads(stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         return f"failed: {stdout.strip()[-200:]}"
-    record.get("spec", {}).pop("config", None)
-    record.get("spec", {}).pop("environment", None)
+    spec = record.get("spec", {})
+    spec.pop("config", None)
+    spec.pop("environment", None)
+    model = spec.get("model", {})
+    if model.get("checkpoint"):  # where the checkpoint is: a new temporary directory on every run
+        model["checkpoint"] = Path(model["checkpoint"]).name
     return digest(json.dumps(record, sort_keys=True).encode())
 
 
