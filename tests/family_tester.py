@@ -339,8 +339,8 @@ class FamilyTesterMixin:
     diffusion_nft_overrides: ClassVar[dict] = {}
     diffusion_nft_guidance_scale: ClassVar[float] = 1.0
 
-    def check_grpo_run(self, trainer) -> None:
-        """Further assertions on the trained GRPO run."""
+    def check_grpo_run(self, trainer, worst: float) -> None:
+        """Further assertions on the trained GRPO run (``worst``: the re-scoring's largest |log ratio|)."""
 
     @pytest.mark.slow
     def test_two_grpo_iterations(self):
@@ -349,7 +349,7 @@ class FamilyTesterMixin:
         worst = rescoring_ratio_is_one(trainer, atol=self.ratio_atol)
         print(f"{type(self).__name__} re-scoring at unchanged weights: max |log ratio| = {worst:.2e}")
         assert self.prediction_type is None or trainer.pipeline.prediction_type == self.prediction_type
-        self.check_grpo_run(trainer)
+        self.check_grpo_run(trainer, worst)
 
     @pytest.mark.slow
     def test_two_adjoint_matching_iterations(self):

@@ -372,7 +372,7 @@ class TestQwenImage(QwenTester):
         with pytest.raises(FlowRLError, match="does not apply to qwen_image"):
             self.load(sampling_grid="flow_match")
 
-    def check_grpo_run(self, trainer):
+    def check_grpo_run(self, trainer, worst):
         from flowrl.errors import FlowRLError
 
         # the last block's text-stream tail cannot reach the output: frozen, not carried through the optimizer
@@ -398,7 +398,7 @@ class TestQwenImageEdit(QwenTester):
     def config(self, **extra):
         return edit_config(self.directory, self.run_dir, self.name, self.fixture("sources")[self.prompt_file], **extra)
 
-    def check_grpo_run(self, trainer):
+    def check_grpo_run(self, trainer, worst):
         """The stored condition carries the images' latents and the negative branch."""
         traj = trainer.collect(0)
         assert traj.cond["image_latents"].shape[1] == 36 and traj.cond["image_shapes"][0].tolist() == [[6, 6]]  # 96 x 96 sources
