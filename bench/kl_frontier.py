@@ -172,7 +172,8 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def parse_arguments() -> tuple[argparse.Namespace, list[str], list[int]]:
+    """The command line, and its methods and epoch counts checked (an error names the bad one and exits)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
     p.add_argument("--epochs", default="1,2,4", help="comma-separated train.inner_epochs values")
@@ -198,23 +199,39 @@ def main() -> None:
         p.error(f"--epochs takes comma-separated whole numbers, got '{a.epochs}'")
     if not epochs or min(epochs) < 1:
         p.error(f"--epochs takes whole numbers >= 1, got '{a.epochs}'")
-    overrides: dict[str, Any] = {}
-    if a.quick:
-        methods, epochs, a.iterations, a.eval_every = ["grpo_clip"], [1], 2, 1
-        overrides = {
-            "rollout.num_inference_steps": 3,
-            "train.prompts_per_iteration": 2,
-            "train.num_generations": 4,
-            "train.batch_size": 8,
-            "eval.samples_per_prompt": 1,
-        }
-    started, runs = time.perf_counter(), []
-    if a.merge:  # runs trained by several processes (e.g. one per epoch count), reported as one
-        shares = [json.loads(path.read_text()) for path in a.merge]
-        runs = [r for share in shares for r in share["runs"]]
-        a.seed, a.iterations = shares[0]["seed"], shares[0]["iterations"]
-        a.eval_every = runs[0]["curve"][1]["iteration"] if len(runs[0]["curve"]) > 1 else a.eval_every
-    for e in [] if a.merge else epochs:  # epoch-major: the methods of one epoch count run next to each other
+    return a, methods, epochs
+
+
+def quick_settings(a: argparse.Namespace, methods: list[str], epochs: list[int]) -> tuple[list[str], list[int], dict[str, Any]]:
+    """``--quick`` replaces the methods, epochs, iterations and evaluation cadence, and shrinks the run (overrides)."""
+    if not a.quick:
+        return methods, epochs, {}
+    a.iterations, a.eval_every = 2, 1
+    overrides = {
+        "rollout.num_inference_steps": 3,
+        "train.prompts_per_iteration": 2,
+        "train.num_generations": 4,
+        "train.batch_size": 8,
+        "eval.samples_per_prompt": 1,
+    }
+    return ["grpo_clip"], [1], overrides
+
+
+def merged_runs(a: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
+    """``--merge``: the runs trained by several processes (e.g. one per epoch count), reported as one; takes the seed,
+    iterations and evaluation cadence from them. Returns the runs and the longest process's seconds."""
+    shares = [json.loads(path.read_text()) for path in a.merge]
+    runs = [r for share in shares for r in share["runs"]]
+    a.seed, a.iterations = shares[0]["seed"], shares[0]["iterations"]
+    a.eval_every = runs[0]["curve"][1]["iteration"] if len(runs[0]["curve"]) > 1 else a.eval_every
+    return runs, max(share["total_s"] for share in shares)
+
+
+def train_runs(a: argparse.Namespace, methods: list[str], epochs: list[int], overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every method at every epoch count, epoch-major (the methods of one epoch count run next to each other); a line
+    on stderr as each ends."""
+    runs = []
+    for e in epochs:
         for m in methods:
             r = run(m, e, a.seed, a.iterations, a.eval_every, overrides)
             runs.append(r)
@@ -224,7 +241,10 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    total_s = max(share["total_s"] for share in shares) if a.merge else time.perf_counter() - started
+    return runs
+
+
+def print_table(a: argparse.Namespace, runs: list[dict[str, Any]], total_s: float) -> None:
     print(f"digits_flow, seed {a.seed}, {a.iterations} iterations, {torch.get_num_threads()} thread(s); total {total_s:.0f} s")
     print(f"{'method':<12}{'epochs':>7}{'iter':>6}{'reward':>9}{'judge':>9}{'KL nats':>10}{'diversity':>11}")
     for r in runs:
@@ -232,6 +252,18 @@ def main() -> None:
             print(
                 f"{r['method']:<12}{r['epochs']:>7}{q['iteration']:>6}{q['reward']:>9.4f}{q['judge']:>9.4f}{q['kl']:>10.4f}{q['diversity']:>11.4f}"
             )
+
+
+def main() -> None:
+    a, methods, epochs = parse_arguments()
+    methods, epochs, overrides = quick_settings(a, methods, epochs)
+    started = time.perf_counter()
+    if a.merge:
+        runs, total_s = merged_runs(a)
+    else:
+        runs = train_runs(a, methods, epochs, overrides)
+        total_s = time.perf_counter() - started
+    print_table(a, runs, total_s)
     if a.plot:
         plot(
             runs,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -590,7 +591,7 @@ def count_forwards(model: torch.nn.Module):
     return state, handles
 
 
-def main() -> None:
+def parse_arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=FAMILIES, default="sd3")
     ap.add_argument("--size", choices=["real", "tiny"], default="real")
@@ -608,153 +609,241 @@ def main() -> None:
     )
     ap.add_argument("--checkpoint-dir", type=Path, default=None, help="build the checkpoint here (reused when it exists)")
     ap.add_argument("--build-only", type=Path, default=None, help=argparse.SUPPRESS)  # the child process
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What is measured: the command line, with the defaults that depend on the device and the size filled in."""
+
+    args: argparse.Namespace
+    real: bool
+    cuda: bool
+    resolution: int
+    steps: int
+    group: int
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Setting:
+        real, cuda = args.size == "real", args.device == "cuda"
+        resolution = args.resolution or (512 if cuda else 128)
+        steps = args.steps or (10 if cuda else 2)
+        group = args.group or (4 if cuda else 2)
+        if not real:
+            resolution = 32
+        return cls(args, real, cuda, resolution, steps, group)
+
+
+def ready_checkpoint(args: argparse.Namespace, model_dir: Path) -> tuple[float, dict]:
+    """The checkpoint in ``model_dir``, built in a child process unless it is there already (the child's peak memory is
+    not this process's); returns the seconds that took and the child's record of the build."""
+    t0 = time.perf_counter()
+    build_info: dict = {"reused": True}
+    if not (model_dir / "model_index.json").exists():  # built in a child process: its peak is not this one's
+        cmd = [sys.executable, __file__, "--family", args.family, "--size", args.size, "--device", args.device]
+        done = subprocess.run([*cmd, "--build-only", str(model_dir)], check=True, stdout=subprocess.PIPE, text=True)
+        build_info = json.loads(done.stdout.strip().splitlines()[-1])
+    return time.perf_counter() - t0, build_info
+
+
+def trainer_overrides(setting: Setting, model_dir: Path, run_dir: Path) -> dict[str, object]:
+    """The config of the one-iteration GRPO run on the checkpoint in ``model_dir``, as ``key: value`` overrides."""
+    args, cuda, real, group = setting.args, setting.cuda, setting.real, setting.group
+    overrides = {
+        "pipeline.name": PIPELINE_NAME[args.family],
+        "pipeline.pretrained": str(model_dir),
+        "pipeline.dtype": "bfloat16",
+        "pipeline.lora": f"{{r: {args.lora_rank}, alpha: {2 * args.lora_rank}}}",
+        "pipeline.gradient_checkpointing": True,
+        "pipeline.height": setting.resolution,
+        "pipeline.width": setting.resolution,
+        "pipeline.device": "auto" if cuda else "cpu",
+        "train.mixed_precision": "bf16",
+        "sampler.name": "flow_sde",
+        "objective.name": "grpo",
+        "rollout.num_inference_steps": setting.steps,
+        "rollout.batch_size": group,
+        # the step-distilled klein and Z-Image-Turbo run without guidance (one forward per step)
+        "rollout.guidance_scale": {"flux": 3.5, "sd3": 4.5}.get(args.family, 1.0),
+        "rollout.guidance_mode": "embedded" if args.family == "flux" else "cfg",
+        "train.iterations": 1,
+        "train.prompts_per_iteration": 1,
+        "train.num_generations": group,
+        "train.batch_size": group,
+        "reward.components": "{ink: 1.0}",
+        "eval.every": 0,
+        "eval.samples_per_prompt": 1,
+        "log.grid_prompts": 1,
+        "log.checkpoint_every": 0,
+        "log.progress": False,
+        "output_dir": str(run_dir),
+        "prompts.dataset": "digits",
+    }
+    if args.family in ("flux2_klein", "z_image"):
+        tokens = args.max_sequence_length or (512 if cuda and real else 64 if real else 32)
+        overrides["pipeline.max_sequence_length"] = tokens
+    return overrides
+
+
+def model_counts(trainer, model: torch.nn.Module) -> dict:
+    """The transformer's frozen (``base``) and LoRA parameter counts, their dtypes, and the LoRA targets."""
+    params = sum(p.numel() for p in model.parameters())
+    lora = sum(p.numel() for p in trainer.trainable_parameters())
+    return {
+        "base": params - lora,
+        "lora": lora,
+        "dtypes": Counter(str(p.dtype) for p in model.parameters() if not p.requires_grad),
+        "dtypes_lora": Counter(str(p.dtype) for p in model.parameters() if p.requires_grad),
+        "targets": lora_modules(model),
+    }
+
+
+def time_iteration(trainer, model: torch.nn.Module, cuda: bool, sync, use_fp32_gemm: bool, enter) -> tuple[dict, float, dict]:
+    """One GRPO iteration, its top-level denoiser forwards counted; returns its metrics, seconds and forward counts."""
+    if cuda:  # a warm-up iteration (kernels, allocator, prompt cache); on the CPU the timing above warmed up
+        trainer.train_iteration(0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    progress("one GRPO iteration")
+    enter("iteration")
+    calls, handles = count_forwards(model)
+    t0 = time.perf_counter()
+    with fp32_gemm() if use_fp32_gemm else contextlib.nullcontext():
+        metrics = trainer.train_iteration(1)
+    sync()
+    seconds = time.perf_counter() - t0
+    for h in handles:
+        h.remove()
+    return metrics, seconds, calls
+
+
+def described(setting: Setting, model: torch.nn.Module, counts: dict) -> dict:
+    """The result's first entries: what ran where, and the transformer with its LoRA adapters."""
+    args, cuda = setting.args, setting.cuda
+    return {
+        "family": args.family,
+        "size": args.size,
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)",
+        "transformer_params": counts["base"],
+        "transformer_class": type(model).__name__,
+        "lora_params": counts["lora"],
+        "lora_rank": args.lora_rank,
+        "lora_modules": counts["targets"],
+        "frozen_dtypes": dict(counts["dtypes"]),
+        "lora_dtypes": dict(counts["dtypes_lora"]),
+        "gradient_checkpointing": bool(getattr(model, "gradient_checkpointing", False)),
+    }
+
+
+def iteration_entries(seconds: float, metrics: dict, calls: dict) -> dict:
+    return {
+        "iteration_s": round(seconds, 1),
+        "rollout_s": round(metrics["perf/rollout_s"], 1),
+        "score_s": round(metrics["perf/score_s"], 1),
+        "update_s": round(metrics["perf/update_s"], 1),
+        "iteration_denoiser_forwards": calls["calls"],
+        "iteration_denoiser_forward_s": round(calls["seconds"], 1),
+        "losses": {k: v for k, v in metrics.items() if k.startswith("loss/")},
+        "loss_finite": any(k.startswith("loss/") for k in metrics)
+        and all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/")),
+    }
+
+
+def docs_entries(setting: Setting, counts: dict) -> dict:
+    """docs/distributed.md's figure for this model (real size, rank 32), and its accounting with this model's counts."""
+    args = setting.args
+    # docs/distributed.md's accounting with this model's own counts: 2 B a frozen bf16 parameter, 16 B a LoRA one
+    accounted = (2 * counts["base"] + 16 * counts["lora"]) / 2**30
+    return {
+        "docs_table_gib": {"row": DOCS_TABLE_ROW[args.family], "gib": DOCS_TABLE_GIB[args.family]}
+        if setting.real and args.lora_rank == 32
+        else None,
+        "docs_accounting_this_model_gib": round(accounted, 2),
+    }
+
+
+def memory_entries(cuda: bool, peak_fb: float | None, rss: dict | None, monitor: RssMonitor | None) -> dict:
+    """The peaks: GPU memory allocated on CUDA; on the CPU the resident set by phase and the process's ru_maxrss."""
+    if cuda:
+        return {
+            "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_gpu_memory_forward_backward_gib": round(peak_fb, 2),
+        }
+    return {
+        "peak_rss_gib_by_phase": rss,
+        "load_average_1min_by_phase": monitor.mean_load(),
+        "ru_maxrss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    }
+
+
+def measure_trainer(setting: Setting, trainer, overrides: dict, monitor: RssMonitor | None, load_s: float, loading: dict) -> dict:
+    """Time one denoiser forward and backward, then one GRPO iteration; returns the result (``loading``: how the
+    checkpoint was built and loaded)."""
+    cuda = setting.cuda
+    pipe = trainer.pipeline
+    model = unwrap(pipe.denoiser)
+    counts = model_counts(trainer, model)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    guidance = float(overrides["rollout.guidance_scale"])
+
+    use_fp32_gemm = not cuda and setting.args.cpu_gemm == "fp32"
+    enter = monitor.enter if monitor else (lambda phase: None)
+    progress(f"loaded in {load_s:.0f} s; timing one denoiser forward and backward")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    denoiser = time_denoiser(trainer, setting.group, setting.steps, guidance, sync, use_fp32_gemm, enter)
+    peak_fb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    metrics, seconds, calls = time_iteration(trainer, model, cuda, sync, use_fp32_gemm, enter)
+    rss = monitor.stop() if monitor else None
+    result = {
+        **described(setting, model, counts),
+        "resolution": setting.resolution,
+        "max_sequence_length": overrides.get("pipeline.max_sequence_length"),
+        "steps": setting.steps,
+        "samples": setting.group,
+        "denoiser": denoiser,
+        **iteration_entries(seconds, metrics, calls),
+        **docs_entries(setting, counts),
+        **loading,
+    }
+    result.update(memory_entries(cuda, peak_fb, rss, monitor))
+    return result
+
+
+def measure(setting: Setting, gemm: dict | None, monitor: RssMonitor | None) -> None:
+    """Build (or reuse) the checkpoint, load it through flowrl and measure it; prints the result as one JSON line."""
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    args = setting.args
+    with tempfile.TemporaryDirectory(dir=args.checkpoint_dir.parent if args.checkpoint_dir else None) as tmp:
+        model_dir = args.checkpoint_dir or Path(tmp) / "model"
+        built, build_info = ready_checkpoint(args, model_dir)
+        progress(f"checkpoint ready ({built:.0f} s); loading through flowrl")
+        if monitor:
+            monitor.enter("load")
+        overrides = trainer_overrides(setting, model_dir, Path(tmp) / "run")
+        t_load = time.perf_counter()
+        trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
+        load_s = time.perf_counter() - t_load
+        loading = {"cpu_gemm_rates": gemm, "checkpoint_build_s": round(built, 1), "build": build_info, "load_s": round(load_s, 1)}
+        print(json.dumps(measure_trainer(setting, trainer, overrides, monitor, load_s, loading)))
+
+
+def main() -> None:
+    args = parse_arguments()
     real, cuda = args.size == "real", args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("--device cuda: no GPU here; use --device cpu")
     if args.build_only is not None:
         build_checkpoint(args.family, real, args.build_only, args.device)
         return
-    resolution = args.resolution or (512 if cuda else 128)
-    steps = args.steps or (10 if cuda else 2)
-    group = args.group or (4 if cuda else 2)
-    if not real:
-        resolution = 32
+    setting = Setting.of(args)
     gemm = gemm_rates(GEMM_WIDTH[args.family], 128) if real and not cuda else None
     if gemm:
         progress(f"GEMM rates at this model's width: {gemm}")
     monitor = None if cuda else RssMonitor()
-
-    from flowrl.config import load_config
-    from flowrl.trainer import Trainer
-
-    with tempfile.TemporaryDirectory(dir=args.checkpoint_dir.parent if args.checkpoint_dir else None) as tmp:
-        model_dir = args.checkpoint_dir or Path(tmp) / "model"
-        t0 = time.perf_counter()
-        build_info: dict = {"reused": True}
-        if not (model_dir / "model_index.json").exists():  # built in a child process: its peak is not this one's
-            cmd = [sys.executable, __file__, "--family", args.family, "--size", args.size, "--device", args.device]
-            done = subprocess.run([*cmd, "--build-only", str(model_dir)], check=True, stdout=subprocess.PIPE, text=True)
-            build_info = json.loads(done.stdout.strip().splitlines()[-1])
-        built = time.perf_counter() - t0
-        progress(f"checkpoint ready ({built:.0f} s); loading through flowrl")
-        if monitor:
-            monitor.enter("load")
-        overrides = {
-            "pipeline.name": PIPELINE_NAME[args.family],
-            "pipeline.pretrained": str(model_dir),
-            "pipeline.dtype": "bfloat16",
-            "pipeline.lora": f"{{r: {args.lora_rank}, alpha: {2 * args.lora_rank}}}",
-            "pipeline.gradient_checkpointing": True,
-            "pipeline.height": resolution,
-            "pipeline.width": resolution,
-            "pipeline.device": "auto" if cuda else "cpu",
-            "train.mixed_precision": "bf16",
-            "sampler.name": "flow_sde",
-            "objective.name": "grpo",
-            "rollout.num_inference_steps": steps,
-            "rollout.batch_size": group,
-            # the step-distilled klein and Z-Image-Turbo run without guidance (one forward per step)
-            "rollout.guidance_scale": {"flux": 3.5, "sd3": 4.5}.get(args.family, 1.0),
-            "rollout.guidance_mode": "embedded" if args.family == "flux" else "cfg",
-            "train.iterations": 1,
-            "train.prompts_per_iteration": 1,
-            "train.num_generations": group,
-            "train.batch_size": group,
-            "reward.components": "{ink: 1.0}",
-            "eval.every": 0,
-            "eval.samples_per_prompt": 1,
-            "log.grid_prompts": 1,
-            "log.checkpoint_every": 0,
-            "log.progress": False,
-            "output_dir": str(Path(tmp) / "run"),
-            "prompts.dataset": "digits",
-        }
-        if args.family in ("flux2_klein", "z_image"):
-            tokens = args.max_sequence_length or (512 if cuda and real else 64 if real else 32)
-            overrides["pipeline.max_sequence_length"] = tokens
-        t_load = time.perf_counter()
-        trainer = Trainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
-        load_s = time.perf_counter() - t_load
-        pipe = trainer.pipeline
-        model = unwrap(pipe.denoiser)
-        params = sum(p.numel() for p in model.parameters())
-        lora = sum(p.numel() for p in trainer.trainable_parameters())
-        base = params - lora
-        dtypes = Counter(str(p.dtype) for p in model.parameters() if not p.requires_grad)
-        dtypes_lora = Counter(str(p.dtype) for p in model.parameters() if p.requires_grad)
-        targets = lora_modules(model)
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        guidance = float(overrides["rollout.guidance_scale"])
-
-        use_fp32_gemm = not cuda and args.cpu_gemm == "fp32"
-        enter = monitor.enter if monitor else (lambda phase: None)
-        progress(f"loaded in {load_s:.0f} s; timing one denoiser forward and backward")
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        denoiser = time_denoiser(trainer, group, steps, guidance, sync, use_fp32_gemm, enter)
-        peak_fb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-
-        if cuda:  # a warm-up iteration (kernels, allocator, prompt cache); on the CPU the timing above warmed up
-            trainer.train_iteration(0)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        progress("one GRPO iteration")
-        enter("iteration")
-        calls, handles = count_forwards(model)
-        t0 = time.perf_counter()
-        with fp32_gemm() if use_fp32_gemm else contextlib.nullcontext():
-            metrics = trainer.train_iteration(1)
-        sync()
-        seconds = time.perf_counter() - t0
-        for h in handles:
-            h.remove()
-        rss = monitor.stop() if monitor else None
-        # docs/distributed.md's accounting with this model's own counts: 2 B a frozen bf16 parameter, 16 B a LoRA one
-        accounted = (2 * base + 16 * lora) / 2**30
-        result = {
-            "family": args.family,
-            "size": args.size,
-            "device": torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)",
-            "transformer_params": base,
-            "transformer_class": type(model).__name__,
-            "lora_params": lora,
-            "lora_rank": args.lora_rank,
-            "lora_modules": targets,
-            "frozen_dtypes": dict(dtypes),
-            "lora_dtypes": dict(dtypes_lora),
-            "gradient_checkpointing": bool(getattr(model, "gradient_checkpointing", False)),
-            "resolution": resolution,
-            "max_sequence_length": overrides.get("pipeline.max_sequence_length"),
-            "steps": steps,
-            "samples": group,
-            "denoiser": denoiser,
-            "iteration_s": round(seconds, 1),
-            "rollout_s": round(metrics["perf/rollout_s"], 1),
-            "score_s": round(metrics["perf/score_s"], 1),
-            "update_s": round(metrics["perf/update_s"], 1),
-            "iteration_denoiser_forwards": calls["calls"],
-            "iteration_denoiser_forward_s": round(calls["seconds"], 1),
-            "losses": {k: v for k, v in metrics.items() if k.startswith("loss/")},
-            "loss_finite": any(k.startswith("loss/") for k in metrics)
-            and all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/")),
-            "docs_table_gib": {"row": DOCS_TABLE_ROW[args.family], "gib": DOCS_TABLE_GIB[args.family]}
-            if real and args.lora_rank == 32
-            else None,
-            "docs_accounting_this_model_gib": round(accounted, 2),
-            "cpu_gemm_rates": gemm,
-            "checkpoint_build_s": round(built, 1),
-            "build": build_info,
-            "load_s": round(load_s, 1),
-        }
-        if cuda:
-            result["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            result["peak_gpu_memory_forward_backward_gib"] = round(peak_fb, 2)
-        else:
-            result["peak_rss_gib_by_phase"] = rss
-            result["load_average_1min_by_phase"] = monitor.mean_load()
-            result["ru_maxrss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-        print(json.dumps(result))
+    measure(setting, gemm, monitor)
 
 
 if __name__ == "__main__":

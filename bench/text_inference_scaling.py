@@ -50,7 +50,8 @@ class RowCounter:
         return self._logits(input_ids, attention_mask=attention_mask)
 
 
-def measure(args) -> None:
+def load_modality(args) -> tuple:
+    """The run's config and text modality (seeded as the run was), with a checkpoint's weights when one is given."""
     config_path = Path(args.checkpoint) / "config.yaml" if args.checkpoint else Path(args.config)
     config = load_config(config_path, args.overrides)
     seeding.seed_initialisation(config.seed)
@@ -60,87 +61,129 @@ def measure(args) -> None:
         for prefix, module in own_modules(modality.objective):  # DCoLT's unmasking-policy head
             module.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
         modality.pipeline.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
-    lm, sc, plen = modality.pipeline, config.sampler, config.pipeline.prompt_length
-    lm.model.eval()
-    grader = build_reward_from_config(config.reward)
-    prompts, metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
-    counter, batch, seed, temp = RowCounter(lm), config.rollout.batch_size, config.eval.seed, args.temperature
-    items = Items(prompts, metadata)
+    return config, modality
 
-    def model(temperature: float) -> TextSearchModel:  # the run's diffusion LM drawing candidates at ``temperature``
-        return TextSearchModel(lm, sc, plen, temperature, seed, batch, modality.position_scorer)
 
-    rules = [r for r in args.select.split(",") if r]
-    out_path = Path(args.json)
-    # a file from an earlier run of the same measurement keeps its finished phases: only the missing ones run
-    result: dict = json.loads(out_path.read_text()) if out_path.is_file() else {}
-    result.update(
-        {
-            "label": args.label,
-            "checkpoint": args.checkpoint,
-            "items": len(prompts),
-            "temperature": temp,
-            "n": args.n,
-            "settings": {"gen_length": sc.gen_length, "steps": sc.steps, "block_length": sc.block_length, "remasking": sc.remasking},
-        }
-    )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+class Measurement:
+    """One ``measure`` run: the held-out items, the model drawing candidates (its rows counted), and the JSON written
+    after every phase; a file from an earlier run of the same measurement keeps its finished phases."""
 
-    def save():  # after every phase: a killed run loses only the phase it was in
-        out_path.write_text(json.dumps(result, indent=1))
-
-    def timed(fn):
-        counter.rows, start = 0, time.perf_counter()
-        value = fn()
-        return value, counter.rows, time.perf_counter() - start
-
-    if "greedy" not in result:
-        greedy, rows, secs = timed(lambda: text_best_of_n(model(0.0), TextVerifier([], [], grader), items, 1))
-        result["greedy"] = {"accuracy": greedy.accuracy("majority", 1), "forwards_per_item": rows / len(prompts), "seconds": secs}
-        save()
-    plain_rows = result["greedy"]["forwards_per_item"] * len(prompts)  # the plain sampler's work (greedy or not: same steps)
-    print(
-        f"{args.label}: {len(prompts)} held-out items; greedy accuracy {result['greedy']['accuracy']:.4f} ({plain_rows:.0f} forwards)",
-        flush=True,
-    )
-    if "best_of_n" not in result:
-        best, rows, secs = timed(
-            lambda: text_best_of_n(model(temp), TextVerifier(rules, build_scorers(rules, config.reward), grader), items, args.n)
+    def __init__(self, args, config, modality: TextModality):
+        self.args, self.config, self.modality = args, config, modality
+        self.lm, self.sc, self.plen = modality.pipeline, config.sampler, config.pipeline.prompt_length
+        self.lm.model.eval()
+        self.grader = build_reward_from_config(config.reward)
+        self.prompts, self.metadata = [p for p, _ in modality.eval_pool], [m for _, m in modality.eval_pool]
+        self.counter, self.batch, self.seed, self.temp = RowCounter(self.lm), config.rollout.batch_size, config.eval.seed, args.temperature
+        self.items = Items(self.prompts, self.metadata)
+        self.rules = [r for r in args.select.split(",") if r]
+        self.out_path = Path(args.json)
+        # a file from an earlier run of the same measurement keeps its finished phases: only the missing ones run
+        self.result: dict = json.loads(self.out_path.read_text()) if self.out_path.is_file() else {}
+        sc = self.sc
+        self.result.update(
+            {
+                "label": args.label,
+                "checkpoint": args.checkpoint,
+                "items": len(self.prompts),
+                "temperature": self.temp,
+                "n": args.n,
+                "settings": {"gen_length": sc.gen_length, "steps": sc.steps, "block_length": sc.block_length, "remasking": sc.remasking},
+            }
         )
-        result["best_of_n"] = {
-            "curves": {r: {str(k): v for k, v in c.items()} for r, c in best.curves(rules).items()},
-            "single_sample_accuracy": best.sample_accuracy(),
-            "forwards_vs_plain": rows / plain_rows,
-            "seconds": secs,
-        }
-        save()
-    b = result["best_of_n"]
-    print(
-        f"best-of-{args.n} at T = {temp:g}, accuracy of each rule's choice; pass@N = oracle upper bound ({b['forwards_vs_plain']:.2f}x "
-        f"the plain forwards, {b['seconds']:.0f} s):"
-    )
-    shown = [r for r in b["curves"] if r != ORACLE]
-    print(f"{'N':>4}" + "".join(f"{r:>12}" for r in shown) + f"{'pass@N':>10}")
-    for k in b["curves"][ORACLE]:
-        print(f"{k:>4}" + "".join(f"{b['curves'][r][k]:>12.4f}" for r in shown) + f"{b['curves'][ORACLE][k]:>10.4f}")
-    print(
-        f"single-sample accuracy at T = {temp:g} over all {args.n * len(prompts)} candidates: {b['single_sample_accuracy']:.4f}", flush=True
-    )
-    result.setdefault("svdd", {})
-    for m in args.svdd:
-        if str(m) in result["svdd"]:
-            print(f"svdd M = {m:>2}: accuracy {result['svdd'][str(m)]['accuracy']:.4f} (earlier run)")
-            continue
-        out, rows, secs = timed(lambda m=m: masked_svdd_in_batches(model(temp), build_scorer("likelihood"), prompts, m))
-        acc = float(grader(out.completions, prompts, metadata).scores.float().nanmean())
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def model(self, temperature: float) -> TextSearchModel:
+        """The run's diffusion LM drawing candidates at ``temperature``."""
+        return TextSearchModel(self.lm, self.sc, self.plen, temperature, self.seed, self.batch, self.modality.position_scorer)
+
+    def save(self) -> None:  # after every phase: a killed run loses only the phase it was in
+        self.out_path.write_text(json.dumps(self.result, indent=1))
+
+    def timed(self, fn):
+        self.counter.rows, start = 0, time.perf_counter()
+        value = fn()
+        return value, self.counter.rows, time.perf_counter() - start
+
+    def greedy(self) -> float:
+        """Greedy decoding; prints its accuracy and returns the plain sampler's rows (greedy or not: the same steps)."""
+        result, prompts = self.result, self.prompts
+        if "greedy" not in result:
+            greedy, rows, secs = self.timed(lambda: text_best_of_n(self.model(0.0), TextVerifier([], [], self.grader), self.items, 1))
+            result["greedy"] = {"accuracy": greedy.accuracy("majority", 1), "forwards_per_item": rows / len(prompts), "seconds": secs}
+            self.save()
+        plain_rows = result["greedy"]["forwards_per_item"] * len(prompts)  # the plain sampler's work (greedy or not: same steps)
+        print(
+            f"{self.args.label}: {len(prompts)} held-out items; greedy accuracy {result['greedy']['accuracy']:.4f} ({plain_rows:.0f} forwards)",
+            flush=True,
+        )
+        return plain_rows
+
+    def best_of_n(self, plain_rows: float) -> None:
+        """Best-of-N at the sampling temperature, every selection rule and pass@N, from 1 to N candidates."""
+        if "best_of_n" not in self.result:
+            rules = self.rules
+            best, rows, secs = self.timed(
+                lambda: text_best_of_n(
+                    self.model(self.temp),
+                    TextVerifier(rules, build_scorers(rules, self.config.reward), self.grader),
+                    self.items,
+                    self.args.n,
+                )
+            )
+            self.result["best_of_n"] = {
+                "curves": {r: {str(k): v for k, v in c.items()} for r, c in best.curves(rules).items()},
+                "single_sample_accuracy": best.sample_accuracy(),
+                "forwards_vs_plain": rows / plain_rows,
+                "seconds": secs,
+            }
+            self.save()
+        self.print_best_of_n()
+
+    def print_best_of_n(self) -> None:
+        b, temp, n = self.result["best_of_n"], self.temp, self.args.n
+        print(
+            f"best-of-{n} at T = {temp:g}, accuracy of each rule's choice; pass@N = oracle upper bound ({b['forwards_vs_plain']:.2f}x "
+            f"the plain forwards, {b['seconds']:.0f} s):"
+        )
+        shown = [r for r in b["curves"] if r != ORACLE]
+        print(f"{'N':>4}" + "".join(f"{r:>12}" for r in shown) + f"{'pass@N':>10}")
+        for k in b["curves"][ORACLE]:
+            print(f"{k:>4}" + "".join(f"{b['curves'][r][k]:>12.4f}" for r in shown) + f"{b['curves'][ORACLE][k]:>10.4f}")
+        print(
+            f"single-sample accuracy at T = {temp:g} over all {n * len(self.prompts)} candidates: {b['single_sample_accuracy']:.4f}",
+            flush=True,
+        )
+
+    def svdd(self, plain_rows: float) -> None:
+        """SVDD at every M of ``--svdd`` not measured yet (those measured before are printed as they were)."""
+        self.result.setdefault("svdd", {})
+        for m in self.args.svdd:
+            if str(m) in self.result["svdd"]:
+                print(f"svdd M = {m:>2}: accuracy {self.result['svdd'][str(m)]['accuracy']:.4f} (earlier run)")
+                continue
+            self.svdd_point(m, plain_rows)
+
+    def svdd_point(self, m: int, plain_rows: float) -> None:
+        prompts = self.prompts
+        out, rows, secs = self.timed(lambda: masked_svdd_in_batches(self.model(self.temp), build_scorer("likelihood"), prompts, m))
+        acc = float(self.grader(out.completions, prompts, self.metadata).scores.float().nanmean())
         assert rows == out.forwards  # the function's own count is the counted work
-        result["svdd"][str(m)] = {"accuracy": acc, "forwards_vs_plain": rows / plain_rows, "seconds": secs}
+        self.result["svdd"][str(m)] = {"accuracy": acc, "forwards_vs_plain": rows / plain_rows, "seconds": secs}
         print(
             f"svdd M = {m:>2} (value: likelihood of the one-shot completion): accuracy {acc:.4f}, {rows / plain_rows:.2f}x the plain "
             f"forwards, {secs:.0f} s",
             flush=True,
         )
-        save()
+        self.save()
+
+
+def measure(args) -> None:
+    config, modality = load_modality(args)
+    measurement = Measurement(args, config, modality)
+    plain_rows = measurement.greedy()
+    measurement.best_of_n(plain_rows)
+    measurement.svdd(plain_rows)
 
 
 def plot(args) -> None:

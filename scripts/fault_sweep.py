@@ -185,17 +185,12 @@ def leftovers(run: Path) -> list[str]:
     return sorted(found)
 
 
-def partial_files(run: Path) -> list[str]:
-    """Visible files that are not whole: a checkpoint that does not verify, a metrics line or JSON file cut short,
-    an image that does not decode, a config that does not parse."""
-    from PIL import Image
-
+def _bad_checkpoints(run: Path) -> list[str]:
+    """Checkpoints that do not verify, and a ``latest`` pointer that names none."""
     from flowrl.errors import FlowRLError
     from flowrl.training.checkpoint import verify_checkpoint
 
     bad = []
-    if not run.is_dir():
-        return bad
     for ckpt in sorted((run / "checkpoints").glob("step_*")):
         try:
             verify_checkpoint(ckpt)
@@ -204,6 +199,12 @@ def partial_files(run: Path) -> list[str]:
     pointer = run / "checkpoints" / "latest"
     if pointer.is_file() and not (run / "checkpoints" / pointer.read_text().strip()).is_dir():
         bad.append("checkpoints/latest names no checkpoint")
+    return bad
+
+
+def _bad_logs(run: Path) -> list[str]:
+    """``metrics.jsonl`` (every line) and ``summary.json`` when they are there and not whole JSON."""
+    bad = []
     for name in ("metrics.jsonl", "summary.json"):
         path = run / name
         try:
@@ -216,12 +217,26 @@ def partial_files(run: Path) -> list[str]:
                     [strict_json(line) for line in text.splitlines()]
         except (ValueError, AssertionError):
             bad.append(f"{name} is not whole")
+    return bad
+
+
+def _bad_images(run: Path) -> list[str]:
+    """Visible images that do not decode."""
+    from PIL import Image
+
+    bad = []
     for image in sorted(p for p in run.rglob("*.png") if TEMP_PREFIX not in p.as_posix()):
         try:
             with Image.open(image) as im:
                 im.load()
         except Exception as e:  # noqa: BLE001  (anything PIL says about it)
             bad.append(f"{image.relative_to(run)} ({type(e).__name__})")
+    return bad
+
+
+def _bad_configs(run: Path) -> list[str]:
+    """The run's config and its history when they do not parse."""
+    bad = []
     for config in [run / "config.yaml", *run.glob("config_history/*.yaml")]:
         if config.is_file():
             import yaml
@@ -231,6 +246,14 @@ def partial_files(run: Path) -> list[str]:
             except yaml.YAMLError:
                 bad.append(f"{config.relative_to(run)} does not parse")
     return bad
+
+
+def partial_files(run: Path) -> list[str]:
+    """Visible files that are not whole: a checkpoint that does not verify, a metrics line or JSON file cut short,
+    an image that does not decode, a config that does not parse."""
+    if not run.is_dir():
+        return []
+    return _bad_checkpoints(run) + _bad_logs(run) + _bad_images(run) + _bad_configs(run)
 
 
 def one_sentence(err: str) -> str | None:
@@ -249,6 +272,18 @@ class Result:
     survived: bool
     detail: str
     seconds: float = 0.0
+
+
+class _CaseFailed(Exception):
+    """A case's check failed; the message is the table's detail."""
+
+
+def _the_sentence(done: Finished) -> str:
+    """The one sentence a run that stopped with exit 2 ended with (else the case failed)."""
+    sentence = one_sentence(done.err)
+    if done.code != 2 or sentence is None:
+        raise _CaseFailed(f"exit {done.code}, not one sentence: {done.err.strip()[-600:]!r}")
+    return sentence
 
 
 def reference(work: Path, in_process: bool = False, **overrides: object) -> dict[str, Any]:
@@ -474,6 +509,84 @@ def read_only(directory: Path, keep_rw: tuple[str, ...]) -> Callable[[], None]:
     return undo
 
 
+def _ro_target(case: DiskCase, run: Path, disk: Path) -> Path:
+    """The directory the read-only fault bind-mounts (``..``: the whole disk)."""
+    return (run / case.ro).resolve() if case.ro != ".." else disk
+
+
+def _break_run(case: DiskCase, run: Path, overrides: dict[str, object], apply: Callable[[], None]) -> Finished:
+    """Train the run into its fault (killed first at ``case.killed_at``, then resumed into it); ``apply`` sets the
+    fault up before the start, or where the run stops at ``case.point``."""
+    if case.killed_at:
+        killed = train(run, env={KILL_ENV: case.killed_at}, overrides=overrides)
+        if killed.code != -signal.SIGKILL:
+            raise _CaseFailed(f"not killed at {case.killed_at} (exit {killed.code})")
+    if case.point is None:
+        apply()
+    extra = ["resume_from=latest"] if case.killed_at else []
+    broken = train(run, *extra, stop_at=case.point, on_stop=apply, overrides=overrides)
+    if case.point is not None and not broken.stopped:
+        raise _CaseFailed(f"the run never reached {case.point} (exit {broken.code})")
+    return broken
+
+
+def _expected_disk_sentence(case: DiskCase, fault: str, run: Path) -> str:
+    """How the sentence of a run that met ``fault`` at ``case.write`` must start."""
+    named = (case.enospc_named if fault == "ENOSPC" else None) or case.named
+    named = case.write if named is None else named
+    if fault == "EROFS" and case.ro_sentence:
+        return case.ro_sentence.format(run=run)
+    return f"could not write '{run / named if named else run}': {REASONS[fault]}"
+
+
+def _left_whole(case: DiskCase, fault: str, run: Path, disk: Path) -> list[str]:
+    """The temporaries the fault left, when they are only where the read-only directory kept them and nothing visible
+    is partial."""
+    left, partial = leftovers(run), partial_files(run)
+    ro_dir = None if fault == "ENOSPC" or case.ro is None else _ro_target(case, run, disk)
+    stuck = [p for p in left if ro_dir is None or not (run / p).resolve().is_relative_to(ro_dir)]
+    if stuck or partial:
+        raise _CaseFailed(f"left partial: {stuck + partial}")
+    return left
+
+
+def _meet_disk_fault(case: DiskCase, fault: str, disk: Path, ref: dict[str, Any], undo: list[Callable[[], None]]) -> str:
+    """The run meets ``fault`` at ``case.write`` (``undo`` gathers what frees the disk) and must stop with the sentence
+    naming that write, leaving nothing partial, then resume equal to ``ref``; the table's detail."""
+    run, overrides = disk / "run", dict(case.overrides)
+
+    def apply() -> None:
+        if fault == "ENOSPC":
+            filler = fill(disk, case.free_pages)
+            undo.append(filler.unlink)
+        else:
+            undo.append(read_only(_ro_target(case, run, disk), case.keep_rw))
+
+    broken = _break_run(case, run, overrides, apply)
+    sentence = _the_sentence(broken)
+    expected = _expected_disk_sentence(case, fault, run)
+    if not sentence.startswith(expected.rstrip(".")):
+        raise _CaseFailed(f"the sentence names another write: {sentence!r} (expected it to start {expected!r})")
+    sentence = sentence.replace(str(run), "<run>")
+    left = _left_whole(case, fault, run, disk)
+    while undo:
+        undo.pop()()
+    problems = _resume_and_compare(run, ref, left, overrides=overrides)
+    if problems:
+        raise _CaseFailed(f"{sentence!r}, then: {'; '.join(problems)}")
+    note = f"; the read-only disk kept {', '.join(left)}, the resume removed it" if left else ""
+    return f"{sentence!r}{note}; resumed equal to the uninterrupted run"
+
+
+def _release(undo: list[Callable[[], None]], disk: Path) -> None:
+    """Undo every fault still in place (the latest first), then unmount the tmpfs ``disk``."""
+    for step in reversed(undo):
+        with contextlib.suppress(Exception):
+            step()
+    with contextlib.suppress(Exception):
+        _sh("umount", "-R", str(disk))
+
+
 def disk_case(case: DiskCase, fault: str, work: Path, ref: dict[str, Any]) -> Result:
     """One write meeting ENOSPC or EROFS; runs inside the mount namespace (``in_namespace``)."""
     label = f"{fault} at {case.write}"
@@ -481,60 +594,14 @@ def disk_case(case: DiskCase, fault: str, work: Path, ref: dict[str, Any]) -> Re
     disk = work / "disk"
     disk.mkdir(parents=True, exist_ok=True)
     _sh("mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(disk))
-    run, undo = disk / "run", []
-    overrides = dict(case.overrides)
-
-    def apply() -> None:
-        if fault == "ENOSPC":
-            filler = fill(disk, case.free_pages)
-            undo.append(filler.unlink)
-        else:
-            undo.append(read_only((run / case.ro).resolve() if case.ro != ".." else disk, case.keep_rw))
-
-    def fail(detail: str) -> Result:
-        return Result(fault, label, False, detail, time.monotonic() - started)
-
+    undo: list[Callable[[], None]] = []
     try:
-        if case.killed_at:
-            killed = train(run, env={KILL_ENV: case.killed_at}, overrides=overrides)
-            if killed.code != -signal.SIGKILL:
-                return fail(f"not killed at {case.killed_at} (exit {killed.code})")
-        if case.point is None:
-            apply()
-        extra = ["resume_from=latest"] if case.killed_at else []
-        broken = train(run, *extra, stop_at=case.point, on_stop=apply, overrides=overrides)
-        if case.point is not None and not broken.stopped:
-            return fail(f"the run never reached {case.point} (exit {broken.code})")
-        sentence = one_sentence(broken.err)
-        if broken.code != 2 or sentence is None:
-            return fail(f"exit {broken.code}, not one sentence: {broken.err.strip()[-600:]!r}")
-        named = (case.enospc_named if fault == "ENOSPC" else None) or case.named
-        named = case.write if named is None else named
-        if fault == "EROFS" and case.ro_sentence:
-            expected = case.ro_sentence.format(run=run)
-        else:
-            expected = f"could not write '{run / named if named else run}': {REASONS[fault]}"
-        if not sentence.startswith(expected.rstrip(".")):
-            return fail(f"the sentence names another write: {sentence!r} (expected it to start {expected!r})")
-        sentence = sentence.replace(str(run), "<run>")
-        left, partial = leftovers(run), partial_files(run)
-        ro_dir = None if fault == "ENOSPC" or case.ro is None else (run / case.ro).resolve() if case.ro != ".." else disk
-        stuck = [p for p in left if ro_dir is None or not (run / p).resolve().is_relative_to(ro_dir)]
-        if stuck or partial:
-            return fail(f"left partial: {stuck + partial}")
-        while undo:
-            undo.pop()()
-        problems = _resume_and_compare(run, ref, left, overrides=overrides)
-        if problems:
-            return fail(f"{sentence!r}, then: {'; '.join(problems)}")
-        note = f"; the read-only disk kept {', '.join(left)}, the resume removed it" if left else ""
-        return Result(fault, label, True, f"{sentence!r}{note}; resumed equal to the uninterrupted run", time.monotonic() - started)
+        detail = _meet_disk_fault(case, fault, disk, ref, undo)
+        return Result(fault, label, True, detail, time.monotonic() - started)
+    except _CaseFailed as failed:
+        return Result(fault, label, False, str(failed), time.monotonic() - started)
     finally:
-        for step in reversed(undo):
-            with contextlib.suppress(Exception):
-                step()
-        with contextlib.suppress(Exception):
-            _sh("umount", "-R", str(disk))
+        _release(undo, disk)
 
 
 def namespace_available() -> str | None:
@@ -601,11 +668,7 @@ def export_case(fault: str, work: Path, checkpoint: Path) -> Result:
         detail = f"{sentence.replace(str(out), '<out>')!r}; nothing left{control}; with the disk freed the export is the faultless one"
         return Result(fault, label, True, detail, time.monotonic() - started)
     finally:
-        for step in reversed(undo):
-            with contextlib.suppress(Exception):
-                step()
-        with contextlib.suppress(Exception):
-            _sh("umount", "-R", str(disk))
+        _release(undo, disk)
 
 
 def disk_cases(
@@ -753,6 +816,84 @@ SERVER_CASES = {
 }
 
 
+RECOVERING = ("restart", "hang-recover")  # the server kinds that are back within retry_for
+
+
+def _take_down(kind: str, server: RewardServer, events: list[str]) -> None:
+    """Kill the server (``restart``, ``kill``) or hang it (SIGSTOP)."""
+    if kind in ("restart", "kill"):
+        server.signal(signal.SIGKILL)
+        server.proc.wait(timeout=60)
+        events.append("killed")
+    else:
+        server.signal(signal.SIGSTOP)
+        events.append("stopped")
+
+
+def _bring_back_later(kind: str, server: RewardServer, events: list[str]) -> None:
+    """While the client retries: restart the server on its port (``restart``) or let it go (SIGCONT)."""
+    time.sleep(2 if kind == "restart" else SERVER_REMOTE["timeout"] + 2)  # an attempt has failed (refused, or timed out)
+    if kind == "restart":
+        server.start()
+        events.append("restarted")
+    else:
+        server.signal(signal.SIGCONT)
+        events.append("let go")
+
+
+def _train_through_outage(kind: str, server: RewardServer, run: Path, point: str, events: list[str]) -> Finished:
+    """Train the run, taking the server down where the run stops at ``point`` (and bringing it back while the client
+    retries, for the kinds that come back)."""
+    helper = None
+
+    def on_stop() -> None:
+        nonlocal helper
+        _take_down(kind, server, events)
+        if kind in RECOVERING:
+            helper = threading.Thread(target=_bring_back_later, args=(kind, server, events))
+            helper.start()
+
+    done = train(run, stop_at=point, on_stop=on_stop, overrides=server_overrides(server.url))
+    if helper is not None:
+        helper.join()
+    return done
+
+
+def _stopped_and_resumed(
+    kind: str, done: Finished, server: RewardServer, run: Path, ref: dict[str, Any], compare: tuple[str, ...] | None
+) -> tuple[str, list[str]]:
+    """A server down for good: the run must have stopped with the sentence naming it and the iteration saved; with the
+    server back, the resume. Returns the detail so far and what differs from ``ref``."""
+    sentence = _the_sentence(done)
+    if not (sentence.startswith(f"reward server {server.url} did not answer after ") and "iteration 1 saved" in sentence):
+        raise _CaseFailed(f"unexpected sentence {sentence!r}")
+    sentence = sentence.replace(server.url, "<url>").replace(str(run), "<run>")
+    if kind == "hang":
+        server.signal(signal.SIGCONT)
+    else:
+        server.start()
+    problems = _resume_and_compare(run, ref, leftovers(run), compare, server_overrides(server.url))
+    return f"{sentence!r}; with the server back, the resume", problems
+
+
+def _server_outage(kind: str, server: RewardServer, run: Path, ref: dict[str, Any], point: str, compare: tuple[str, ...] | None) -> str:
+    """The run meets the outage ``kind`` at ``point`` and must end equal to ``ref``; the table's detail."""
+    events: list[str] = []
+    done = _train_through_outage(kind, server, run, point, events)
+    if not done.stopped:
+        raise _CaseFailed(f"the run never reached {point}")
+    if kind in RECOVERING:
+        if done.code != 0:
+            raise _CaseFailed(f"the run did not survive ({done.code}): {done.err.strip()[-600:]!r}")
+        problems = differences(outcome(run), ref, compare)
+        detail = f"server {' and '.join(events)} while the client retried; the run went on and"
+    else:
+        detail, problems = _stopped_and_resumed(kind, done, server, run, ref, compare)
+    if problems:
+        raise _CaseFailed(f"{detail}: {'; '.join(problems)}")
+    return f"{detail} ended equal to the uninterrupted run"
+
+
 def server_case(kind: str, work: Path, ref: dict[str, Any], point: str = "score@2", compare: tuple[str, ...] | None = None) -> Result:
     """The reward server dies or hangs while the run is about to score iteration 2 (``point``): ``restart`` /
     ``hang-recover``: it is back (restarted on its port, or let go) a few seconds later, within the client's
@@ -766,67 +907,12 @@ def server_case(kind: str, work: Path, ref: dict[str, Any], point: str = "score@
     work.mkdir(parents=True)
     started = time.monotonic()
     server = RewardServer(work, free_port()).start()
-    run = work / "run"
-    events: list[str] = []
-
-    def fault() -> None:
-        if kind in ("restart", "kill"):
-            server.signal(signal.SIGKILL)
-            server.proc.wait(timeout=60)
-            events.append("killed")
-        else:
-            server.signal(signal.SIGSTOP)
-            events.append("stopped")
-
-    def back_later() -> None:  # while the client retries
-        time.sleep(2 if kind == "restart" else SERVER_REMOTE["timeout"] + 2)  # an attempt has failed (refused, or timed out)
-        if kind == "restart":
-            server.start()
-            events.append("restarted")
-        else:
-            server.signal(signal.SIGCONT)
-            events.append("let go")
-
-    def fail(detail: str) -> Result:
-        return Result("reward server", label, False, detail, time.monotonic() - started)
-
     try:
         with server_env():
-            helper = None
-
-            def on_stop() -> None:
-                nonlocal helper
-                fault()
-                if kind in ("restart", "hang-recover"):
-                    helper = threading.Thread(target=back_later)
-                    helper.start()
-
-            done = train(run, stop_at=point, on_stop=on_stop, overrides=server_overrides(server.url))
-            if helper is not None:
-                helper.join()
-            if not done.stopped:
-                return fail(f"the run never reached {point}")
-            if kind in ("restart", "hang-recover"):
-                if done.code != 0:
-                    return fail(f"the run did not survive ({done.code}): {done.err.strip()[-600:]!r}")
-                problems = differences(outcome(run), ref, compare)
-                detail = f"server {' and '.join(events)} while the client retried; the run went on and"
-            else:
-                sentence = one_sentence(done.err)
-                if done.code != 2 or sentence is None:
-                    return fail(f"exit {done.code}, not one sentence: {done.err.strip()[-600:]!r}")
-                if not (sentence.startswith(f"reward server {server.url} did not answer after ") and "iteration 1 saved" in sentence):
-                    return fail(f"unexpected sentence {sentence!r}")
-                sentence = sentence.replace(server.url, "<url>").replace(str(run), "<run>")
-                if kind == "hang":
-                    server.signal(signal.SIGCONT)
-                else:
-                    server.start()
-                problems = _resume_and_compare(run, ref, leftovers(run), compare, server_overrides(server.url))
-                detail = f"{sentence!r}; with the server back, the resume"
-            if problems:
-                return fail(f"{detail}: {'; '.join(problems)}")
-            return Result("reward server", label, True, f"{detail} ended equal to the uninterrupted run", time.monotonic() - started)
+            detail = _server_outage(kind, server, work / "run", ref, point, compare)
+        return Result("reward server", label, True, detail, time.monotonic() - started)
+    except _CaseFailed as failed:
+        return Result("reward server", label, False, str(failed), time.monotonic() - started)
     finally:
         server.stop()
 
@@ -845,6 +931,41 @@ def markdown(results: list[Result]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _report(results: list[Result], new: list[Result]) -> None:
+    """Print each new result's line as it comes, and keep it for the table."""
+    for r in new:
+        print(f"{'survived' if r.survived else 'FAILED  '} [{r.group}] {r.case} ({r.seconds:.0f} s): {r.detail}", flush=True)
+    results.extend(new)
+
+
+def _sweep(groups: set[str], work: Path, results: list[Result]) -> None:
+    """Run the cases of ``groups`` in ``work``, in the table's order: kill, disk, server."""
+    ref = reference(work / "default") if groups & {"kill", "disk"} else None
+    if "kill" in groups:
+        for point in KILL_POINTS:
+            _report(results, [kill_chain([point], work, ref)])
+        _report(results, [nonfinite_window_case(work)])
+    if "disk" in groups:
+        cases = [(c, f) for c in DISK_CASES for f in ("ENOSPC", "EROFS") if f == "ENOSPC" or c.ro is not None]
+        last = work / "default" / "reference" / "checkpoints" / f"step_{ITERATIONS:06d}"
+        _report(results, disk_cases(cases, work, ref, exports=("ENOSPC", "EROFS"), checkpoint=last))
+    if "server" in groups:
+        server_ref = server_reference(work / "server-reference")
+        for kind in SERVER_CASES.values():
+            _report(results, [server_case(kind, work, server_ref)])
+
+
+def _table(results: list[Result], began: float, markdown_path: Path | None) -> int:
+    """Print the count and the table (and write it to ``markdown_path``); the exit status: 0 when every case survived."""
+    survived = sum(r.survived for r in results)
+    print(f"\n{survived} of {len(results)} cases survived in {time.monotonic() - began:.0f} s\n")
+    table = markdown(results)
+    print(table)
+    if markdown_path:
+        markdown_path.write_text(table)
+    return 0 if survived == len(results) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="kill,disk,server", help="comma-separated groups: kill, disk, server")
@@ -860,36 +981,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     began = time.monotonic()
-
-    def report(new: list[Result]) -> None:
-        for r in new:
-            print(f"{'survived' if r.survived else 'FAILED  '} [{r.group}] {r.case} ({r.seconds:.0f} s): {r.detail}", flush=True)
-        results.extend(new)
-
     try:
-        ref = reference(work / "default") if groups & {"kill", "disk"} else None
-        if "kill" in groups:
-            for point in KILL_POINTS:
-                report([kill_chain([point], work, ref)])
-            report([nonfinite_window_case(work)])
-        if "disk" in groups:
-            cases = [(c, f) for c in DISK_CASES for f in ("ENOSPC", "EROFS") if f == "ENOSPC" or c.ro is not None]
-            last = work / "default" / "reference" / "checkpoints" / f"step_{ITERATIONS:06d}"
-            report(disk_cases(cases, work, ref, exports=("ENOSPC", "EROFS"), checkpoint=last))
-        if "server" in groups:
-            server_ref = server_reference(work / "server-reference")
-            for kind in SERVER_CASES.values():
-                report([server_case(kind, work, server_ref)])
+        _sweep(groups, work, results)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    survived = sum(r.survived for r in results)
-    print(f"\n{survived} of {len(results)} cases survived in {time.monotonic() - began:.0f} s\n")
-    table = markdown(results)
-    print(table)
-    if args.markdown:
-        args.markdown.write_text(table)
-    return 0 if survived == len(results) else 1
+    return _table(results, began, args.markdown)
 
 
 if __name__ == "__main__":
