@@ -37,7 +37,6 @@ from .reward_models.mix import RewardConfig
 from .samplers import SAMPLERS, DDIMConfig, FlowCPSConfig, FlowMemorylessConfig, FlowSDEConfig, MaskedSamplerConfig, ODEConfig
 from .samplers.rollout_config import BranchingConfig, RolloutConfig
 from .sections import Section
-from .training.roles import RoleConfig
 
 __all__ = [
     "Config", "TrainConfig", "EvalConfig", "LogConfig", "Section", "load_config", "validate", "to_yaml", "resolve_device",
@@ -48,6 +47,22 @@ __all__ = [
     "GRPOConfig", "DDPOConfig", "D3POConfig", "DiffusionDPOConfig", "SePPOConfig", "AdjointMatchingConfig", "DiffusionNFTConfig",
     "DiffuGRPOConfig", "UniGRPOConfig", "DCoLTConfig", "BGPOConfig",
 ]  # fmt: skip
+
+
+class RoleConfig(Section):
+    """One trained role's optimizer settings (``train.roles.<name>``); every key left unset takes ``train``'s."""
+
+    learning_rate: float | None = Field(
+        None, gt=0, description="This role's base learning rate; unset: train.learning_rate times the role's declared scale."
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] | None = Field(
+        None, description="This role's learning-rate schedule over the iterations; unset: train.lr_schedule."
+    )
+    lr_min_fraction: float | None = Field(
+        None, ge=0, le=1, description="The fraction of the base rate its schedule ends at; unset: train.lr_min_fraction."
+    )
+    weight_decay: float | None = Field(None, ge=0, description="AdamW's decoupled weight decay for this role; unset: train.weight_decay.")
+    max_grad_norm: float | None = Field(None, gt=0, description="Clip this role's gradient norm to this value; unset: train.max_grad_norm.")
 
 
 class TrainConfig(Section):
@@ -126,6 +141,24 @@ def eval_steps_and_guidance(config: Config) -> tuple[int, float]:
     return ec.num_inference_steps or rc.num_inference_steps, ec.guidance_scale if ec.guidance_scale is not None else rc.guidance_scale
 
 
+def supported_trackers() -> list[str]:
+    """The tracker names the installed accelerate knows (its ``LoggerType``, less "all")."""
+    from accelerate.utils import LoggerType
+
+    return [t for t in LoggerType.list() if t != "all"]
+
+
+def check_tracker_names(names: list[str]) -> list[str]:
+    """``names`` if every one is a tracker accelerate supports, without repeats; else a ValueError in one sentence."""
+    known = supported_trackers()
+    for name in names:
+        if name not in known:
+            raise ValueError(f"'{name}' is not a tracker accelerate supports; choose from {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"names a tracker twice: {names}")
+    return names
+
+
 class LogConfig(Section):
     grid_prompts: int = Field(10, ge=1, description="Prompts shown in the sample grids written at each evaluation.")
     checkpoint_every: int = Field(10, ge=0, description="Iterations between checkpoints; 0: only at the end.")
@@ -142,8 +175,6 @@ class LogConfig(Section):
     @field_validator("trackers")
     @classmethod
     def _known_trackers(cls, v: list[str]) -> list[str]:
-        from .training.trackers import check_tracker_names
-
         return check_tracker_names(v)
 
     @model_validator(mode="after")

@@ -11,10 +11,9 @@ import pytest
 import yaml
 from conftest import CONFIGS, fast_overrides
 
-from flowrl.config import load_config
+from flowrl.config import load_config, supported_trackers
 from flowrl.errors import FlowRLError
 from flowrl.trainer import Trainer
-from flowrl.training.trackers import supported_trackers
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 VIDEO = CONFIGS / "digits_video" / "grpo.yaml"

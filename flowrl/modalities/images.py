@@ -13,6 +13,7 @@ from accelerate.utils import gather_object
 
 from ..config import Config
 from ..errors import FlowRLError
+from ..evaluation.aggregate import nanmean
 from ..evaluation.diversity import seed_diversity
 from ..evaluation.held_out import HeldOut, held_out_images
 from ..objectives import BuildContext, build_objective
@@ -21,7 +22,6 @@ from ..pipelines.guidance import training_guidance_scale
 from ..prompts import prompts_for
 from ..samplers import ODEConfig, build_sampler
 from ..samplers.rollout import padded_samples, sample, start_noise
-from ..training.run_logger import nanmean
 from ..types import Pipeline, Reward, Sampler, Trajectory
 from ..visualize import save_grid, save_points, save_videos
 from .collector import collector_for

@@ -14,12 +14,12 @@ from accelerate.utils import gather_object
 from ..atomic_files import atomic_path
 from ..config import Config
 from ..errors import FlowRLError
+from ..evaluation.aggregate import nanmean
 from ..evaluation.held_out import eval_pool
 from ..objectives import BuildContext, build_objective
 from ..pipelines import build_pipeline
 from ..prompts import prompts_for
 from ..samplers.text_generation import candidate_streams, generate_texts
-from ..training.run_logger import nanmean
 from ..types import Reward, TokenTrajectory
 from .collector import collector_for
 from .text_rollouts import TextRollouts

@@ -25,12 +25,12 @@ from accelerate.utils import gather_object
 
 from .. import seeding
 from ..errors import FlowRLError
+from ..evaluation.aggregate import nanmean
 from ..modalities.reward_overlap import RolloutScoring
 from ..types import LossOutput
 from . import fault_injection
 from .engine import Engine, gather_means
 from .roles import POLICY, Roles
-from .run_logger import nanmean
 
 
 class Phases:

@@ -16,13 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 
+from ..config import RoleConfig
 from ..errors import FlowRLError
-from ..sections import Section
 from ..types import FrozenRole, TrainedRole
 
 POLICY = "policy"
@@ -36,22 +35,6 @@ def lr_factor(schedule: str, iteration: int, iterations: int, min_fraction: floa
     progress = min(max(iteration / (iterations - 1), 0.0), 1.0)
     shape = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
     return min_fraction + (1 - min_fraction) * shape
-
-
-class RoleConfig(Section):
-    """One trained role's optimizer settings (``train.roles.<name>``); every key left unset takes ``train``'s."""
-
-    learning_rate: float | None = Field(
-        None, gt=0, description="This role's base learning rate; unset: train.learning_rate times the role's declared scale."
-    )
-    lr_schedule: Literal["constant", "linear", "cosine"] | None = Field(
-        None, description="This role's learning-rate schedule over the iterations; unset: train.lr_schedule."
-    )
-    lr_min_fraction: float | None = Field(
-        None, ge=0, le=1, description="The fraction of the base rate its schedule ends at; unset: train.lr_min_fraction."
-    )
-    weight_decay: float | None = Field(None, ge=0, description="AdamW's decoupled weight decay for this role; unset: train.weight_decay.")
-    max_grad_norm: float | None = Field(None, gt=0, description="Clip this role's gradient norm to this value; unset: train.max_grad_norm.")
 
 
 @dataclass

@@ -12,14 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..atomic_files import atomic_path, writing
 from ..errors import FlowRLError
-from .checkpoint import atomic_path, writing
-
-
-def nanmean(values: list[float]) -> float:
-    """Mean of the finite values (NaN when there are none): a dropped sample must not poison a metric."""
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else float("nan")
 
 
 def json_safe(value: Any) -> Any:

@@ -27,24 +27,6 @@ PIP_PACKAGES = {
 }
 
 
-def supported_trackers() -> list[str]:
-    """The tracker names the installed accelerate knows (its ``LoggerType``, less "all")."""
-    from accelerate.utils import LoggerType
-
-    return [t for t in LoggerType.list() if t != "all"]
-
-
-def check_tracker_names(names: list[str]) -> list[str]:
-    """``names`` if every one is a tracker accelerate supports, without repeats; else a ValueError in one sentence."""
-    known = supported_trackers()
-    for name in names:
-        if name not in known:
-            raise ValueError(f"'{name}' is not a tracker accelerate supports; choose from {', '.join(known)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"names a tracker twice: {names}")
-    return names
-
-
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A nested config as dotted keys with scalar values (TensorBoard's hparams take nothing else)."""
     flat: dict[str, Any] = {}
