@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def run_launch(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run an ``accelerate launch`` of several CPU processes, one launch at a time across the pytest-xdist workers (a
+    file lock): two at once would oversubscribe the 2 cores and race for the rendezvous port, which is chosen here,
+    inside the lock, and put after ``--main_process_port``."""
+    from filelock import FileLock
+
+    with FileLock(Path(tempfile.gettempdir()) / "flowrl-tests-launch.lock"):
+        if "--main_process_port" in cmd:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                cmd = [*cmd]
+                cmd[cmd.index("--main_process_port") + 1] = str(s.getsockname()[1])
+        return subprocess.run(cmd, **kwargs)

@@ -16,26 +16,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, fast_overrides
+from conftest import CONFIGS, REPO, fast_overrides, run_launch
 from safetensors.torch import load_file
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
 ACCELERATE = CONFIGS / "accelerate"
 ITERATIONS = 3
 SHARDED = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")  # configs/accelerate/*.yaml launched with 2 processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(config_file: str | None, output_dir: Path, **extra: object) -> None:
@@ -59,7 +52,7 @@ def _launch(config_file: str | None, output_dir: Path, **extra: object) -> None:
             "--num_processes",
             "2",
             "--main_process_port",
-            str(_free_port()),
+            "0",
             "-m",
         ]
         if config_file
@@ -67,7 +60,7 @@ def _launch(config_file: str | None, output_dir: Path, **extra: object) -> None:
     )
     cmd = [sys.executable, "-m", *launch, "flowrl.cli", "train", str(GRPO), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    proc = run_launch(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
     assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-1500:]
 
@@ -348,15 +341,16 @@ def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
         "--num_processes",
         "2",
         "--main_process_port",
-        str(_free_port()),
+        "0",
         str(script),
         str(CONFIGS / "dllm" / "dcolt.yaml"),
         str(report),
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_launch(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+    assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-1500:]
     heads = json.loads(report.read_text())
     rank0, rank1 = (torch.tensor(sum(map(_flat, h.values()), [])) for h in heads["after"])
     start = torch.tensor(sum(map(_flat, heads["before"].values()), []))

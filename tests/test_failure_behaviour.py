@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, fast_overrides
+from conftest import CONFIGS, REPO, fast_overrides, run_launch
 
 from flowrl.atomic_files import atomic_path
 from flowrl.cli import main
@@ -678,19 +678,15 @@ def test_a_multi_process_launch_that_fails_at_start_says_the_sentence_once(tmp_p
     """2 CPU processes under accelerate launch, into an output_dir that holds a run: rank 0 prints flowrl's sentence
     once (rank 1 would say it only if it were still alive 10 s later), and the launcher's failure report names it
     as the root cause instead of "To enable traceback see: ..."; the earlier run is untouched."""
-    import socket
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     launch = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "accelerate" / "ddp.yaml")]
-    launch += ["--num_processes", "2", "--main_process_port", str(port), "-m", "flowrl.cli"]
+    launch += ["--num_processes", "2", "--main_process_port", "0", "-m", "flowrl.cli"]  # the port: run_launch's
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
+    proc = run_launch(
         [sys.executable, *launch, "train", str(GRPO), *fast_overrides(run)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
     )
     assert proc.returncode != 0

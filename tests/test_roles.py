@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, fast_overrides
+from conftest import CONFIGS, REPO, fast_overrides, run_launch
 from safetensors.torch import load_file
 
 from flowrl.errors import FlowRLError
@@ -150,19 +149,15 @@ def test_an_adapter_role_without_a_lora_policy_is_refused_in_one_sentence(tmp_pa
 
 
 # -- 2 CPU processes under each launch ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launcher(config_file: str, extra: dict):
     def launch(out: Path, **more) -> subprocess.CompletedProcess:
         overrides = fast_overrides(out, **{**TWO_ROLES, "objective.timestep_fraction": 0.5, **extra, **more})
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "accelerate" / config_file)]
-        cmd += ["--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "flowrl.cli", "train", str(GRPO), *overrides]
+        cmd += ["--num_processes", "2", "--main_process_port", "0", "-m", "flowrl.cli", "train", str(GRPO), *overrides]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+        return run_launch(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
 
     def checked(out: Path, **more) -> None:
         proc = launch(out, **more)

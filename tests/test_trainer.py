@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, fast_overrides
+from conftest import CONFIGS, REPO, fast_overrides, run_launch
 from safetensors.torch import load_file
 
 from flowrl.config import load_config
@@ -108,12 +107,6 @@ def test_nonfinite_rewards_are_dropped_and_counted(tmp_path):
     assert rows[1]["reward/mean"] is not None and rows[1]["loss/policy"] is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_accelerate_launch_two_cpu_processes(tmp_path):
     # accelerate's --cpu flag always takes its single-process launcher; several CPU processes come from its
@@ -132,7 +125,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(_free_port()),
+        "0",
         "-m",
         "flowrl.cli",
         "train",
@@ -140,7 +133,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
         *fast_overrides(tmp_path, **{"log.checkpoint_every": 1}),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    proc = run_launch(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 1 and json.loads(summaries[0])["status"] == "completed"  # printed by the main process only
