@@ -109,6 +109,10 @@ class Trajectory:
     reward_grads: (B, *S) gradient of the combined reward with respect to the final state latents[:, K]
                 (through the decoder), filled by the score phase for objectives that train on
                 "reward_gradient_rollouts"; None otherwise.
+    step_means: (B, Ks, *S) float32, the transition mean the rollout sampled each stochastic step from, in step
+                order (Ks = stochastic.sum(); ``step_mean(k)`` reads step k's), recorded only for an objective that
+                declares ``needs_step_means`` (GRPO-Guard's exact ratio normalisation), None otherwise: it is as
+                large as the latents of the stochastic steps.
     guidance_scale: the CFG scale the rollout used (training re-scores with the same one).
     """
 
@@ -125,6 +129,7 @@ class Trajectory:
     reward_components: dict[str, Tensor] = field(default_factory=dict)
     advantages: Tensor | None = None
     reward_grads: Tensor | None = None
+    step_means: Tensor | None = None
     guidance_scale: float = 1.0
     inner_epoch: int = 0  # set by the trainer for each pass over the rollout
 
@@ -134,6 +139,12 @@ class Trajectory:
     @property
     def num_steps(self) -> int:
         return self.sigmas.shape[0] - 1
+
+    def step_mean(self, k: int) -> Tensor:
+        """(B, *S): the transition mean the rollout sampled stochastic step ``k`` from (``step_means``)."""
+        if self.step_means is None or not bool(self.stochastic[k]):
+            raise ValueError(f"step {k} has no recorded rollout mean (recorded: stochastic steps, when the objective needs them)")
+        return self.step_means[:, int(self.stochastic[:k].sum())]
 
     def __getitem__(self, index: Tensor | slice | list[int]) -> Trajectory:
         """Select samples (dim 0 of every per-sample field)."""

@@ -34,6 +34,12 @@ class ImageRollouts:
         self.config, self.pipeline, self.sampler, self.objective = modality.config, modality.pipeline, modality.sampler, modality.objective
         self.rows_per_prompt = self.config.train.num_generations
 
+    @property
+    def records_means(self) -> bool:
+        """Whether the rollouts keep their stochastic steps' means: an objective that needs them declares
+        ``needs_step_means`` (GRPO-Guard's exact ratio normalisation); the others are spared the memory."""
+        return bool(getattr(self.objective, "needs_step_means", False))
+
     def check(self, reward: Reward) -> None:
         rc = self.config.rollout
         if self.with_gradient:  # refused before anything runs or is written
@@ -94,6 +100,7 @@ class ImageRollouts:
                 window,
                 initial_noise=noise[sl],
                 decode=False,  # the scorer decodes it (timed; on the reward's worker when overlapped)
+                record_means=self.records_means,
             )
             yield Chunk(chunk, decode=functools.partial(self.pipeline.decode, chunk.samples), attach=functools.partial(_attach, chunk))
 
@@ -116,6 +123,7 @@ class ImageRollouts:
             noise,
             cfg.guidance_scale,
             cfg.batch_size,
+            record_means=self.records_means,
         )
         if not traj.stochastic.any():  # e.g. DDIM's step into clean data has no noise, so a 1-step window has nothing to train
             raise FlowRLError(

@@ -15,6 +15,8 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from ..errors import FlowRLError
+from ..samplers.log_prob import Reduction
 from ..sections import ObjectiveSection
 from ..types import LossOutput, Pipeline, ReferenceModel, Role, Sampler, TrainingData, Trajectory
 from .advantages import clip_advantages
@@ -71,19 +73,30 @@ def step_ratio_stats(log_ratio: Tensor, valid: Tensor | None, k: int) -> dict[st
     return {f"policy/ratio_mean/step_{k:02d}": mean, f"policy/ratio_std/step_{k:02d}": std, "policy/ratio_std": std}
 
 
-def normalised_log_ratio(log_prob: Tensor, old_log_prob: Tensor, std: Tensor, valid: Tensor | None) -> Tensor:
-    """GRPO-Guard's RatioNorm on one step. For Gaussian transitions with per-dimension-mean log-probs,
-    log r = -b + mean(dmu * eps) / s with b = mean(dmu^2) / (2 s^2) >= 0 (the left shift that keeps r below 1)
-    and s the transition std; GRPO-Guard uses (log r + b) * s = mean(dmu * eps), centred at 0 with a spread
-    that does not depend on s. flowrl keeps no rollout means, so b is estimated by -(the minibatch mean of
-    log r) (its expectation under the rollout policy, detached). Returns the normalised log-ratio."""
-    log_ratio = log_prob - old_log_prob
-    with torch.no_grad():
-        keep = torch.ones_like(log_ratio, dtype=torch.bool) if valid is None else valid.to(log_ratio.device)
-        shift = log_ratio[keep].mean() if keep.any() else log_ratio.new_zeros(())
-    s = std.detach().float().reshape(-1) if torch.is_tensor(std) else torch.as_tensor(float(std))
-    s = s.to(log_ratio.device)
-    return (log_ratio - shift) * (s if s.numel() == log_ratio.numel() else s.mean())
+def normalised_log_ratio(
+    log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor, reduction: Reduction
+) -> Tensor:
+    """GRPO-Guard's RatioNorm on one step, as Flow-Factory's ``GRPOGuardTrainer`` computes it. For a Gaussian
+    transition with std s, dmu = mu_theta - mu_old and eps = (x_next - mu_old) / s, the log-ratio is
+    log r = R(dmu * eps) / s - b, with R the sampler's reduction over the state's dimensions (per-dimension mean by
+    default) and b = R(dmu^2) / (2 s^2) >= 0 the sample's left shift (the KL between its two transitions). The
+    normalised log-ratio is (log r + b) * s = R(dmu * eps): centred at 0, with a spread that does not depend on s.
+    b is each sample's own, from ``mean`` (mu_theta, with its graph) and ``old_mean`` (the rollout's, stored with the
+    trajectory), and keeps its gradient as in Flow-Factory, so the gradient is that of R(dmu * eps) alone.
+    log_prob, old_log_prob: (B,); mean, old_mean: (B, *S); std: 0-dim or (B, 1, ..., 1). Returns (B,)."""
+    shift = gaussian_kl(mean, old_mean.to(mean.device), std, reduction)
+    s = std.detach().float().to(shift.device)
+    return (log_prob - old_log_prob + shift) * (s.reshape(-1) if s.ndim else s)
+
+
+def rollout_mean(batch: Trajectory, k: int) -> Tensor:
+    """The mean the rollout sampled step ``k`` from (``Trajectory.step_mean``); a clear error when it was not recorded."""
+    if batch.step_means is None:
+        raise FlowRLError(
+            "objective.ratio_norm needs the rollout's step means (Trajectory.step_means), and this batch has none; "
+            "collect it with rollout(..., record_means=True), as the trainer does for an objective with needs_step_means."
+        )
+    return batch.step_mean(k)
 
 
 def transition_stds(sampler: Sampler, batch: Trajectory, steps: list[int]) -> Tensor:
@@ -134,6 +147,11 @@ class PolicyGradientObjective:
     def reference(self) -> ReferenceModel:
         return "initial" if self.beta > 0 else "none"  # the KL term compares with the initial model
 
+    @property
+    def needs_step_means(self) -> bool:
+        """GRPO-Guard's exact shift reads the rollout's step means, so the rollouts record them (Trajectory.step_means)."""
+        return self.ratio_norm
+
     def prepare(self, batch: Trajectory) -> Trajectory:
         batch.advantages = clip_advantages(self.advantage_estimator(batch), self.adv_clip_max)
         if self.best_worst_k is not None:
@@ -151,8 +169,10 @@ class PolicyGradientObjective:
             model_output = pipeline.predict(x, sigma, batch.cond, batch.guidance_scale)
             out = sampler.step(model_output, x, sigma, sigma_next, x_next=x_next)
             old_log_prob = batch.log_probs[:, k]
-            if self.ratio_norm:
-                log_prob, old_log_prob = normalised_log_ratio(out.log_prob, old_log_prob, out.std, valid), torch.zeros_like(old_log_prob)
+            if self.ratio_norm:  # GRPO-Guard: (log r + b) * s, b from the rollout's stored mean; the ratio is exp of that
+                old_mean = rollout_mean(batch, k)
+                log_prob = normalised_log_ratio(out.log_prob, old_log_prob, out.mean, old_mean, out.std, sampler.reduction)
+                old_log_prob = torch.zeros_like(old_log_prob)
             else:
                 log_prob = out.log_prob
             policy_loss, stats = clipped_surrogate(log_prob, old_log_prob, advantages, self.clip_range, valid)
@@ -210,7 +230,10 @@ class PolicyGradientConfig(ObjectiveSection):
     # Wang et al. 2025; docs/instruments.md
     ratio_norm: bool = Field(
         False,
-        description="GRPO-Guard: re-centre each step's log-ratio and scale it by the transition std, centring the ratio at 1.",
+        description=(
+            "GRPO-Guard: each step's log-ratio plus its sample's exact shift (the KL to the rollout's stored step mean), "
+            "times the transition std, centring the ratio at 1."
+        ),
     )
     supports_branching: ClassVar[bool] = True  # B2-DiffuRL's branches train a policy-gradient objective
 

@@ -55,13 +55,15 @@ def branched_rollout(
     initial_noise: Tensor,
     guidance_scale: float = 1.0,
     batch_size: int = 64,
+    record_means: bool = False,
 ) -> Trajectory:
     """B trajectories in which the members of a group share the states x_0 .. x_b exactly (b = ``branch_step``)
     and branch from x_b: one prefix per group, sampled with the stochastic sampler from the first member's
     ``initial_noise``, then every member continues on its own noise. Steps b .. K-1 carry log-probs;
     the prefix steps are recorded as not stochastic (NaN log-prob), so they are never trained.
 
-    Rollouts run ``batch_size`` prefixes or branches per denoiser call.
+    Rollouts run ``batch_size`` prefixes or branches per denoiser call. ``record_means``: the branches' stochastic
+    steps keep their means (``Trajectory.step_means``; the prefix has none, being recorded as not stochastic).
     """
     num_steps = sigmas.shape[0] - 1
     unique, inverse = torch.unique(group_ids, return_inverse=True)
@@ -103,6 +105,7 @@ def branched_rollout(
                 guidance_scale,
                 window,
                 initial_noise=prefix[sl, -1],
+                record_means=record_means,
             )
         )
     branches = Trajectory.cat(chunks)

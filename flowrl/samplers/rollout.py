@@ -120,13 +120,15 @@ def rollout(
     initial_noise: Tensor | None = None,
     same_noise_in_group: bool = True,
     decode: bool = True,
+    record_means: bool = False,
 ) -> Trajectory:
     """Sample B trajectories and record every state and transition log-prob.
 
     sigmas: (K+1,) time grid from 1 (noise) to 0. stochastic_steps: (K,) bool; default all steps when
     the sampler is stochastic. A step whose transition std is 0 (e.g. CPS or DDIM into sigma = 0) is
     recorded as deterministic. ``decode=False`` leaves ``samples`` as the final latents (a B2-DiffuRL
-    prefix that only its branches continue, so a VAE decode would be wasted).
+    prefix that only its branches continue, so a VAE decode would be wasted). ``record_means``: also keep
+    the mean each stochastic step was sampled from (``Trajectory.step_means``; GRPO-Guard's exact shift).
     """
     num_steps = sigmas.shape[0] - 1
     if stochastic_steps is None:
@@ -138,7 +140,7 @@ def rollout(
         raise ValueError("rollout with per-row generators needs initial_noise (keyed_noise)")
     x = initial_noise if initial_noise is not None else group_noise(pipeline, group_ids, generator, same_noise_in_group)
     x = x.float()
-    states, log_probs = [x], []
+    states, log_probs, means = [x], [], []
     for k in range(num_steps):
         sigma, sigma_next = sigmas[k], sigmas[k + 1]
         model_output = pipeline.predict(x, sigma, cond, guidance_scale)
@@ -146,6 +148,8 @@ def rollout(
         if stochastic_steps[k]:
             out = sampler.step(model_output, x, sigma, sigma_next, generator=generator)
             x, log_prob = out.x_next, out.log_prob
+            if record_means and log_prob is not None:
+                means.append(out.mean)
         else:
             x = sampler.deterministic_step(model_output, x, sigma, sigma_next)
         if log_prob is None:
@@ -163,8 +167,14 @@ def rollout(
         metadata=[dict(m) for m in metadata],
         group_ids=group_ids,
         samples=pipeline.decode(x) if decode else x,
+        step_means=recorded_means(means, states[0]) if record_means else None,
         guidance_scale=guidance_scale,
     )
+
+
+def recorded_means(means: list[Tensor], x: Tensor) -> Tensor:
+    """The stochastic steps' means stacked on dim 1, (B, Ks, *S) float32; (B, 0, *S) when no step was stochastic."""
+    return torch.stack(means, dim=1) if means else x.new_zeros(x.shape[0], 0, *x.shape[1:])
 
 
 @torch.no_grad()
