@@ -110,10 +110,23 @@ def test_sampler_is_amused_pipeline_with_default_arguments(amused_dir, adapter, 
     assert masked.tolist() == [[64] + [max(1, c) for c in cosine] + [0]] * 3
 
 
-def test_step_log_prob_is_the_committed_tokens_log_softmax(adapter, sampler):
-    """A step's log-prob, derived by hand: the sum over exactly the positions it unmasked of log softmax(logits)
-    at the committed token; re-scoring every recorded step at unchanged weights gives it back (ratio 1)."""
+def test_step_log_prob_is_the_committed_tokens_and_the_choice(adapter, sampler):
+    """A step's log-prob on the real model: the committed tokens' log softmax(logits) summed over exactly the positions
+    it unmasked (by hand), plus log P(C | x_C), the choice's probability (< 0 before the last step, 0 at it; its
+    value against enumeration: tests/test_masked_image_step.py); ``score='committed_tokens'`` records the first part
+    alone; re-scoring every recorded step at unchanged weights gives it back (ratio 1)."""
+    from flowrl.samplers.masked_image import MaskedImageConfig
+
     traj = flowrl_rollout(adapter, sampler, ["digit 5", "a handwritten two"], 4, 3.0, torch.Generator().manual_seed(2))
+    former = flowrl_rollout(
+        adapter,
+        MaskedImageConfig(score="committed_tokens").build(adapter),
+        ["digit 5", "a handwritten two"],
+        4,
+        3.0,
+        torch.Generator().manual_seed(2),
+    )
+    assert torch.equal(former.latents, traj.latents)  # the score changes nothing that is drawn
     assert traj.stochastic.all() and torch.isfinite(traj.log_probs).all()
     mask = adapter.mask_token_id
     with torch.no_grad():
@@ -124,7 +137,9 @@ def test_step_log_prob_is_the_committed_tokens_log_softmax(adapter, sampler):
             by_hand = torch.stack(
                 [torch.log_softmax(logits[b].double(), -1)[committed[b], x_next[b][committed[b]].long()].sum() for b in range(2)]
             )
-            assert torch.allclose(traj.log_probs[:, k].double(), by_hand, atol=1e-5)
+            assert torch.allclose(former.log_probs[:, k].double(), by_hand, atol=1e-5)
+            choice = traj.log_probs[:, k] - former.log_probs[:, k]
+            assert (choice < -0.1).all() if k < 3 else (choice == 0).all()
             rescored = sampler.step(logits, x, traj.sigmas[k], traj.sigmas[k + 1], x_next=x_next).log_prob
             assert torch.equal(rescored, traj.log_probs[:, k])
             assert (x_next[x != mask] == x[x != mask]).all()  # committed tokens are never re-masked or changed
