@@ -4,8 +4,6 @@ the weights moved, and two iterations on the embedded model through the real Tra
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from conftest import CONFIGS, fast_overrides
@@ -138,11 +136,43 @@ def test_two_iterations_through_the_trainer(tmp_path, one_thread):
     assert rows[1]["dppo/kl_mean"] > 0  # the second minibatch of an iteration is off the rollout policy
 
 
+# The defaults and the released code they come from (docs/objectives/flow_dppo.md, "Defaults and where they come from"):
+# UniRL (Tencent-Hunyuan/UniRL at 1a7b501) unirl/algorithms/flowdppo.py line 32 and the recipe
+# examples/diffusion/sd3_flowdppo.yaml line 116 set kl_mask_threshold 1e-5, and verl-omni (a1139ba)
+# verl_omni/workers/config/diffusion/actor.py line 47 too; the recipe's adv_use_global_std: true (line 27) is std: global;
+# verl-omni's Flow-GRPO advantage adds epsilon 1e-4 (diffusion_algos.py line 195); neither code clips the advantage
+# nor adds a reference KL; UniRL trains every stochastic step of its rollout.
+CITED_DEFAULTS = {
+    "kl_threshold": 1e-5,
+    "std": "global",
+    "std_eps": 1e-4,
+    "adv_clip_max": None,
+    "beta": 0.0,
+    "timestep_fraction": 1.0,
+    "timestep_order": "random",
+    "multi_reward": "weighted_sum",
+}
+
+
+def test_defaults_are_the_cited_ones():
+    config = FlowDPPOConfig()
+    assert {key: getattr(config, key) for key in CITED_DEFAULTS} == CITED_DEFAULTS
+    assert set(FlowDPPOConfig.model_fields) - {"name"} == set(CITED_DEFAULTS)  # a new field needs its source here too
+    # the docs' table names every field with this default and a source
+    doc = (CONFIGS.parent / "docs" / "objectives" / "flow_dppo.md").read_text()
+    table = doc.split("## Defaults and where they come from", 1)[1].split("\n\n")[2]
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip(" `") for line in table.splitlines()[2:]}
+    assert set(rows) == set(CITED_DEFAULTS)
+    for key, value in CITED_DEFAULTS.items():
+        assert rows[key] == "none" if value is None else (float(rows[key]) == value if isinstance(value, float) else rows[key] == value)
+    assert all(len(line.split("|")[3].strip()) > 20 for line in table.splitlines()[2:])  # each row cites a source
+    assert "line 32" in table and "line 116" in table and "line 47" in table  # the threshold's, by line
+
+
 def test_registered_and_config_refuses_bad_values():
     assert "flow_dppo" in OBJECTIVES.builtin_names()
     config = load_config(DPPO)
     assert config.objective.name == "flow_dppo" and config.objective.kl_threshold == 1e-4  # the preset: tuned to digits
-    assert FlowDPPOConfig().kl_threshold == 1e-7 and math.isclose(FlowDPPOConfig().std_eps, 1e-4)
     with pytest.raises(FlowRLError, match="objective.kl_threshold"):
         load_config(DPPO, ["objective.kl_threshold=-1"])
     with pytest.raises(FlowRLError, match="unknown config key 'objective.clip_range'"):

@@ -10,10 +10,12 @@ one advantage per sample three ways, chosen by the objective's ``multi_reward`` 
   ``A = sum_k w_k (r_k - mean_g r_k) / (std_g r_k + eps)`` (Flow-GRPO's multi-reward setting; GRPO's older
   ``per_reward_advantages: true`` is this form, kept as an alias).
 - ``gdpo``: GDPO (Liu et al. 2026, "Group reward-Decoupled normalization Policy Optimization",
-  arXiv:2601.05242): ``per_reward``, then the sum normalised over the whole batch,
-  ``A = (S - mean_batch S) / (std_batch S + 1e-4)`` with the unbiased std, as the authors' TRL code
-  (NVlabs/GDPO, ``trl-GDPO/.../grpo_trainer.py``) does. The batch step keeps the advantage's scale the same
-  whatever the number of rewards (a plain sum of K unit-variance advantages has a spread of up to K).
+  arXiv:2601.05242; not the diffusion-LM "Group Diffusion Policy Optimization" of arXiv:2510.08554): ``per_reward``,
+  then the sum normalised over the whole batch, ``A = (S - mean_batch S) / (std_batch S + 1e-4)``. The batch std
+  follows the objective's ``std`` convention, as the group step's does: the N denominator for ``biased`` and
+  ``global`` (Flow-Factory's ``compute_gdpo``, NumPy's std), N - 1 for ``unbiased`` and ``none`` (the authors' TRL
+  code, NVlabs/GDPO ``trl-GDPO/.../grpo_trainer.py``, torch's default). The batch step keeps the advantage's scale
+  the same whatever the number of rewards (a plain sum of K unit-variance advantages has a spread of up to K).
 
 The group statistics use the objective's ``std`` convention and ``std_eps`` for every component
 (``functional.group_advantages``). Samples with a non-finite combined reward are left out of every statistic and
@@ -38,6 +40,7 @@ from .stateless import Stateless
 
 MultiReward = Literal["weighted_sum", "per_reward", "gdpo"]
 GDPO_BATCH_EPS = 1e-4  # the authors' epsilon of the batch-wise normalisation (TRL and verl ports alike)
+BIASED_CONVENTIONS = ("biased", "global")  # the std conventions whose group step divides by N (functional.group_advantages)
 STD_CONVENTIONS = "Advantage normaliser: unbiased / biased divide by the group std (N - 1 / N), global by the batch std, none: r - mean"
 ESTIMATOR_FIELDS = ("std", "std_eps", "multi_reward")  # a section's fields that make its advantage estimator
 
@@ -55,14 +58,16 @@ def per_reward_advantages(
     return total
 
 
-def batch_normalised(values: Tensor, valid: Tensor, eps: float = GDPO_BATCH_EPS) -> Tensor:
-    """GDPO's batch step: ``(v - mean) / (std + eps)`` over the rows where ``valid`` (unbiased std, torch's default
-    as in the authors' code); the other rows get 0, and fewer than two valid rows leave every row 0."""
+def batch_normalised(values: Tensor, valid: Tensor, std: StdConvention = "unbiased", eps: float = GDPO_BATCH_EPS) -> Tensor:
+    """GDPO's batch step: ``(v - mean) / (std + eps)`` over the rows where ``valid``. The std is the objective's
+    convention's: N in the denominator for ``biased`` and ``global`` (Flow-Factory), N - 1 for ``unbiased`` and
+    ``none`` (the authors' TRL code; ``none`` has no group std to follow). The other rows get 0, and fewer than two
+    valid rows leave every row 0."""
     out = torch.zeros_like(values, dtype=torch.float32)
     kept = values[valid].float()
     if kept.numel() < 2:
         return out
-    out[valid] = (kept - kept.mean()) / (kept.std(unbiased=True) + eps)
+    out[valid] = (kept - kept.mean()) / (kept.std(unbiased=std not in BIASED_CONVENTIONS) + eps)
     return out
 
 
@@ -86,7 +91,7 @@ class GroupAdvantages(Stateless):  # each batch's groups are normalised on their
             return group_advantages(batch.rewards, batch.group_ids, self.std, self.eps)
         total = per_reward_advantages(batch.reward_components, self.component_weights, batch.rewards, batch.group_ids, self.std, self.eps)
         if self.batch_normalise:
-            total = batch_normalised(total, torch.isfinite(batch.rewards))
+            total = batch_normalised(total, torch.isfinite(batch.rewards), self.std)
         return total
 
 
@@ -108,7 +113,8 @@ class MultiRewardOption(Section):
     multi_reward: MultiReward = Field(
         "weighted_sum",
         description="How reward components become one advantage: weighted_sum (normalise the sum), per_reward (normalise each, "
-        "then sum), gdpo (per_reward, then normalise over the batch).",
+        "then sum), gdpo (GDPO's multi-reward normalisation, arXiv:2601.05242: per_reward, then normalise over the batch; "
+        "not the diffusion-LM GDPO of arXiv:2510.08554).",
     )
 
     def multi_reward_kwargs(self, context: BuildContext | None, multi_reward: MultiReward | None = None) -> dict[str, Any]:

@@ -8,7 +8,8 @@ log-likelihood (``estimators.py``), which is the extension point:
   every completion token of the minibatch (``loss_aggregation: token_mean``, d1's
   ``diffu_grpo_trainer.py::compute_loss``), so a longer completion weighs more.
 - UniGRPO (MMaDA, arXiv:2505.15809; PAPER-DERIVED: no training code was released, see docs/objectives/dllm.md
-  for what flowrl assumed): prompt never masked, answer tokens masked at a ratio ~ U[0.1, 0.9] (the paper:
+  for what flowrl assumed; not arXiv:2603.23500's UniGRPO, a joint GRPO over a reasoning chain and the image it
+  conditions, which flowrl does not implement): prompt never masked, answer tokens masked at a ratio ~ U[0.1, 0.9] (the paper:
   U[0, 1]); mean log-prob over the masked tokens; clip 0.2; z-scored advantages; each completion's mean over
   its masked tokens, then the mean over completions (``loss_aggregation: sequence_mean``, GRPO's form).
 - DCoLT (LLaDOU, arXiv:2505.10446): the per-step action log-prob of the recorded trajectory (Plackett-Luce
@@ -342,8 +343,10 @@ class DiffuGRPOConfig(TokenPolicyConfig):
 
 
 class UniGRPOConfig(TokenPolicyConfig):
-    """MMaDA's UniGRPO, paper-derived (no released training code): answer-only masking at a ratio ~ U[low, high],
-    z-scored advantages, each completion's mean over its masked tokens then the mean over completions."""
+    """MMaDA's UniGRPO (arXiv:2505.15809), paper-derived (no released training code): answer-only masking at a ratio
+    ~ U[low, high], z-scored advantages, each completion's mean over its masked tokens then the mean over completions.
+    Not the UniGRPO of arXiv:2603.23500 (one GRPO over a reasoning chain and the image it conditions), which flowrl
+    does not implement."""
 
     name: str = "unigrpo"
     mask_low: float = Field(
