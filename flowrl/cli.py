@@ -150,9 +150,11 @@ _SEARCH_FLAGS = {
     "--svdd": (
         "M",
         int,
-        "SVDD-PM: sample the held-out items keeping, at every step, the best of M candidates from the rollout sampler by "
-        "the reward of their predicted x0; writes the grid to --out",
+        "SVDD-PM: sample the held-out items keeping, at every step but the last, the best of M candidates from the rollout "
+        "sampler by the reward of their predicted x0, the last step a plain one as released (--svdd-last-step); writes "
+        "the grid to --out",
     ),
+    "--svdd-last-step": ("plain|best_of_m", str, "(--svdd) {description} (default {default})"),
     "--smc": (
         "N",
         int,
@@ -172,10 +174,13 @@ _SEARCH_FLAGS = {
     "--rbf": (
         "M",
         int,
-        "rollover budget forcing (FlowRBF): M candidates per step on average from the rollout sampler, the first whose "
-        "predicted-x0 reward beats the best so far taken at once and the step's unspent budget rolled over to the next "
-        "step; M = 1 is the plain SDE rollout; writes the grid to --out",
+        "FlowRBF as released: --rbf-chains chains per item from the best of --rbf-init-particles start noises each, M "
+        "candidates per step and chain, the unspent budget rolled over, stopping two steps early to spend the rest there; "
+        "returns the best candidate's predicted x0 (docs/inference_scaling.md); writes the grid to --out",
     ),
+    "--rbf-chains": ("B", int, "(--rbf) {description}"),
+    "--rbf-init-particles": ("N", int, "(--rbf) {description}"),
+    "--rbf-rollover": ("M", int, "flowrl's rollover budget forcing (its --rbf before issue #41; docs/inference_scaling.md)"),
     "--smc-lambda": ("LAMBDA", float, "(--smc) {description}"),
     "--smc-ess-threshold": ("FRACTION", float, "(--smc) {description} (default {default}; 0 never, 1 at every step)"),
     "--select": (
@@ -220,7 +225,7 @@ def _add_eval_parser(sub) -> None:
         nargs="+",
         default=None,
         metavar=("NAME", "KEY=VALUE"),
-        help="a search by name, with its settings: flowrl's own (best_of, svdd, smc, noise_search, rbf: --search best_of "
+        help="a search by name, with its settings: flowrl's own (best_of, svdd, smc, noise_search, rbf, rbf_rollover: --search best_of "
         "n=8 is --best-of 8), one registered with flowrl.register_search or installed (entry point group "
         "flowrl.searches), or an import path package.module:Class (docs/inference_scaling.md)",
     )

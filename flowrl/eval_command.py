@@ -62,7 +62,9 @@ def evaluate_again(path: Path, out: Path) -> int:
         config = validate(recorded["config"])
     except FlowRLError as e:
         raise FlowRLError(f"the config recorded in '{path}' is not valid for this flowrl: {str(e).rstrip('.')}.") from None
-    record = run_evaluation(config, checkpoint, recorded["method"], out)
+    from .inference.sections import as_recorded
+
+    record = run_evaluation(config, checkpoint, as_recorded(recorded["method"]), out)  # a setting it did not record: as it ran
     now = record["spec"]
 
     keys = sorted(set(recorded["result"]) | set(now["result"]))  # exact floats, NaN recorded as null

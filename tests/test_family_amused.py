@@ -260,8 +260,8 @@ def test_best_of_one_is_the_plain_evaluation(trainer):
 
 def test_svdd_with_one_candidate_is_a_plain_rollout(trainer):
     """SVDD on image tokens: M = 1 is exactly the stochastic rollout with the same generator (the look-ahead is the
-    greedy fill of every masked token, which selects nothing at M = 1); with M = 3 the kept final candidate is each
-    item's best and its reward is that of the returned samples."""
+    greedy fill of every masked token, which selects nothing at M = 1); with M = 3 and ``last_step: best_of_m`` the
+    kept final candidate is each item's best and its reward is that of the returned samples."""
     from flowrl.inference.search import ImageSearchModel, Items
     from flowrl.inference.svdd import svdd_sample
     from flowrl.samplers.rollout import rollout
@@ -283,7 +283,7 @@ def test_svdd_with_one_candidate_is_a_plain_rollout(trainer):
         initial_noise=pipeline.initial_noise(4, None),
     )
     assert torch.equal(ours.samples, plain.samples)
-    three = svdd_sample(model, reward, items, 3, torch.Generator().manual_seed(7))
+    three = svdd_sample(model, reward, items, 3, torch.Generator().manual_seed(7), last_step="best_of_m")
     assert torch.equal(three.scores, three.step_scores[-1].max(1).values)
     torch.testing.assert_close(reward(three.samples, prompts, metadata).scores.float(), three.scores, atol=1e-6, rtol=0)
 

@@ -1,6 +1,7 @@
 """Counted cost of every search (inference/cost.py): the denoiser and verifier rows and calls that the metered model
 and reward count equal each method's formula (best-of-N with and without early stopping, its padding included;
-SVDD; SMC; zero-order noise search; RBF; and the diffusion-LM best-of-N, SVDD and SMC), and the seconds add up."""
+SVDD with either last step; SMC; zero-order noise search; RBF as released and flowrl's rollover variant; and the
+diffusion-LM best-of-N, SVDD and SMC), and the seconds add up."""
 
 from __future__ import annotations
 
@@ -76,15 +77,19 @@ def test_best_of_n_counts_n_rollouts_and_the_padding_of_early_stopped_rounds(tra
     assert cost.verifier_rows == int(stopped.draws.sum())
 
 
-def test_svdd_counts_one_plus_m_times_k_minus_one_forwards(trainer):
+@pytest.mark.parametrize("last_step", ["plain", "best_of_m"])
+def test_svdd_counts_one_plus_m_times_k_minus_one_forwards(trainer, last_step):
     from flowrl.inference.svdd import svdd_sample
 
     cost, model, reward, items = _setup(trainer, stochastic=True)
     k, m = model.sigmas.numel() - 1, 3
     with cost:
-        svdd_sample(model, reward, items, m, torch.Generator().manual_seed(0))
+        svdd_sample(model, reward, items, m, torch.Generator().manual_seed(0), last_step=last_step)
     assert (cost.denoiser_rows, cost.denoiser_calls) == (P * (1 + m * (k - 1)), k)
-    assert (cost.verifier_rows, cost.verifier_calls) == (P * m * k, k)
+    # plain: M candidates valued at each of the first K - 1 steps, then the returned samples scored once (reported);
+    # best_of_m: the M finished candidates scored at the last step too
+    scored = P * (m * (k - 1) + 1) if last_step == "plain" else P * m * k
+    assert (cost.verifier_rows, cost.verifier_calls) == (scored, k)
     _seconds_add_up(cost)
 
 
@@ -114,13 +119,36 @@ def test_noise_search_counts_one_plus_rounds_times_neighbours_rollouts(trainer):
     _seconds_add_up(cost)
 
 
-def test_rbf_spends_m_k_candidates_and_counts_its_look_aheads(trainer):
+@pytest.mark.parametrize(("m", "chains", "init_particles"), [(3, 2, 5), (1, 1, 1), (2, 3, 1)])
+def test_rbf_as_released_counts_chains_times_its_nfe_budget(trainer, m, chains, init_particles):
     from flowrl.inference.rbf import rbf_sample
+    from flowrl.inference.sections import RBFConfig
+
+    cost, model, reward, items = _setup(trainer, stochastic=True, batch_size=8)
+    k = model.sigmas.numel() - 1
+    with cost:
+        result = rbf_sample(
+            model, reward, items, RBFConfig(m=m, chains=chains, init_particles=init_particles), torch.Generator().manual_seed(0)
+        )
+    # the release's loop on max_nfe = chains (init + M K): init particles first, then one row per chain per round
+    # while nfe + chains < max_nfe
+    max_nfe, nfe, rounds = chains * (init_particles + m * k), chains * init_particles, 0
+    while nfe + chains < max_nfe:
+        nfe, rounds = nfe + chains, rounds + 1
+    assert rounds == m * k - 1
+    assert result.candidates.sum(2).eq(rounds).all()  # every chain draws every round
+    assert cost.denoiser_rows == cost.verifier_rows == P * nfe == P * chains * (init_particles + m * k - 1)
+    assert torch.equal(result.denoiser_rows, torch.full((P,), nfe)) and torch.equal(result.reward_rows, result.denoiser_rows)
+    _seconds_add_up(cost)
+
+
+def test_rbf_rollover_spends_m_k_candidates_and_counts_its_look_aheads(trainer):
+    from flowrl.inference.rbf_rollover import rbf_rollover_sample
 
     cost, model, reward, items = _setup(trainer, stochastic=True)
     k, m = model.sigmas.numel() - 1, 3
     with cost:
-        result = rbf_sample(model, reward, items, m, torch.Generator().manual_seed(0))
+        result = rbf_rollover_sample(model, reward, items, m, torch.Generator().manual_seed(0))
     assert result.candidates.sum(0).eq(m * k).all()  # every item spends its whole budget
     assert torch.equal(result.reward_rows, torch.full((P,), 1 + m * k))  # the start noise's x0_hat and every candidate
     assert torch.equal(result.denoiser_rows, 1 + m * k - result.candidates[-1])  # the last step's candidates need no look-ahead
@@ -169,11 +197,12 @@ def test_text_searches_count_their_forwards_and_scored_rows(text):
     assert (cost.denoiser_rows, cost.denoiser_calls) == (n * P * sc.steps, n * sc.steps)  # one forward per unmasking step
     assert (cost.verifier_rows, cost.verifier_calls) == (n * P, n)  # the grader measures; it is not counted
 
-    cost, model, scorer = _text_metered(config, modality)
-    with cost:
-        svdd = masked_svdd_in_batches(model, scorer, prompts, n)
-    assert cost.denoiser_rows == svdd.forwards == P * (1 + n * (sc.steps - 1))
-    assert cost.verifier_rows == P * n * sc.steps
+    for last_step, scored in (("plain", P * (n * (sc.steps - 1) + 1)), ("best_of_m", P * n * sc.steps)):
+        cost, model, scorer = _text_metered(config, modality)
+        with cost:
+            svdd = masked_svdd_in_batches(model, scorer, prompts, n, last_step=last_step)
+        assert cost.denoiser_rows == svdd.forwards == P * (1 + n * (sc.steps - 1))
+        assert cost.verifier_rows == scored  # plain: the kept completions scored once at the end, reported
 
     cost, model, scorer = _text_metered(config, modality)
     with cost:

@@ -1,5 +1,7 @@
-"""SVDD-PM on the embedded model: M = 1 is exactly a plain stochastic rollout, the kept candidate is the best
-look-ahead at every step, the final score is the reward of the returned samples, and the CLI."""
+"""SVDD-PM on the embedded model: M = 1 is exactly a plain stochastic rollout under either last step; the kept
+candidate is the best look-ahead at every step but the last; the last step is the released code's (masa-ue/SVDD-image,
+sd_pipeline.py: the first candidate, no choice) by default and the best finished candidate with ``last_step:
+best_of_m``; the final score is the reward of the returned samples; and the CLI."""
 
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ def _setting(trainer, n=6, sampler=None):
     return model, Items(held.prompts[:n], held.metadata[:n])
 
 
-def test_one_candidate_is_a_plain_stochastic_rollout(trainer):
+@pytest.mark.parametrize("last_step", ["plain", "best_of_m"])
+def test_one_candidate_is_a_plain_stochastic_rollout(trainer, last_step):
     model, items = _setting(trainer)
     noise = trainer.pipeline.initial_noise(len(items), torch.Generator().manual_seed(5))
-    ours = svdd_sample(model, trainer.reward, items, 1, torch.Generator().manual_seed(7), initial_noise=noise)
+    ours = svdd_sample(model, trainer.reward, items, 1, torch.Generator().manual_seed(7), initial_noise=noise, last_step=last_step)
     plain = rollout(
         trainer.pipeline,
         trainer.sampler,
@@ -50,16 +53,35 @@ def test_one_candidate_is_a_plain_stochastic_rollout(trainer):
     torch.testing.assert_close(ours.samples, plain.samples, atol=0, rtol=0)
 
 
-def test_best_lookahead_is_kept_and_the_final_score_is_the_samples_reward(trainer):
+class _Recording:
+    """The run's reward, every call's samples kept."""
+
+    def __init__(self, reward) -> None:
+        self.reward, self.calls = reward, []
+
+    def __call__(self, samples, prompts, metadata):
+        self.calls.append(samples.clone())
+        return self.reward(samples, prompts, metadata)
+
+
+def test_the_last_step_is_the_first_candidate_and_best_of_m_keeps_the_best_of_the_same_candidates(trainer):
     model, items = _setting(trainer)
-    prompts, metadata = items.prompts, items.metadata
-    result = svdd_sample(model, trainer.reward, items, 4, torch.Generator().manual_seed(0))
-    assert result.step_scores.shape == (model.sigmas.shape[0] - 1, len(prompts), 4)
-    # At the last step the candidates are final samples, so the kept one carries its row's best score,
-    # and re-scoring the returned samples gives exactly that score.
-    torch.testing.assert_close(result.scores, result.step_scores[-1].max(1).values)
-    torch.testing.assert_close(trainer.reward(result.samples, prompts, metadata).scores.float(), result.scores, atol=1e-6, rtol=0)
-    assert (result.step_scores.max(2).values > result.step_scores.min(2).values).any()  # the candidates differ
+    prompts, metadata, k, m = items.prompts, items.metadata, model.sigmas.shape[0] - 1, 4
+    chosen = _Recording(trainer.reward)
+    best = svdd_sample(model, chosen, items, m, torch.Generator().manual_seed(0), last_step="best_of_m")
+    released = svdd_sample(model, trainer.reward, items, m, torch.Generator().manual_seed(0))
+    # every step but the last ran the same: the same candidates, valued the same
+    assert best.step_scores.shape == (k, len(prompts), m) and released.step_scores.shape == (k - 1, len(prompts), m)
+    torch.testing.assert_close(released.step_scores, best.step_scores[:-1], atol=0, rtol=0)
+    # the released last step keeps each item's first final candidate; best_of_m scored the same M and kept the best
+    first = chosen.calls[-1][torch.arange(len(prompts)) * m]
+    torch.testing.assert_close(released.samples, first, atol=0, rtol=0)
+    torch.testing.assert_close(released.scores, best.step_scores[-1][:, 0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(best.scores, best.step_scores[-1].max(1).values)
+    assert (best.scores >= released.scores).all() and (best.scores > released.scores).any()
+    for result in (best, released):  # the final score is the reward of the returned samples
+        torch.testing.assert_close(trainer.reward(result.samples, prompts, metadata).scores.float(), result.scores, atol=1e-6, rtol=0)
+    assert (best.step_scores.max(2).values > best.step_scores.min(2).values).any()  # the candidates differ
 
 
 def test_deterministic_sampler_is_refused(trainer):
@@ -72,8 +94,16 @@ def test_deterministic_sampler_is_refused(trainer):
 def test_cli_svdd(tmp_path, capsys):
     from flowrl.cli import main
 
-    out = tmp_path / "svdd.png"
-    assert main(["eval", str(GRPO), "eval.samples_per_prompt=1", f"output_dir={tmp_path / 'run'}", "--svdd", "2", "--out", str(out)]) == 0
+    out, run = tmp_path / "svdd.png", f"output_dir={tmp_path / 'run'}"
+    overrides = ["eval.samples_per_prompt=1", "eval.num_inference_steps=4", run]
+    assert main(["eval", str(GRPO), *overrides, "--svdd", "2", "--out", str(out)]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out.is_file() and "eval/reward/mean@svdd2" in last and last["settings"]["sampler"] == "flow_sde"
+    assert last["spec"]["method"] == {"name": "svdd", "m": 2, "last_step": "plain"}
+    assert last["cost"]["denoiser_rows_per_item"] == 1 + 2 * 3 and last["cost"]["verifier_rows_per_item"] == 2 * 3 + 1
+    assert main(["eval", str(GRPO), *overrides, "--svdd", "2", "--svdd-last-step", "best_of_m", "--out", str(out)]) == 0
+    best = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert best["spec"]["method"]["last_step"] == "best_of_m" and best["cost"]["verifier_rows_per_item"] == 2 * 4
     assert main(["eval", str(GRPO), "--svdd", "0"]) == 2
+    assert main(["eval", str(GRPO), "--svdd", "2", "--svdd-last-step", "best"]) == 2
+    assert main(["eval", str(GRPO), "--svdd-last-step", "plain"]) == 2

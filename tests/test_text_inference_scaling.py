@@ -4,7 +4,8 @@ best-of-N with verifier-free selection (majority, likelihood, a reward) and SVDD
 Pinned: every rule at N = 1 is the plain held-out evaluation at the same seed; majority and pass@N equal
 their definitions recomputed from the recorded candidates; pass@N bounds every rule; the likelihood is the
 sampler's record; gold graders never select and a selection reward never sees the metadata; SVDD with
-M = 1 is the plain generation and its denoiser forwards are counted exactly, 1 + M (K - 1) per item.
+M = 1 is the plain generation and its denoiser forwards are counted exactly, 1 + M (K - 1) per item; its last step
+keeps the first candidate (the released SVDD) or, with ``last_step: best_of_m``, the best of the same candidates.
 """
 
 from __future__ import annotations
@@ -222,18 +223,25 @@ def test_svdd_with_one_candidate_is_the_plain_evaluation(setup, plain):
 
 def test_svdd_counts_its_forwards_and_keeps_the_best_look_ahead(setup):
     config, modality, grader, prompts, metadata = setup
-    m, k = 3, config.sampler.steps
+    m, k, likelihood = 3, config.sampler.steps, build_scorer("likelihood")
     counter = _CountRows(modality.pipeline)
     try:
-        result = masked_svdd(_model(setup, 1.0), build_scorer("likelihood"), prompts[:6], m, torch.Generator().manual_seed(3))
+        result = masked_svdd(_model(setup, 1.0), likelihood, prompts[:6], m, torch.Generator().manual_seed(3), last_step="best_of_m")
     finally:
         counter.restore()
     assert result.forwards == counter.rows == 6 * (1 + m * (k - 1))  # first step's forward + M look-aheads on all but the last step
     assert len(result.step_scores) == k and all(s.shape == (6, m) for s in result.step_scores)
     torch.testing.assert_close(result.scores, result.step_scores[-1].max(1).values, atol=0, rtol=0)
     assert result.completion_ids.ne(modality.pipeline.mask_token_id).all()
+    # the released last step (the default): the same candidates up to it, then each item's first, with its own value
+    released = masked_svdd(_model(setup, 1.0), likelihood, prompts[:6], m, torch.Generator().manual_seed(3))
+    assert released.forwards == result.forwards and len(released.step_scores) == k - 1
+    for a, b in zip(released.step_scores, result.step_scores):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(released.scores, result.step_scores[-1][:, 0], atol=0, rtol=0)
+    assert (result.scores >= released.scores).all() and (result.scores > released.scores).any()
     # choosing by the model's likelihood raises the likelihood of what comes out over M = 1 from the same generator
-    one = masked_svdd(_model(setup, 1.0), build_scorer("likelihood"), prompts[:6], 1, torch.Generator().manual_seed(3))
+    one = masked_svdd(_model(setup, 1.0), likelihood, prompts[:6], 1, torch.Generator().manual_seed(3))
     assert float(result.scores.mean()) > float(one.scores.mean())
     with pytest.raises(FlowRLError, match="majority"):
         masked_svdd(_model(setup, 1.0, prompt_length=None), type("M", (), {"name": "majority"})(), prompts[:2], 2, torch.Generator())

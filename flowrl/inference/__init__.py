@@ -1,10 +1,10 @@
 """Inference-time search: spend more compute at sampling time to get samples a verifier prefers (docs/inference_scaling.md).
 
 A search is a part, like an objective (search.py: the ``Search`` protocol and ``SearchSection``); flowrl's own are
-sections.py's (best-of-N, SVDD, SMC, noise search, RBF), each with its algorithm beside it, for image / video models
-and for diffusion LMs. ``SEARCHES`` is the one table of the names ``flowrl eval --search NAME`` and an evaluation
-spec's method take: flowrl's own, what ``flowrl.register_search`` added, installed packages' entry points (group
-``flowrl.searches``), and import paths ``package.module:Class``.
+sections.py's (best-of-N, SVDD, SMC, noise search, RBF as released, flowrl's RBF with rollover), each with its
+algorithm beside it, for image / video models and for diffusion LMs. ``SEARCHES`` is the one table of the names
+``flowrl eval --search NAME`` and an evaluation spec's method take: flowrl's own, what ``flowrl.register_search``
+added, installed packages' entry points (group ``flowrl.searches``), and import paths ``package.module:Class``.
 
 What every search shares: batching.py (the one batching driver), cost.py (the counted cost), run.py (a search run
 metered on a config's model, and the record ``flowrl eval`` prints), flags.py (``flowrl eval``'s search flags).
@@ -53,6 +53,7 @@ SEARCHES = Registry(
         "smc": "flowrl.inference.sections:SMCConfig",
         "noise_search": "flowrl.inference.sections:NoiseSearchConfig",
         "rbf": "flowrl.inference.sections:RBFConfig",
+        "rbf_rollover": "flowrl.inference.sections:RBFRolloverConfig",
     },
     base=SearchSection,
     derive=_plain_class_section,

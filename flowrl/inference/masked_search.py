@@ -101,9 +101,10 @@ class UnmaskingBatch:
         k = _num_to_unmask(scores, eligible, self.schedule[s], sc.threshold, s == self.steps_per_block - 1)
         rec.commit(x0, log_p, scores, k, step)
 
-    def value(self, scorer, rec: _Recorder, look: Tensor | None) -> Tensor:
+    def value(self, scorer, rec: _Recorder, look: Tensor | None, width: int | None = None) -> Tensor:
         """(items, width) float64 the score of every row's one-shot completion: every masked position filled with its
-        most likely token under ``look`` (the rows' logits; None when nothing is masked: the completion itself)."""
+        most likely token under ``look`` (the rows' logits; None when nothing is masked: the completion itself);
+        ``width``: rows per item in ``rec`` (default the batch's; 1 for one kept row per item)."""
         if look is not None:
             remaining = rec.unmask_step < 0
             fill = gumbel_sample(look, 0.0, exclude=self.model.lm.mask_token_id)
@@ -112,7 +113,8 @@ class UnmaskingBatch:
         else:
             filled, log_lik = rec.completion, rec.token_log_probs.double().sum(1)
         texts = decode_completions(self.model.lm.tokenizer, filled, self.model.lm.eos_token_id)
-        return scorer(texts, self.prompts, log_lik).double().cpu().view(self.items, self.width)
+        width = self.width if width is None else width
+        return scorer(texts, self.prompts[:: self.width // width], log_lik).double().cpu().view(self.items, width)
 
     def decode(self, rec: _Recorder) -> list[str]:
         return decode_completions(self.model.lm.tokenizer, rec.completion, self.model.lm.eos_token_id)

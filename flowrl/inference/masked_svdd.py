@@ -8,12 +8,16 @@ positions to commit by the remasking rule). Each candidate is valued by a verifi
 one-shot completion: one forward pass on the candidate state and every still-masked position filled
 with its most likely token (the masked-diffusion analogue of the image SVDD's x0 prediction). The
 best candidate is kept. The forward pass that valued the kept candidate is exactly the next step's
-forward on the same state, so it is reused: a step costs M forwards per item, not M + 1. At the final
-step the candidates are finished completions and are scored as they are (no look-ahead).
+forward on the same state, so it is reused: a step costs M forwards per item, not M + 1.
+
+The final step (the one that leaves no mask) is taken as the released SVDD takes its last step (``last_step:
+plain``, the default; svdd.py cites the code): the first of each item's M candidates is kept, with no choice, and
+the kept completion is then scored once to report its value (P verifier rows). ``last_step: best_of_m`` scores the
+M finished completions and keeps the best (an extra best-of-M at the end; flowrl's SVDD before issue #41).
 
 Denoiser work, in rows through ``lm.logits`` per item: 1 (the first step's forward) + M x (steps that
 leave masks behind). With a fixed schedule of K steps that is 1 + M (K - 1); the plain sampler does K,
-best-of-M does M K.
+best-of-M does M K. Verifier rows: M (K - 1) + 1 (plain) or M K (best_of_m).
 
 With M = 1 nothing is selected and the result is exactly ``generate`` with the same generator (tested):
 the candidates draw their randomness in the same order and shapes as the plain sampler.
@@ -54,21 +58,34 @@ def check_svdd(scorer: TextScorer, m: int, temperature: float, remasking: str) -
 
 @torch.no_grad()
 def masked_svdd(
-    model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], m: int, generator: torch.Generator | RowGenerators
+    model: TextSearchModel,
+    scorer: TextScorer,
+    prompts: Sequence[str],
+    m: int,
+    generator: torch.Generator | RowGenerators,
+    last_step: str = "plain",
 ) -> MaskedSVDDResult:
     """One completion per prompt by SVDD with ``m`` candidates per unmasking step (batch = prompts x m rows);
-    with per-prompt streams, prompt i's m candidates draw in turn from prompt i's stream."""
+    with per-prompt streams, prompt i's m candidates draw in turn from prompt i's stream. ``last_step``: ``plain``
+    (the release: the first candidate) or ``best_of_m`` (the best finished candidate)."""
     check_svdd(scorer, m, model.temperature, model.sampler.remasking)
+    if last_step not in ("plain", "best_of_m"):
+        raise ValueError(f"last_step must be plain or best_of_m, got {last_step!r}")
     batch = UnmaskingBatch(model, prompts, m, generator)
     batch.start()
     first = torch.arange(batch.items, device=batch.device) * m
     logits, step_scores = None, []  # logits: the kept states' (P, G, V), carried over from the look-ahead that valued them
+    final = torch.full((batch.items,), float("nan"))
     for step, s, eligible in batch.steps():
         if logits is None:  # only the first step: later states were valued (and forwarded) as candidates
             logits = batch.logits(batch.rec.completion, first)
         cand = keep_rows(batch.rec, batch.rows)  # the sampler's own transition, M times per item
         batch.transition(logits[batch.rows], cand, eligible[batch.rows], s, step)
         look = batch.logits(cand.completion) if (cand.unmask_step < 0).any() else None  # the look-ahead forward
+        if look is None and last_step == "plain":  # the released last step: no choice, the first candidate
+            batch.rec = keep_rows(cand, first)
+            final = batch.value(scorer, batch.rec, None, width=1).squeeze(1)  # the kept completion's value, reported
+            break
         value = batch.value(scorer, cand, look)
         step_scores.append(value)
         # the first best candidate; a NaN value is never kept while a finite one exists
@@ -76,7 +93,7 @@ def masked_svdd(
         chosen = first + best.to(batch.device)
         batch.rec = keep_rows(cand, chosen)
         logits = None if look is None else look[chosen]
-    final = step_scores[-1].gather(1, best[:, None]).squeeze(1) if step_scores else torch.full((batch.items,), float("nan"))
+        final = value.gather(1, best[:, None]).squeeze(1)
     return MaskedSVDDResult(
         completions=batch.decode(batch.rec),
         completion_ids=batch.rec.completion,
@@ -86,10 +103,12 @@ def masked_svdd(
     )
 
 
-def masked_svdd_in_batches(model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], m: int, progress=None) -> MaskedSVDDResult:
+def masked_svdd_in_batches(
+    model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], m: int, progress=None, last_step: str = "plain"
+) -> MaskedSVDDResult:
     """:func:`masked_svdd` over many prompts, ``model.batch_size // m`` prompts (x ``m`` candidates) at a time, each
     prompt with its own stream keyed by its text as the plain evaluation draws (M = 1 reproduces it exactly)."""
-    return text_in_batches(model, prompts, m, lambda batch, streams: masked_svdd(model, scorer, batch, m, streams), progress)
+    return text_in_batches(model, prompts, m, lambda batch, streams: masked_svdd(model, scorer, batch, m, streams, last_step), progress)
 
 
 __all__: Sequence[str] = ["MaskedSVDDResult", "check_svdd", "masked_svdd", "masked_svdd_in_batches"]

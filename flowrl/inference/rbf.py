@@ -1,40 +1,45 @@
-"""Rollover budget forcing (RBF): a per-step particle search whose unspent budget rolls over to later steps.
+"""FlowRBF as its authors released it: rollover budget forcing over chains that stop advancing two steps early.
 
-After FlowRBF (Kim, Yoon, Hwang, Sung 2025, "Inference-time scaling for flow models via stochastic generation and
-rollover budget forcing", arXiv 2503.19385; released code github.com/KAIST-Visual-AI-Group/Flow-Inference-Time-Scaling,
-``rbf/rbf.py``, read for this). The flow ODE is replaced by an SDE with the same marginals (the run's stochastic
-rollout sampler, e.g. the Flow-GRPO SDE) so that a state can branch into different next states; each branch is valued
-by the reward of its predicted clean sample x0_hat (the sampler's deterministic step to sigma = 0, as SVDD and SMC
-value theirs); and the budget of candidates is spent adaptively along the trajectory:
+Kim, Yoon, Hwang, Sung 2025, "Inference-time scaling for flow models via stochastic generation and rollover budget
+forcing" (arXiv 2503.19385). Reference: github.com/KAIST-Visual-AI-Group/Flow-Inference-Time-Scaling at b65bb07,
+``rbf/rbf.py`` (``RBF.train_single_step``, lines 121-334; the budget, lines 346-347; ``finished``, lines 111-118) and
+``rbf/corrector/rgrp_sampler.py`` (``pre_correct`` for ``rbf``, lines 270-293). Its loop, as flowrl runs it:
 
-* every item has a budget of M K candidates for K steps, M per step;
-* at step k an item draws candidates one at a time from its current state x_k (one SDE step each, and one denoiser
-  call for the candidate's look-ahead, which is also the model output that moves it next if it is kept);
-* the first candidate whose look-ahead reward beats the best reward the item has seen so far (any earlier
-  candidate's, or its start noise's x0_hat) is taken at once and the step's unspent candidates roll over to step
-  k + 1 (allowance M + leftover);
-* an item that spends its step's allowance without such a candidate moves on with the step's best candidate;
-* the last step has nothing to roll over to: it spends everything left and keeps its best candidate (the final
-  samples themselves, scored as they are).
+* chains: every prompt runs ``chains`` chains side by side (the release's ``batch_size``, 2 in both its configs, all
+  with the same prompt) and returns the better chain's result;
+* start: each chain draws ``init_particles`` start noises (``init_n_particles``, 25), values each by the reward of
+  its predicted clean sample x0_hat (one denoiser row each) and starts from the best;
+* budget: with K steps and M candidates per step (the release's ``default_budget``), the release's NFE budget is
+  ``max_nfe = chains (init_particles + M K)``; it stops as soon as the next round would reach it (``nfe + dnfe >=
+  max_nfe``), so every chain draws C = M K - 1 candidates, one per round, all chains in every round;
+* a candidate is one step of the run's stochastic sampler from the chain's state, valued by the reward of its x0_hat
+  (one denoiser row: the look-ahead, which is also the model output that moves the chain on if it is kept);
+* rollover (``best_rewards < new_rewards``): a candidate beating the best reward its chain has seen (any earlier
+  candidate's, or its start's) is taken at once; the step's unspent allowance moves to the next step
+  (``leftover + default_budget``);
+* budget full (``budget_counter % max_budget == 0``): a chain that spent its step's allowance without such a
+  candidate moves on with the step's best candidate (``cur_step_best_*``, ties: the earlier);
+* two steps early (``proceed = step_counter < max_steps - 2``): a chain at step K - 2 never advances; it spends every
+  remaining round there, drawing candidates x_{K-1} from its state x_{K-2} and keeping the step's best; the last
+  step, to sigma = 0, is never taken;
+* result (``finished``): the chain whose current step's best reward is highest (ties: the first chain), and of it that
+  candidate's x0_hat, the sample returned, already scored (no further reward call).
 
-As in the released code: sequential draws within a step with the acceptance test against the best reward seen so far
-(``best_rewards < new_rewards``), the leftover added to the next step's default budget, the step's best candidate
-when its budget runs out, the start noise valued by its x0_hat. Where flowrl differs: (1) the released code starts
-from the best of ``init_n_particles`` start noises (a best-of-N on x0_hat at t = 1, 25 by default); here an item
-starts from one start noise (the held-out evaluation's), valued but not searched, so that M = 1 is the plain
-rollout; (2) the released code stops rolling over two steps before the end, here only the last step cannot (it has
-no later step); (3) the released code counts the budget in NFEs and stops mid-step when they run out, here the
-budget is M candidates per step, so every item spends exactly M K; (4) the released code's optional "interpolant
-conversion" (a variance-preserving path) is not done: the SDE is the run's rollout sampler on its own schedule.
+Also as released: a chain that has just moved on keeps its previous step's best x0_hat until a candidate of the new
+step beats -inf (the release resets only the reward, to -1e9); the step grid is the model's K steps (the release's
+``t_max / max_steps`` grid through its scheduler). Where flowrl differs: rewards that fail count as -inf (never kept
+over a finite one) where the release would compare NaN; the stochastic sampler is the run's own (the release's SDE
+with ``diffusion_norm`` 3 and its optional variance-preserving "interpolant conversion" are not reproduced); the
+start noises are drawn from each item's own stream (below). A budget that does not reach the second round of a step
+(M K = 1) returns the first chain's best start x0_hat, as the release's ``finished`` does.
 
-Work, per item, counted: reward rows 1 + M K (the start noise's x0_hat and every candidate); denoiser rows
-1 + (candidates drawn at steps 1 .. K - 1) = 1 + M K - c_K, where c_K (>= M) is what the last step drew (its
-candidates are final samples and need no look-ahead). With M = 1 every step takes its only candidate and the result
-is exactly a plain stochastic rollout with the same streams (tested).
+Work, per item, counted: denoiser rows chains (init_particles + M K - 1), reward rows the same (every start noise
+and every candidate is valued once). With chains = init_particles = M = 1 the result is exactly K - 1 steps of the
+stochastic sampler followed by the deterministic step to sigma = 0 (tested bit for bit).
 
-Randomness: item i draws its start noise and then every candidate's step noise, in order, from its own stream
-(``RowGenerators``), so its result does not depend on the other items. Items that sit at the same step draw their
-candidates together, so batch sizes vary from call to call (a search's rows are what it spends, no padding).
+Randomness: item i draws its chains' start noises (chain b's ``init_particles`` in a row; the first is the plain
+evaluation's start noise) and then every candidate's step noise from its own stream (``RowGenerators``), its chains
+in turn, so its result does not depend on the other items. Chains at the same step draw together.
 """
 
 from __future__ import annotations
@@ -46,18 +51,19 @@ from torch import Tensor
 
 from ..samplers.rollout import rows_of, start_noise
 from ..seeding import RowGenerators
-from ..types import index_condition
-from .batching import STEPS, in_batches, joined
+from ..types import RewardOutput, index_condition
+from .batching import chunks, in_batches
 from .search import ImageSearchModel, Items, SearchOutcome
 
 
 @dataclass
 class RBFResult:
-    samples: Tensor  # (P, *S) decoded final samples
+    samples: Tensor  # (P, *S) decoded: the x0_hat of each item's returned candidate
     scores: Tensor  # (P,) their rewards (NaN where the reward failed)
-    components: dict[str, Tensor]  # reward component -> (P,) its value for the final samples
-    candidates: Tensor = joined(STEPS)  # (K, P) long: candidates drawn at each step
-    rolled_over: Tensor = joined(STEPS)  # (K, P) bool: the step ended early on a candidate beating the best so far
+    components: dict[str, Tensor]  # reward component -> (P,) its value for the returned samples
+    chain: Tensor  # (P,) long: the chain each item returned
+    candidates: Tensor  # (P, chains, K) long: candidates each chain drew at each step
+    rollovers: Tensor  # (P, chains) long: steps each chain left early on a candidate beating its best so far
     denoiser_rows: Tensor  # (P,) long: rows through pipeline.predict per item
     reward_rows: Tensor  # (P,) long: rows scored per item
 
@@ -66,137 +72,188 @@ def _finite(scores: Tensor) -> Tensor:
     return torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
 
 
-class _Rollover:
-    """Every item's place in one batch's search: its state and model output, the step it is at, the candidates it has
-    drawn there and its allowance, the step's best candidate so far, and the best look-ahead reward it has seen."""
+def move_on(search, went: Tensor, done: Tensor) -> None:
+    """The release's step change on a search's rows (lines 264-284): rows ``done`` spent their step's allowance and move
+    on with the step's best candidate (allowance M again); they and the rows that ``went`` on a candidate beating their
+    best (already moved to it) start the next step with nothing drawn and no step best."""
+    search.x[done], search.output[done] = search.step_best_x[done], search.step_best_out[done]
+    search.allowance[done] = search.m
+    moved = torch.cat([went, done])
+    search.step[moved] += 1
+    search.used[moved] = 0
+    search.step_best[moved] = float("-inf")
 
-    def __init__(self, model: ImageSearchModel, reward, items: Items, m: int, generator, cond, x: Tensor, output: Tensor, best: Tensor):
-        p, num_steps = len(items), model.sigmas.shape[0] - 1
-        self.model, self.reward, self.items, self.m, self.generator = model, reward, items, m, generator
-        self.cond, self.num_steps = cond, num_steps
-        self.x, self.output, self.best = x, output, best
-        self.step = torch.zeros(p, dtype=torch.long)  # the step each item is at
-        self.used = torch.zeros(p, dtype=torch.long)  # candidates drawn at that step
-        self.allowance = torch.full((p,), m, dtype=torch.long)
-        self.step_best = torch.full((p,), float("-inf"))
-        self.step_best_x, self.step_best_out = x.clone(), output.clone()
-        self.final_scores, self.components = torch.full((p,), float("nan")), {}
-        self.candidates = torch.zeros(num_steps, p, dtype=torch.long)
-        self.rolled = torch.zeros(num_steps, p, dtype=torch.bool)
-        self.denoiser_rows, self.reward_rows = torch.ones(p, dtype=torch.long), torch.ones(p, dtype=torch.long)
 
-    def steps_now(self) -> list[int]:
-        """The steps some item is at, in order (items at the same step draw their candidates together)."""
-        return sorted(set(self.step[self.step < self.num_steps].tolist()))
+class _Chains:
+    """Every chain of one batch of items (row i chains + b: item i's chain b) as the released loop keeps it: its
+    state and model output, its step, the candidates drawn there and its allowance, the best reward it has seen, the
+    step's best candidate, and the x0_hat (with its reward) it would return."""
 
-    def draw(self, k: int, idx: Tensor):
-        """One candidate for each item ``idx`` at step ``k`` (item i's noise from item i's stream), its look-ahead model
-        output (None at the last step: the candidates are final samples) and the reward of its x0_hat."""
-        model, sigma, sigma_next = self.model, self.model.sigmas[k], self.model.sigmas[k + 1]
-        step = model.sampler.step(self.output[idx], self.x[idx], sigma, sigma_next, generator=rows_of(self.generator, idx.tolist()))
-        cand, look, x0_hat = step.x_next, None, step.x_next  # final samples: scored as they are
-        if k < self.num_steps - 1:
-            look = model.pipeline.predict(
-                cand, sigma_next, index_condition(self.cond, idx) if self.cond else self.cond, model.guidance_scale
-            )
-            x0_hat = model.sampler.deterministic_step(look, cand, sigma_next, torch.zeros_like(sigma_next))
-            self.denoiser_rows[idx] += 1
-        out = self.reward(model.pipeline.decode(x0_hat), [self.items.prompts[i] for i in idx], [self.items.metadata[i] for i in idx])
-        self.reward_rows[idx] += 1
-        self.used[idx] += 1
-        self.candidates[k, idx] += 1
-        return cand, look, out
+    def __init__(self, model: ImageSearchModel, reward, items: Items, m: int, chains: int, generator, cond):
+        self.model, self.reward, self.items, self.m, self.chains = model, reward, items, m, chains
+        self.num_steps = model.sigmas.shape[0] - 1
+        self.last = max(self.num_steps - 2, 0)  # the step a chain stops advancing at (proceed = step < K - 2)
+        self.item = torch.arange(len(items)).repeat_interleave(chains)  # row -> item
+        self.generator, self.cond = generator, cond
+        rows = len(self.item)
+        self.step = torch.zeros(rows, dtype=torch.long)
+        self.used = torch.zeros(rows, dtype=torch.long)  # candidates drawn at the current step
+        self.allowance = torch.full((rows,), m, dtype=torch.long)
+        self.step_best = torch.full((rows,), float("-inf"))
+        self.candidates = torch.zeros(rows, self.num_steps, dtype=torch.long)
+        self.rollovers = torch.zeros(rows, dtype=torch.long)
+        self.components: dict[str, Tensor] = {}
 
-    def keep_step_best(self, idx: Tensor, cand: Tensor, look: Tensor | None, out, r: Tensor) -> None:
-        """The step's best candidate so far (ties: the earlier; the first is kept even if its reward failed)."""
-        better = (r > self.step_best[idx]) | (self.used[idx] == 1)
-        won = idx[better]
-        self.step_best[won], self.step_best_x[won] = r[better], cand[better].to(self.step_best_x.dtype)
-        if look is not None:
-            self.step_best_out[won] = look[better].to(self.step_best_out.dtype)
-            return
-        self.final_scores[won] = out.scores.float().cpu()[better]
+    def _cond(self, rows: Tensor):
+        return index_condition(self.cond, self.item[rows]) if self.cond else self.cond
+
+    def _score(self, x0_hat: Tensor, rows: Tensor):
+        items = self.items
+        return self.reward(
+            self.model.pipeline.decode(x0_hat), [items.prompts[i] for i in self.item[rows]], [items.metadata[i] for i in self.item[rows]]
+        )
+
+    def _keep(self, won: Tensor, x0_hat: Tensor, out, picked: Tensor) -> None:
+        """Rows ``won`` keep the x0_hat (and its reward and components) of candidates ``picked`` as the one they return."""
+        self.kept_x0[won] = x0_hat[picked].to(self.kept_x0.dtype)
+        self.kept_score[won] = out.scores.float().cpu()[picked]
         for key, v in out.extras.items():
-            self.components.setdefault(key, torch.full((len(self.items),), float("nan")))[won] = v.float().cpu()[better]
+            self.components.setdefault(key, torch.full((len(self.item),), float("nan")))[won] = v.float().cpu()[picked]
 
-    def move_on(self, k: int, idx: Tensor, cand: Tensor, look: Tensor | None, r: Tensor) -> None:
-        """Items whose candidate beats the best they have seen take it at once, rolling the step's unspent allowance over
-        to the next; items that spent their allowance move on with the step's best candidate."""
-        beats = r > self.best[idx]
-        self.best[idx] = torch.maximum(self.best[idx], r)
-        rollover = beats & torch.tensor(k < self.num_steps - 1)
-        spent = self.used[idx] >= self.allowance[idx]
-        take = idx[rollover]
-        if len(take):
-            self.x[take], self.output[take] = cand[rollover].to(self.x.dtype), look[rollover].to(self.output.dtype)
-            self.rolled[k, take] = True
-            self.allowance[take] = self.m + self.allowance[take] - self.used[take]
-        done = idx[spent & ~rollover]
-        self.x[done], self.output[done] = self.step_best_x[done], self.step_best_out[done]
-        self.allowance[done] = self.m
-        moved = torch.cat([take, done])
-        self.step[moved] += 1
-        self.used[moved] = 0
-        self.step_best[moved] = float("-inf")
+    def start(self, init_particles: int) -> None:
+        """Each chain from the best of its ``init_particles`` start noises by the reward of their x0_hat (the release's
+        ``pre_correct``), valued ``model.batch_size`` rows at a time."""
+        model, sigma = self.model, self.model.sigmas[0]
+        owner = self.item.repeat_interleave(init_particles)  # start noise -> item (chain-major within an item)
+        noise = start_noise(model.pipeline, len(owner), rows_of(self.generator, owner.tolist())).float()
+        outputs, x0s, scored = [], [], []
+        for part in chunks(len(owner), model.batch_size):
+            rows = torch.tensor(part)
+            chain_rows = rows // init_particles
+            outputs.append(model.pipeline.predict(noise[rows], sigma, self._cond(chain_rows), model.guidance_scale))
+            x0s.append(model.sampler.deterministic_step(outputs[-1], noise[rows], sigma, torch.zeros_like(sigma)))
+            scored.append(self._score(x0s[-1], chain_rows))
+        output, x0_hat = torch.cat(outputs), torch.cat(x0s)
+        out = RewardOutput(
+            scores=torch.cat([o.scores.float().cpu() for o in scored]),
+            extras={key: torch.cat([o.extras[key].float().cpu() for o in scored]) for key in scored[0].extras},
+        )
+        r = _finite(out.scores).view(-1, init_particles)
+        picked = torch.arange(len(self.item)) * init_particles + r.argmax(1)  # ties: the first start noise
+        self.x, self.output, self.best = noise[picked].clone(), output[picked].clone(), r.max(1).values
+        self.step_best_x, self.step_best_out = self.x.clone(), self.output.clone()
+        self.kept_x0, self.kept_score = x0_hat[picked].clone(), torch.full((len(self.item),), float("nan"))
+        self._keep(torch.arange(len(self.item)), x0_hat, out, picked)
 
-    def result(self) -> RBFResult:
+    def round(self) -> None:
+        """One candidate for every chain from the step it is at (chains at the same step together), each valued by the
+        reward of its x0_hat, then the release's rules: rollover, budget full, the step's best."""
+        model, sigmas = self.model, self.model.sigmas
+        cand, look, x0_hat = torch.empty_like(self.x), torch.empty_like(self.output), torch.empty_like(self.kept_x0)
+        for k in sorted(set(self.step.tolist())):
+            rows = torch.nonzero(self.step == k).squeeze(1)
+            step = model.sampler.step(
+                self.output[rows], self.x[rows], sigmas[k], sigmas[k + 1], generator=rows_of(self.generator, self.item[rows].tolist())
+            )
+            cand[rows] = step.x_next.to(cand.dtype)
+            look[rows] = model.pipeline.predict(cand[rows], sigmas[k + 1], self._cond(rows), model.guidance_scale).to(look.dtype)
+            x0_hat[rows] = model.sampler.deterministic_step(look[rows], cand[rows], sigmas[k + 1], torch.zeros_like(sigmas[k + 1])).to(
+                x0_hat.dtype
+            )
+            self.candidates[rows, k] += 1
+        every = torch.arange(len(self.item))
+        out = self._score(x0_hat, every)
+        self._advance(cand, look, x0_hat, out, _finite(out.scores.float().cpu()))
+
+    def _advance(self, cand: Tensor, look: Tensor, x0_hat: Tensor, out, r: Tensor) -> None:
+        """The release's lines 217-284 on every chain at once."""
+        self.used += 1
+        rollover = self.best < r
+        proceed = self.step < self.last
+        full = (self.used % self.allowance == 0) & ~rollover & proceed
+        improved = self.step_best < r
+        won = torch.nonzero(improved).squeeze(1)
+        self.step_best[won], self.step_best_x[won], self.step_best_out[won] = r[won], cand[won], look[won]
+        self._keep(won, x0_hat, out, won)
+        self.best = torch.where(rollover, r, self.best)
+        go = torch.nonzero(rollover & proceed).squeeze(1)
+        self.x[go], self.output[go] = cand[go], look[go]
+        self.allowance[go] = self.allowance[go] - self.used[go] + self.m
+        self.rollovers[go] += 1
+        move_on(self, go, torch.nonzero(full).squeeze(1))
+
+    def result(self, spent: int) -> RBFResult:
+        """Each item's chain with the highest current-step best (ties: the first) and that candidate's x0_hat;
+        ``spent``: the denoiser and reward rows each item used."""
+        p, b = len(self.items), self.chains
+        chain = self.step_best.view(p, b).argmax(1)
+        rows = torch.arange(p) * b + chain
         return RBFResult(
-            samples=self.model.pipeline.decode(self.x),
-            scores=self.final_scores,
-            components=self.components,
-            candidates=self.candidates,
-            rolled_over=self.rolled,
-            denoiser_rows=self.denoiser_rows,
-            reward_rows=self.reward_rows,
+            samples=self.model.pipeline.decode(self.kept_x0[rows]),
+            scores=self.kept_score[rows],
+            components={key: v[rows] for key, v in self.components.items()},
+            chain=chain,
+            candidates=self.candidates.view(p, b, self.num_steps),
+            rollovers=self.rollovers.view(p, b),
+            denoiser_rows=torch.full((p,), spent, dtype=torch.long),
+            reward_rows=torch.full((p,), spent, dtype=torch.long),
         )
 
 
+def candidates_per_chain(m: int, num_steps: int) -> int:
+    """Rounds the release runs on ``max_nfe = chains (init_particles + M K)``: it stops when the next round would reach
+    the budget (``nfe + dnfe >= max_nfe``), so each chain draws M K - 1 candidates."""
+    return m * num_steps - 1
+
+
 @torch.no_grad()
-def rbf_sample(
-    model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators, initial_noise: Tensor | None = None
-) -> RBFResult:
-    """One sample per item by rollover budget forcing with ``m`` candidates per step on average (module docstring)."""
-    model.require_stochastic("RBF branches particles on", m)
-    pipeline, sampler, sigmas = model.pipeline, model.sampler, model.sigmas
-    x, cond = model.start(items, generator, initial_noise).clone(), model.encode(items)  # x is updated in place
-    output = pipeline.predict(x, sigmas[0], cond, model.guidance_scale)
-    x0_hat = sampler.deterministic_step(output, x, sigmas[0], torch.zeros_like(sigmas[0]))
-    start = reward(pipeline.decode(x0_hat), list(items.prompts), list(items.metadata))
-    search = _Rollover(model, reward, items, m, generator, cond, x, output, _finite(start.scores.float().cpu()))
-    while bool((search.step < search.num_steps).any()):
-        for k in search.steps_now():
-            idx = torch.nonzero(search.step == k).squeeze(1)
-            cand, look, out = search.draw(k, idx)
-            r = _finite(out.scores.float().cpu())
-            search.keep_step_best(idx, cand, look, out, r)
-            search.move_on(k, idx, cand, look, r)
-    return search.result()
+def rbf_sample(model: ImageSearchModel, reward, items: Items, rbf, generator: torch.Generator | RowGenerators) -> RBFResult:
+    """One sample per item by FlowRBF as released (module docstring) with the settings of ``rbf`` (an
+    :class:`~flowrl.inference.sections.RBFConfig`): ``chains`` chains per item, each from the best of
+    ``init_particles`` start noises, ``m`` candidates per step and chain."""
+    model.require_stochastic("RBF branches particles on", rbf.m)
+    search = _Chains(model, reward, items, rbf.m, rbf.chains, generator, model.encode(items))
+    search.start(rbf.init_particles)
+    rounds = candidates_per_chain(rbf.m, search.num_steps)
+    for _ in range(rounds):
+        search.round()
+    return search.result(rbf.chains * (rbf.init_particles + rounds))
 
 
-def rbf_in_batches(model: ImageSearchModel, reward, items: Items, m: int, generator: torch.Generator | RowGenerators) -> RBFResult:
-    """:func:`rbf_sample` over many items, ``model.batch_size`` items at a time (each draws one candidate per call),
-    item i starting from the plain evaluation's start noise (the first draw of its stream)."""
-    noise = start_noise(model.pipeline, len(items), generator)
+def rbf_in_batches(model: ImageSearchModel, reward, items: Items, rbf, generator: torch.Generator | RowGenerators) -> RBFResult:
+    """:func:`rbf_sample` over many items, ``model.batch_size // chains`` items (x ``chains`` chains: one denoiser call
+    per round holds ``model.batch_size`` rows) at a time, item i drawing from its own stream."""
     return in_batches(
-        len(items), model.batch_size, lambda rows: rbf_sample(model, reward, items.take(rows), m, rows_of(generator, rows), noise[rows])
+        len(items),
+        max(1, model.batch_size // rbf.chains),
+        lambda rows: rbf_sample(model, reward, items.take(rows), rbf, rows_of(generator, rows)),
     )
+
+
+def search_metrics(tag: str, result, rollovers: tuple[str, float], per_step: Tensor) -> dict[str, float]:
+    """The numbers an RBF search records (``tag``: ``rbfMxB``, or ``rbfM`` for the rollover variant): the mean reward of
+    the returned samples, each component's, the early moves (``rollovers``: its name and value) and the candidates spent
+    at each step."""
+    finite = result.scores[torch.isfinite(result.scores)]
+    return {
+        f"eval/reward/mean@{tag}": float(finite.mean()),
+        **{f"eval/reward/{k}@{tag}": float(v.nanmean()) for k, v in result.components.items()},
+        f"eval/{tag}/{rollovers[0]}": rollovers[1],
+        **{f"eval/{tag}/candidates_at_step{k + 1}": float(c) for k, c in enumerate(per_step.tolist())},
+    }
 
 
 def rbf_search(section, model: ImageSearchModel, reward, items: Items) -> SearchOutcome:
-    """``flowrl eval --rbf M`` on an image / video model: the reward, the candidates spent per step and the early moves."""
-    m = section.m
-    result = rbf_in_batches(model, reward, items, m, items.streams)
-    finite = result.scores[torch.isfinite(result.scores)]
-    per_step = result.candidates.double().mean(1)
-    rollovers = float(result.rolled_over.double().sum(0).mean())
+    """``flowrl eval --rbf M`` on an image / video model: the reward of the returned x0_hat, the candidates each chain
+    spent per step and its early moves."""
+    m, b, n0 = section.m, section.chains, section.init_particles
+    result = rbf_in_batches(model, reward, items, section, items.streams)
+    per_step = result.candidates.double().mean((0, 1))
+    rollovers = float(result.rollovers.double().mean())
+    metrics = search_metrics(f"rbf{m}x{b}", result, ("rollovers_per_chain", rollovers), per_step)
     line = (
-        f"RBF, {m} candidates per step on average, {len(items)} held-out items: reward {float(finite.mean()):.4f}; "
-        f"candidates per step {' '.join(f'{c:.2f}' for c in per_step.tolist())}; {rollovers:.2f} early moves per item"
+        f"RBF as released, {m} candidates per step and chain, {b} chains from the best of {n0} start noises each, "
+        f"{len(items)} held-out items: reward {metrics[f'eval/reward/mean@rbf{m}x{b}']:.4f}; candidates per step and chain "
+        f"{' '.join(f'{c:.2f}' for c in per_step.tolist())}; {rollovers:.2f} early moves per chain"
     )
-    metrics = {
-        f"eval/reward/mean@rbf{m}": float(finite.mean()),
-        **{f"eval/reward/{k}@rbf{m}": float(v.nanmean()) for k, v in result.components.items()},
-        f"eval/rbf{m}/rollovers_per_item": rollovers,
-        **{f"eval/rbf{m}/candidates_at_step{k + 1}": float(c) for k, c in enumerate(per_step.tolist())},
-    }
-    return SearchOutcome(metrics=metrics, lines=[line], settings={"rbf": m}, samples=result.samples)
+    return SearchOutcome(metrics=metrics, lines=[line], settings={"rbf": m, "chains": b, "init_particles": n0}, samples=result.samples)

@@ -3,8 +3,8 @@ descriptions, written here once. ``flowrl eval``'s flags (``--best-of N``, ``--s
 (``flags``), ``--search NAME KEY=VALUE ...`` sets them by name, and the evaluation spec records them
 (``SearchSection.method``), so ``flowrl eval --spec`` rebuilds the same search.
 
-The algorithms live beside: best_of_n.py, svdd.py, smc.py, noise_search.py, rbf.py for image / video models;
-text_best_of_n.py, masked_svdd.py, canvas_svdd.py, masked_smc.py for diffusion LMs. This module imports none of
+The algorithms live beside: best_of_n.py, svdd.py, smc.py, noise_search.py, rbf.py, rbf_rollover.py for image /
+video models; text_best_of_n.py, masked_svdd.py, canvas_svdd.py, masked_smc.py for diffusion LMs. This module imports none of
 them (nor torch): the command line reads these sections to parse and check its flags before any model loads.
 """
 
@@ -93,21 +93,32 @@ class BestOfConfig(SelectingSearch):
 
 
 class SVDDConfig(SelectingSearch):
-    """SVDD-PM: at every step the best of M candidate next states by the value of their predicted clean sample."""
+    """SVDD-PM: at every step the best of M candidate next states by the value of their predicted clean sample; the last
+    step, as the authors released it, one plain step (``last_step: best_of_m`` keeps the best final candidate instead)."""
 
     name: str = "svdd"
     m: int = Field(..., ge=1, description="candidates per step and item")
+    last_step: Literal["plain", "best_of_m"] = Field(
+        "plain",
+        description="the last step: plain (one step of the sampler, as the released SVDD takes it) or best_of_m (the best "
+        "of M finished candidates by the verifier itself: an extra best-of-M, flowrl's SVDD before issue #41)",
+    )
     select: str | None = select_field()
 
     modalities: ClassVar[tuple[str, ...]] = ("images", "text")
     stochastic: ClassVar[bool] = True
     budget_field: ClassVar[str] = "m"
-    flags: ClassVar[dict[str, str]] = {"m": "--svdd", "select": "--select"}
+    flags: ClassVar[dict[str, str]] = {"m": "--svdd", "last_step": "--svdd-last-step", "select": "--select"}
     one_score: ClassVar[str] = "values each candidate"
     implementations: ClassVar[dict[str, str]] = {
         "images": "flowrl.inference.svdd:svdd_search",
         "text": "flowrl.inference.text_svdd:text_svdd_search",
     }
+
+    @classmethod
+    def as_recorded(cls, method: dict[str, Any]) -> dict[str, Any]:
+        """A spec written before issue #41 did not record ``last_step``: it ran the final best-of-M."""
+        return method if "last_step" in method else {**method, "last_step": "best_of_m"}
 
 
 class SMCConfig(SelectingSearch):
@@ -167,25 +178,64 @@ class NoiseSearchConfig(SearchSection):
 
 
 class RBFConfig(SearchSection):
-    """Rollover budget forcing (rbf.py): M candidates per step on average, the unspent budget rolled over."""
+    """FlowRBF as its authors released it (rbf.py): rollover budget forcing over ``chains`` chains per item, each from
+    the best of ``init_particles`` start noises, that stop advancing two steps before the end and return the x0_hat of
+    the best candidate there."""
 
     name: str = "rbf"
+    m: int = Field(..., ge=1, description="candidates per step and chain (the release's default budget per step)")
+    chains: int = Field(2, ge=1, description="chains per item, the better returned (the release's batch_size, 2)")
+    init_particles: int = Field(
+        25, ge=1, description="start noises per chain, the best by its x0_hat's reward kept (the release's init_n_particles, 25)"
+    )
+
+    stochastic: ClassVar[bool] = True
+    budget_field: ClassVar[str] = "m"
+    wrong_model: ClassVar[str] = NOISE_ONLY
+    flags: ClassVar[dict[str, str]] = {"m": "--rbf", "chains": "--rbf-chains", "init_particles": "--rbf-init-particles"}
+    implementations: ClassVar[dict[str, str]] = {"images": "flowrl.inference.rbf:rbf_search"}
+
+    @classmethod
+    def as_recorded(cls, method: dict[str, Any]) -> dict[str, Any]:
+        """A spec written before issue #41 records ``rbf`` without ``chains``: it ran what is ``rbf_rollover`` now."""
+        return method if "chains" in method else {**method, "name": "rbf_rollover"}
+
+
+class RBFRolloverConfig(SearchSection):
+    """flowrl's rollover budget forcing (rbf_rollover.py): one chain from the evaluation's start noise, M candidates per
+    step on average, the unspent budget rolled over up to the last step (flowrl's ``rbf`` before issue #41)."""
+
+    name: str = "rbf_rollover"
     m: int = Field(..., ge=1, description="candidates per step and item on average (1 is the plain stochastic rollout)")
 
     stochastic: ClassVar[bool] = True
     budget_field: ClassVar[str] = "m"
     wrong_model: ClassVar[str] = NOISE_ONLY
-    flags: ClassVar[dict[str, str]] = {"m": "--rbf"}
-    implementations: ClassVar[dict[str, str]] = {"images": "flowrl.inference.rbf:rbf_search"}
+    flags: ClassVar[dict[str, str]] = {"m": "--rbf-rollover"}
+    implementations: ClassVar[dict[str, str]] = {"images": "flowrl.inference.rbf_rollover:rbf_rollover_search"}
+
+
+def as_recorded(method: dict[str, Any]) -> dict[str, Any]:
+    """The search an evaluation spec's ``method`` ran, as today's sections name it: a setting whose default changed
+    since the spec was written, and that the spec therefore did not record, takes the value the spec ran with
+    (``as_recorded`` of flowrl's own sections; every other method as it is)."""
+    from . import SEARCHES
+
+    name = method.get("name")
+    if not isinstance(name, str) or name not in SEARCHES.builtin_names():
+        return method
+    return getattr(SEARCHES.section(name), "as_recorded", lambda m: m)(method)
 
 
 __all__ = [
     "BestOfConfig",
     "NoiseSearchConfig",
     "RBFConfig",
+    "RBFRolloverConfig",
     "SMCConfig",
     "SVDDConfig",
     "SearchSection",
+    "as_recorded",
     "SelectingSearch",
     "selection_rules",
 ]

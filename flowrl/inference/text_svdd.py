@@ -1,5 +1,9 @@
 """``flowrl eval --svdd M`` on a diffusion LM: SVDD on the masked sampler (masked_svdd.py) or on DiffusionGemma's
-entropy-bound canvases (canvas_svdd.py), the chosen completions graded by the run's reward."""
+entropy-bound canvases (canvas_svdd.py), the chosen completions graded by the run's reward.
+
+``last_step`` (plain, as the released SVDD; or best_of_m) is the masked sampler's choice at its final step. A
+DiffusionGemma canvas's last step has no choice to make (its candidates share the step's argmax, canvas_svdd.py), as
+in the release, so both settings run the same there."""
 
 from __future__ import annotations
 
@@ -12,13 +16,15 @@ from .text_candidates import grade_choices, progress_bar
 def text_svdd_search(section, model: TextSearchModel, verifier: TextVerifier, items: Items) -> SearchOutcome:
     """``flowrl eval --svdd M`` on a diffusion LM: the run's reward of the completions SVDD chose by ``--select``."""
     m, rule = section.m, section.rules[0]
-    svdd_in_batches = canvas_svdd_in_batches if model.sampler.name == "entropy_bound" else masked_svdd_in_batches  # DiffusionGemma's
     with progress_bar(f"svdd-{m}", len(items), "item") as progress:
-        result = svdd_in_batches(model, verifier.scorers[0], items.prompts, m, progress=progress)
+        if model.sampler.name == "entropy_bound":  # DiffusionGemma's canvases
+            result = canvas_svdd_in_batches(model, verifier.scorers[0], items.prompts, m, progress=progress)
+        else:
+            result = masked_svdd_in_batches(model, verifier.scorers[0], items.prompts, m, progress, section.last_step)
     metrics, rows = grade_choices(verifier, items, result.completions, result.scores, f"svdd{m}", rule)
     return SearchOutcome(
         metrics=metrics,
         extra={"denoiser_forwards_per_item": round(result.forwards / len(items), 3)},
-        settings={"svdd": m, "select": rule},
+        settings={"svdd": m, "svdd_last_step": section.last_step, "select": rule},
         rows=rows,
     )
