@@ -1,9 +1,11 @@
 """Held-out reward against counted cost for every inference-time search, measured through ``flowrl eval``'s own code
 (eval_command.run_evaluation: the same searches, specs and cost records as the command line).
 
-Each point is one search at one budget B (candidates per item: best-of-N's N, SVDD's and RBF's M per step, SMC's
-particles, noise search's 1 + rounds samples); its x values are the search's counted cost per item (inference/cost.py):
-denoiser rows, verifier rows, and wall seconds (denoiser + verifier + the rest, the whole search).
+Each point is one search at one budget B (candidates per item: best-of-N's N, SVDD's M per step (its last step as
+released, and with the final best-of-M), RBF's M per step and chain (as released: 2 chains, the best of 25 start noises
+each) and flowrl's rollover RBF's M per step, SMC's particles, noise search's 1 + rounds samples); its x values are the
+search's counted cost per item (inference/cost.py): denoiser rows, verifier rows, and wall seconds (denoiser +
+verifier + the rest, the whole search).
 
     # digits flow model, cheap verifier (the README reward: ink + digit classifier)
     python bench/search_cost_curves.py images --json runs/isc/digits_base_cheap.json
@@ -39,9 +41,10 @@ sys.path.insert(0, str(REPO))
 
 from flowrl.config import load_config  # noqa: E402
 from flowrl.eval_command import run_evaluation  # noqa: E402
+from flowrl.inference.sections import as_recorded  # noqa: E402
 
-IMAGE_METHODS = ("best_of", "best_of_stop", "noise_search", "svdd", "smc", "rbf")
-TEXT_METHODS = ("best_of", "svdd", "smc")
+IMAGE_METHODS = ("best_of", "best_of_stop", "noise_search", "svdd", "svdd_best_of_m", "smc", "rbf", "rbf_one_chain", "rbf_rollover")
+TEXT_METHODS = ("best_of", "svdd", "svdd_best_of_m", "smc")
 
 
 def build_clip_vit_b32(directory: Path) -> Path:
@@ -78,24 +81,34 @@ def image_method(name: str, b: int, stop_at: float) -> dict:
         return {"name": "best_of", "n": b, "stop_at": stop_at}
     if name == "noise_search":  # a (1 + 1) hill climb: B samples per item
         return {"name": "noise_search", "rounds": b - 1, "neighbors": 1, "step": 0.5}
-    if name == "svdd":
-        return {"name": "svdd", "m": b}
+    if name in ("svdd", "svdd_best_of_m"):
+        return {"name": "svdd", "m": b, "last_step": "best_of_m" if name == "svdd_best_of_m" else "plain"}
     if name == "smc":
         return {"name": "smc", "n": b, "lambda": 100.0, "ess_threshold": 0.5, "tempering": "linear", "resampling": "systematic"}
-    return {"name": "rbf", "m": b}
+    if name == "rbf_rollover":
+        return {"name": "rbf_rollover", "m": b}
+    if name == "rbf_one_chain":  # the released loop alone: one chain from one start noise
+        return {"name": "rbf", "m": b, "chains": 1, "init_particles": 1}
+    return {"name": "rbf", "m": b, "chains": 2, "init_particles": 25}
 
 
 def reward_of(record: dict, method: dict) -> float:
     """The held-out reward (images) or accuracy (text) of a record ``flowrl eval`` printed."""
     means = [v for k, v in record.items() if k.startswith("eval/reward/mean@")]
+    method = as_recorded(method)
     name = method["name"]
     if name == "best_of":
         key = f"eval/reward/mean@{method['n']}"
         return record[key] if key in record else record[f"{key}/{method['select']}"]
-    tag = {"svdd": f"svdd{method.get('m')}", "smc": f"smc{method.get('n')}", "rbf": f"rbf{method.get('m')}"}.get(name)
+    tag = {
+        "svdd": f"svdd{method.get('m')}",
+        "smc": f"smc{method.get('n')}",
+        "rbf": f"rbf{method.get('m')}x{method.get('chains')}",
+        "rbf_rollover": f"rbf{method.get('m')}",  # the names it had as flowrl's rbf before issue #41
+    }.get(name)
     if name == "noise_search":
         tag = f"noise{method['rounds']}x{method['neighbors']}"
-    hits = [k for k in record if k.startswith(f"eval/reward/mean@{tag}")]
+    hits = [k for k in record if k == f"eval/reward/mean@{tag}" or k.startswith(f"eval/reward/mean@{tag}/")]
     assert len(hits) == 1, (hits, means)
     return record[hits[0]]
 
@@ -146,7 +159,8 @@ def run_images(args) -> None:
             )
         else:
             plain = measure(config, checkpoint, {"name": "best_of", "n": 1}, {**label, "budget": 1}, Path(args.json), tmp)
-            measure(config, checkpoint, {"name": "svdd", "m": 1}, {**label, "budget": 1, "note": "plain SDE"}, Path(args.json), tmp)
+            plain_sde = {"name": "svdd", "m": 1, "last_step": "plain"}  # = SMC N = 1 = rollover RBF M = 1 (tested)
+            measure(config, checkpoint, plain_sde, {**label, "budget": 1, "note": "plain SDE"}, Path(args.json), tmp)
         stop_at = args.stop_at if args.stop_at is not None else round(plain["reward"] + 0.05, 3)
         for b in args.budgets:
             for name in args.methods:
@@ -162,22 +176,30 @@ def run_text(args) -> None:
         config = load_config(REPO / "configs" / "dllm" / "diffu_grpo.yaml", overrides + args.overrides)
         checkpoint = Path(args.checkpoint) if args.checkpoint else None
         label = {"model": args.label, "verifier": "likelihood"}
-        measure(config, checkpoint, {"name": "best_of", "n": 1, "select": "likelihood"}, {**label, "budget": 1}, Path(args.json), tmp)
+        if not args.no_baseline:
+            measure(config, checkpoint, {"name": "best_of", "n": 1, "select": "likelihood"}, {**label, "budget": 1}, Path(args.json), tmp)
         for b in args.budgets:
-            for name in TEXT_METHODS:
+            for name in args.methods:
                 method = {
                     "best_of": {"name": "best_of", "n": b},
-                    "svdd": {"name": "svdd", "m": b},
+                    "svdd": {"name": "svdd", "m": b, "last_step": "plain"},
+                    "svdd_best_of_m": {"name": "svdd", "m": b, "last_step": "best_of_m"},
                     "smc": {"name": "smc", "n": b, "lambda": 1.0, "ess_threshold": 0.5, "tempering": "linear", "resampling": "systematic"},
                 }[name]
                 measure(config, checkpoint, {**method, "select": "likelihood"}, {**label, "budget": b}, Path(args.json), tmp)
 
 
 def method_label(m: dict) -> str:
+    """The method's line in the tables and the plot (a row measured before issue #41 by what it ran: ``as_recorded``)."""
+    m = as_recorded(m)
     name = m["name"]
     if name == "best_of":
         return "best-of-N + stop" if "stop_at" in m else "best-of-N"
-    return {"svdd": "SVDD", "smc": "SMC", "rbf": "RBF", "noise_search": "noise search"}[name]
+    if name == "svdd":
+        return "SVDD + final best-of-M" if m["last_step"] == "best_of_m" else "SVDD"
+    if name == "rbf" and (m["chains"], m["init_particles"]) != (2, 25):
+        return f"RBF (released, {m['chains']} chain x {m['init_particles']} start)"
+    return {"smc": "SMC", "rbf": "RBF (released)", "rbf_rollover": "RBF rollover (flowrl)", "noise_search": "noise search"}[name]
 
 
 def report(args) -> None:
@@ -258,7 +280,10 @@ def plot(groups: dict, out: Path) -> None:
         for col, (key, name) in enumerate(xs):
             ax = axes[row][col]
             for lab, pts in by_method.items():
-                pts = sorted((ode if lab.startswith("best-of") or lab == "noise search" else sde) + pts, key=lambda r: r["budget"])
+                # the B = 1 point each line starts from: the ODE sample, the plain SDE path (SVDD, SMC and the rollover
+                # RBF at 1), none for the released RBF (its M = 1 still searches 2 chains x 25 start noises)
+                start = ode if lab.startswith("best-of") or lab == "noise search" else [] if lab.startswith("RBF (released") else sde
+                pts = sorted(start + pts, key=lambda r: r["budget"])
                 x = [p[key] if p.get(key) == p.get(key) else p["wall_seconds_per_item"] for p in pts]  # no CPU time recorded: wall
                 ax.plot(x, [p["reward"] for p in pts], marker="o", label=lab)
             ax.set_xscale("log")
@@ -296,6 +321,8 @@ def main() -> None:
     t.add_argument("--label", default="base")
     t.add_argument("--budgets", type=int, nargs="+", default=[2, 4, 8])
     t.add_argument("--eval-size", type=int, default=256, help="held-out problems (a multiple of 128 / budget: no padding)")
+    t.add_argument("--methods", nargs="+", default=list(TEXT_METHODS), choices=TEXT_METHODS)
+    t.add_argument("--no-baseline", action="store_true", help="the B = 1 point is already in --json")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--json", required=True)
     t.add_argument("overrides", nargs="*")
