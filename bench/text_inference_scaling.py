@@ -4,7 +4,7 @@ pass@N, the oracle upper bound), and SVDD with M candidates per unmasking step v
 likelihood of a one-shot completion; denoiser work counted (rows through ``lm.logits``), not assumed.
 
     python bench/text_inference_scaling.py measure [--checkpoint DIR] [--label base] [--n 16] [--svdd 4 16] \\
-        [--select majority,likelihood,format] --json OUT.json [key=value overrides]
+        [--svdd-last-step plain|best_of_m] [--select majority,likelihood,format] --json OUT.json [key=value overrides]
     python bench/text_inference_scaling.py plot base.json after.json --out runs/x/inference_scaling.png
 
 ``measure`` prints a table and writes the numbers as JSON after every phase (greedy, best-of-N, each SVDD M); run
@@ -156,20 +156,25 @@ class Measurement:
         )
 
     def svdd(self, plain_rows: float) -> None:
-        """SVDD at every M of ``--svdd`` not measured yet (those measured before are printed as they were)."""
+        """SVDD at every M of ``--svdd`` not measured yet with this ``--svdd-last-step`` (those measured before are
+        printed as they were; an entry without ``last_step`` was measured before issue #41, with the final best-of-M)."""
         self.result.setdefault("svdd", {})
         for m in self.args.svdd:
-            if str(m) in self.result["svdd"]:
-                print(f"svdd M = {m:>2}: accuracy {self.result['svdd'][str(m)]['accuracy']:.4f} (earlier run)")
+            earlier = self.result["svdd"].get(str(m), {})
+            if earlier.get("last_step", "best_of_m") == self.args.svdd_last_step:
+                print(f"svdd M = {m:>2}: accuracy {earlier['accuracy']:.4f} (earlier run)")
                 continue
             self.svdd_point(m, plain_rows)
 
     def svdd_point(self, m: int, plain_rows: float) -> None:
         prompts = self.prompts
-        out, rows, secs = self.timed(lambda: masked_svdd_in_batches(self.model(self.temp), build_scorer("likelihood"), prompts, m))
+        last_step = self.args.svdd_last_step
+        out, rows, secs = self.timed(
+            lambda: masked_svdd_in_batches(self.model(self.temp), build_scorer("likelihood"), prompts, m, last_step=last_step)
+        )
         acc = float(self.grader(out.completions, prompts, self.metadata).scores.float().nanmean())
         assert rows == out.forwards  # the function's own count is the counted work
-        self.result["svdd"][str(m)] = {"accuracy": acc, "forwards_vs_plain": rows / plain_rows, "seconds": secs}
+        self.result["svdd"][str(m)] = {"accuracy": acc, "forwards_vs_plain": rows / plain_rows, "seconds": secs, "last_step": last_step}
         print(
             f"svdd M = {m:>2} (value: likelihood of the one-shot completion): accuracy {acc:.4f}, {rows / plain_rows:.2f}x the plain "
             f"forwards, {secs:.0f} s",
@@ -216,6 +221,12 @@ def main() -> None:
     m.add_argument("--n", type=int, default=16)
     m.add_argument("--temperature", type=float, default=1.0)
     m.add_argument("--svdd", type=int, nargs="*", default=[4, 16])
+    m.add_argument(
+        "--svdd-last-step",
+        choices=("plain", "best_of_m"),
+        default="plain",
+        help="SVDD's last step: the released one or the final best-of-M",
+    )
     m.add_argument("--select", default="majority,likelihood,format")
     m.add_argument("--json", required=True)
     m.add_argument("--threads", type=int, default=1)
