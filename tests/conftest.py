@@ -64,3 +64,14 @@ def run_launch(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
                 cmd = [*cmd]
                 cmd[cmd.index("--main_process_port") + 1] = str(s.getsockname()[1])
         return subprocess.run(cmd, **kwargs)
+
+
+def launch_report(proc: subprocess.CompletedProcess, chars: int = 2500) -> str:
+    """What a failed launch's workers printed, for an assertion message: the launcher's own traceback and its
+    ChildFailedError summary (the last ``Traceback`` of stderr) say only which rank died and by which signal, so
+    the workers' last lines before it come first, then the summary's root-cause lines."""
+    err = proc.stderr or ""
+    cut = err.rfind("Traceback (most recent call last):")
+    workers, launcher = (err[:cut], err[cut:]) if "ChildFailedError" in err[cut:] else (err, "")
+    root = launcher[launcher.find("Root Cause") :] if "Root Cause" in launcher else launcher[-600:]
+    return f"workers' output (last {chars} chars):\n{workers[-chars:]}\nlauncher: {root[:600]}"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, fast_overrides, run_launch
+from conftest import CONFIGS, REPO, fast_overrides, launch_report, run_launch
 from safetensors.torch import load_file
 
 GRPO = CONFIGS / "digits" / "grpo.yaml"
@@ -61,8 +61,7 @@ def _launch(config_file: str | None, output_dir: Path, **extra: object) -> None:
     cmd = [sys.executable, "-m", *launch, "flowrl.cli", "train", str(GRPO), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = run_launch(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
-    assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-1500:]
+    assert proc.returncode == 0, launch_report(proc)
 
 
 def _rows(run: Path) -> list[dict]:
@@ -349,8 +348,7 @@ def test_an_objectives_own_module_is_trained_alike_on_every_process(tmp_path):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = run_launch(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
-    assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-1500:]
+    assert proc.returncode == 0, launch_report(proc)
     heads = json.loads(report.read_text())
     rank0, rank1 = (torch.tensor(sum(map(_flat, h.values()), [])) for h in heads["after"])
     start = torch.tensor(sum(map(_flat, heads["before"].values()), []))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, fast_overrides, run_launch
+from conftest import CONFIGS, REPO, fast_overrides, launch_report, run_launch
 from safetensors.torch import load_file
 
 from flowrl.errors import FlowRLError
@@ -161,7 +161,7 @@ def _launcher(config_file: str, extra: dict):
 
     def checked(out: Path, **more) -> None:
         proc = launch(out, **more)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, launch_report(proc)
 
     return launch, checked
 

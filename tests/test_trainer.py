@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, fast_overrides, run_launch
+from conftest import CONFIGS, REPO, fast_overrides, launch_report, run_launch
 from safetensors.torch import load_file
 
 from flowrl.config import load_config
@@ -134,7 +134,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = run_launch(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_report(proc)
     summaries = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 1 and json.loads(summaries[0])["status"] == "completed"  # printed by the main process only
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -119,6 +119,8 @@ def _log_max_cdf(log_p: Tensor, stay: Tensor, t: Tensor, tau: float) -> Tensor:
     """:func:`_log_max_cdf_chunk` over node chunks, recomputed in backward (aMUSEd-512's 1024 x 8192 logits)."""
     b, length, v = log_p.shape
     step = max(1, NODE_CHUNK_ELEMENTS // (b * length * v))
+    if step >= t.shape[1]:  # one piece (the digits model): nothing to save by recomputing
+        return _log_max_cdf_chunk(log_p, stay, t, tau)
     parts = []
     for start in range(0, t.shape[1], step):
         chunk = t[:, start : start + step]
@@ -169,7 +171,7 @@ class MaskedImageSampler:
     masking: MaskingSchedule
     token_temperature: float
     choice_temperature: tuple[float, float]
-    score: CommitScore = "step"
+    score: CommitScore  # MaskedImageConfig.score holds the default
     name = "masked_image"
     prediction_types = ("masked_tokens",)
     stochastic = True
