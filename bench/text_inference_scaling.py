@@ -224,8 +224,8 @@ def main() -> None:
     m.add_argument(
         "--svdd-last-step",
         choices=("plain", "best_of_m"),
-        default="plain",
-        help="SVDD's last step: the released one or the final best-of-M",
+        default="best_of_m",
+        help="SVDD's last step: best_of_m (the discrete release selects there too) or plain (the image release)",
     )
     m.add_argument("--select", default="majority,likelihood,format")
     m.add_argument("--json", required=True)

@@ -385,7 +385,7 @@ def _label(args) -> int:
 def _train(args) -> int:
     from .config import load_config
     from .trainer import Trainer
-    from .training.distributed import end_process_group
+    from .training.distributed import end_process_group, exit_launched_process
     from .training.run_logger import json_line
 
     config = load_config(args.config, args.overrides)
@@ -393,8 +393,10 @@ def _train(args) -> int:
     summary = trainer.fit()
     if trainer.is_main:  # one summary line per run, not one per process
         print(json_line(summary))
-    end_process_group()
-    return PREEMPTED_EXIT if summary["status"] == "preempted" else 0
+    code = PREEMPTED_EXIT if summary["status"] == "preempted" else 0
+    if end_process_group():
+        exit_launched_process(code)
+    return code
 
 
 def _config_for_source(source: str, overrides: list[str]):

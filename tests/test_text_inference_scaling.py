@@ -5,7 +5,8 @@ Pinned: every rule at N = 1 is the plain held-out evaluation at the same seed; m
 their definitions recomputed from the recorded candidates; pass@N bounds every rule; the likelihood is the
 sampler's record; gold graders never select and a selection reward never sees the metadata; SVDD with
 M = 1 is the plain generation and its denoiser forwards are counted exactly, 1 + M (K - 1) per item; its last step
-keeps the first candidate (the released SVDD) or, with ``last_step: best_of_m``, the best of the same candidates.
+keeps the best of the finished candidates (the default, as the discrete-diffusion release selects there too) or, with
+``last_step: plain``, the first of the same candidates (as the image release).
 """
 
 from __future__ import annotations
@@ -226,15 +227,15 @@ def test_svdd_counts_its_forwards_and_keeps_the_best_look_ahead(setup):
     m, k, likelihood = 3, config.sampler.steps, build_scorer("likelihood")
     counter = _CountRows(modality.pipeline)
     try:
-        result = masked_svdd(_model(setup, 1.0), likelihood, prompts[:6], m, torch.Generator().manual_seed(3), last_step="best_of_m")
+        result = masked_svdd(_model(setup, 1.0), likelihood, prompts[:6], m, torch.Generator().manual_seed(3))  # best_of_m
     finally:
         counter.restore()
     assert result.forwards == counter.rows == 6 * (1 + m * (k - 1))  # first step's forward + M look-aheads on all but the last step
     assert len(result.step_scores) == k and all(s.shape == (6, m) for s in result.step_scores)
     torch.testing.assert_close(result.scores, result.step_scores[-1].max(1).values, atol=0, rtol=0)
     assert result.completion_ids.ne(modality.pipeline.mask_token_id).all()
-    # the released last step (the default): the same candidates up to it, then each item's first, with its own value
-    released = masked_svdd(_model(setup, 1.0), likelihood, prompts[:6], m, torch.Generator().manual_seed(3))
+    # the image release's plain last step: the same candidates up to it, then each item's first, with its own value
+    released = masked_svdd(_model(setup, 1.0), likelihood, prompts[:6], m, torch.Generator().manual_seed(3), last_step="plain")
     assert released.forwards == result.forwards and len(released.step_scores) == k - 1
     for a, b in zip(released.step_scores, result.step_scores):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -266,6 +267,9 @@ def test_cli_best_of_n_and_svdd_on_a_dllm_config(tmp_path, capsys):
     assert main(["eval", str(CONFIG), *OVERRIDES, "prompts.eval_size=8", "--svdd", "2", "--out", str(tmp_path / "svdd.png")]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["denoiser_forwards_per_item"] == 1 + 2 * 7 and 0 <= line["eval/reward/mean@svdd2/likelihood"] <= 1
+    # unset, the last step is the discrete release's (a best-of-M of finished completions), and the spec says so
+    assert line["settings"]["svdd_last_step"] == "best_of_m" and line["spec"]["method"]["last_step"] == "best_of_m"
+    assert line["cost"]["verifier_rows_per_item"] == 2 * 8
     assert main(["eval", str(CONFIG), *OVERRIDES, "--best-of", "2", "--select", "math_answer", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flowrl: error: 'math_answer' grades against the gold answer") and len(err.splitlines()) == 1

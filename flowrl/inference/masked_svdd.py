@@ -10,10 +10,11 @@ with its most likely token (the masked-diffusion analogue of the image SVDD's x0
 best candidate is kept. The forward pass that valued the kept candidate is exactly the next step's
 forward on the same state, so it is reused: a step costs M forwards per item, not M + 1.
 
-The final step (the one that leaves no mask) is taken as the released SVDD takes its last step (``last_step:
-plain``, the default; svdd.py cites the code): the first of each item's M candidates is kept, with no choice, and
-the kept completion is then scored once to report its value (P verifier rows). ``last_step: best_of_m`` scores the
-M finished completions and keeps the best (an extra best-of-M at the end; flowrl's SVDD before issue #41).
+The final step (the one that leaves no mask) is, by default, taken as the authors' discrete-diffusion release takes
+it (``last_step: best_of_m``; github.com/masa-ue/SVDD, diffusion_gosai.py, ``_ddpm_update_finetune_controlled_twedie``
+selects the best of its ``repeats`` candidates at every step, the last included): the M finished completions are
+scored and the best is kept. ``last_step: plain`` takes it as the image release does (svdd.py cites that code): the
+first of each item's M candidates is kept, with no choice, and then scored once to report its value (P verifier rows).
 
 Denoiser work, in rows through ``lm.logits`` per item: 1 (the first step's forward) + M x (steps that
 leave masks behind). With a fixed schedule of K steps that is 1 + M (K - 1); the plain sampler does K,
@@ -63,11 +64,11 @@ def masked_svdd(
     prompts: Sequence[str],
     m: int,
     generator: torch.Generator | RowGenerators,
-    last_step: str = "plain",
+    last_step: str = "best_of_m",
 ) -> MaskedSVDDResult:
     """One completion per prompt by SVDD with ``m`` candidates per unmasking step (batch = prompts x m rows);
-    with per-prompt streams, prompt i's m candidates draw in turn from prompt i's stream. ``last_step``: ``plain``
-    (the release: the first candidate) or ``best_of_m`` (the best finished candidate)."""
+    with per-prompt streams, prompt i's m candidates draw in turn from prompt i's stream. ``last_step``:
+    ``best_of_m`` (the discrete release: the best finished candidate) or ``plain`` (the first candidate)."""
     check_svdd(scorer, m, model.temperature, model.sampler.remasking)
     if last_step not in ("plain", "best_of_m"):
         raise ValueError(f"last_step must be plain or best_of_m, got {last_step!r}")
@@ -82,7 +83,7 @@ def masked_svdd(
         cand = keep_rows(batch.rec, batch.rows)  # the sampler's own transition, M times per item
         batch.transition(logits[batch.rows], cand, eligible[batch.rows], s, step)
         look = batch.logits(cand.completion) if (cand.unmask_step < 0).any() else None  # the look-ahead forward
-        if look is None and last_step == "plain":  # the released last step: no choice, the first candidate
+        if look is None and last_step == "plain":  # the image release's last step: no choice, the first candidate
             batch.rec = keep_rows(cand, first)
             final = batch.value(scorer, batch.rec, None, width=1).squeeze(1)  # the kept completion's value, reported
             break
@@ -104,7 +105,7 @@ def masked_svdd(
 
 
 def masked_svdd_in_batches(
-    model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], m: int, progress=None, last_step: str = "plain"
+    model: TextSearchModel, scorer: TextScorer, prompts: Sequence[str], m: int, progress=None, last_step: str = "best_of_m"
 ) -> MaskedSVDDResult:
     """:func:`masked_svdd` over many prompts, ``model.batch_size // m`` prompts (x ``m`` candidates) at a time, each
     prompt with its own stream keyed by its text as the plain evaluation draws (M = 1 reproduces it exactly)."""

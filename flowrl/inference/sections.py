@@ -94,14 +94,16 @@ class BestOfConfig(SelectingSearch):
 
 class SVDDConfig(SelectingSearch):
     """SVDD-PM: at every step the best of M candidate next states by the value of their predicted clean sample; the last
-    step, as the authors released it, one plain step (``last_step: best_of_m`` keeps the best final candidate instead)."""
+    step as the authors released SVDD for the model's kind (``released_last_step``): one plain step for images and video,
+    the best of the M finished candidates for masked-diffusion LMs."""
 
     name: str = "svdd"
     m: int = Field(..., ge=1, description="candidates per step and item")
-    last_step: Literal["plain", "best_of_m"] = Field(
-        "plain",
-        description="the last step: plain (one step of the sampler, as the released SVDD takes it) or best_of_m (the best "
-        "of M finished candidates by the verifier itself: an extra best-of-M, flowrl's SVDD before issue #41)",
+    last_step: Literal["plain", "best_of_m"] | None = Field(
+        None,
+        description="the last step: plain (one step of the sampler, no choice) or best_of_m (the best of M finished "
+        "candidates by the verifier itself); unset: as the authors released SVDD for the model, plain for images and "
+        "video (masa-ue/SVDD-image), best_of_m for masked-diffusion LMs (masa-ue/SVDD selects at every step, the last too)",
     )
     select: str | None = select_field()
 
@@ -114,6 +116,17 @@ class SVDDConfig(SelectingSearch):
         "images": "flowrl.inference.svdd:svdd_search",
         "text": "flowrl.inference.text_svdd:text_svdd_search",
     }
+
+    # The authors' two releases differ at the last step: the image code (SVDD-image, sd_pipeline.py) takes one plain
+    # step there, the discrete code (SVDD, diffusion_gosai.py, _ddpm_update_finetune_controlled_twedie) selects among
+    # the M candidates at every step, the last included, which on a masked LM is a best-of-M of finished completions.
+    released_last_step: ClassVar[dict[str, str]] = {"images": "plain", "text": "best_of_m"}
+
+    def prepare(self, modality: str, sampler: Any) -> SVDDConfig:
+        section = super().prepare(modality, sampler)
+        if section.last_step is not None:
+            return section
+        return section.model_copy(update={"last_step": self.released_last_step[modality]})
 
     @classmethod
     def as_recorded(cls, method: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """``flowrl eval --svdd M`` on a diffusion LM: SVDD on the masked sampler (masked_svdd.py) or on DiffusionGemma's
 entropy-bound canvases (canvas_svdd.py), the chosen completions graded by the run's reward.
 
-``last_step`` (plain, as the released SVDD; or best_of_m) is the masked sampler's choice at its final step. A
+``last_step`` (best_of_m, as the authors' discrete-diffusion SVDD; or plain) is the masked sampler's choice at its
+final step. A
 DiffusionGemma canvas's last step has no choice to make (its candidates share the step's argmax, canvas_svdd.py), as
 in the release, so both settings run the same there."""
 

@@ -23,7 +23,8 @@ DeepSpeed ZeRO launches are bridged in flowrl/training/deepspeed_zero.py.
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -51,7 +52,6 @@ def report_error(line: str) -> None:
     shows it as the root cause, instead of "To enable traceback see: ...".
     """
     import json
-    import sys
     import time
 
     try:
@@ -70,15 +70,28 @@ def report_error(line: str) -> None:
             pass  # the sentence is printed above; the launcher's report just lacks it
 
 
-def end_process_group() -> None:
-    """Leave the process group at the end of a launched run, every process together. A process that exits with
-    its group alive can abort at interpreter shutdown ("terminate called without an active exception", a
-    gloo thread destroyed while running), which fails the launch after the run itself finished."""
+def end_process_group() -> bool:
+    """Leave the process group at the end of a launched run, every process together; True when there was one. A
+    process that exits with its group alive can abort at interpreter shutdown ("terminate called without an active
+    exception", a gloo thread destroyed while running), which fails the launch after the run itself finished."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        return True
+    return False
+
+
+def exit_launched_process(code: int) -> NoReturn:
+    """End a launched process whose run has finished, without the interpreter's teardown. Destroying the group is
+    not always enough: objects the run kept (FSDP's state, the engine) still hold the gloo group's C++ threads, and
+    when the interpreter frees them at exit a thread can be destroyed while running, so the process aborts (SIGABRT,
+    "terminate called without an active exception") after its work was written and the launch fails. Everything the
+    run writes is closed by then (trackers, checkpoints, summary.json, the lock), so only the streams are flushed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def enable_fsdp_on_cpu(accelerator) -> None:
