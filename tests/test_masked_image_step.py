@@ -77,7 +77,7 @@ def outcome_states(x: torch.Tensor, keys) -> torch.Tensor:
     return nxt
 
 
-CASES = [  # (L, already unmasked, N, i, choice temperature): 2 of 6, 1 of 5, 3 of 4 and 2 of 4 committed
+CASES = [  # (L, already unmasked, N, i, choice temperature): 2 of 6, 1 of 5, 3 of 4, 1 of 4 and 2 of 6 committed
     (6, 0, 4, 1, (2.0, 0.0)),
     (5, 0, 8, 0, (2.0, 0.0)),
     (5, 1, 4, 2, (2.0, 0.0)),
@@ -108,7 +108,7 @@ def test_gradient_is_the_enumerated_probabilitys():
     tau = float(torch.linspace(2.0, 0.0, 4)[1])
     exact = logits.double().requires_grad_()
     outcomes = enumerated_outcomes(exact, x, 4, 1, tau)
-    key = max(outcomes, key=lambda k: float(outcomes[k]))
+    key = max(outcomes, key=lambda k: float(outcomes[k].detach()))
     (want,) = torch.autograd.grad(outcomes[key].log(), exact)
     mine = logits.clone().requires_grad_()
     (got,) = torch.autograd.grad(sampler().log_prob(mine, x, outcome_states(x, [key]), sigma, sigma_next).sum(), mine)
