@@ -107,3 +107,22 @@ def test_cli_svdd(tmp_path, capsys):
     assert main(["eval", str(GRPO), "--svdd", "0"]) == 2
     assert main(["eval", str(GRPO), "--svdd", "2", "--svdd-last-step", "best"]) == 2
     assert main(["eval", str(GRPO), "--svdd-last-step", "plain"]) == 2
+
+
+@pytest.mark.slow
+def test_the_inference_scaling_bench_runs_every_method_it_prints(tmp_path):
+    """bench/inference_scaling.py end to end at a tiny budget: a row per method and the closing ratio (its loop once
+    rebound the name the searches read the reward from, and every search after the first crashed)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cmd = [sys.executable, str(REPO / "bench" / "inference_scaling.py")]
+    cmd += ["eval.samples_per_prompt=1", "eval.num_inference_steps=3", "rollout.num_inference_steps=3", "--budgets", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["best-of-N"], ["zero-order"], ["svdd-pm"])]
+    assert [r[0] for r in rows] == ["best-of-N", "zero-order", "svdd-pm"] and all(r[1] == "2" for r in rows)
+    assert proc.stdout.strip().splitlines()[-1].startswith("svdd_gain_over_best_of_n=")
