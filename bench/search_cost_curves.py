@@ -270,12 +270,14 @@ def plot(groups: dict, out: Path) -> None:
         ("cpu_seconds_per_item", "CPU s / item (denoiser + verifier + rest)"),
     )
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.6 * len(groups)), squeeze=False)
+    labels = dict.fromkeys(method_label(r["method"]) for rs in groups.values() for r in rs if not r.get("note"))
+    colours = {lab: plt.get_cmap("tab20")(i % 20) for i, lab in enumerate(labels)}  # one colour per method in every panel
     for row, ((model, verifier), rs) in enumerate(groups.items()):
         by_method: dict[str, list[dict]] = {}
-        for r in rs:
-            if r["budget"] > 1:
+        for r in rs:  # the released RBF's B = 1 still searches (its chains and start noises): a point of its own line
+            if r["budget"] > 1 or (r["method"]["name"] == "rbf" and not r.get("note")):
                 by_method.setdefault(method_label(r["method"]), []).append(r)
-        ode = [r for r in rs if r["budget"] == 1 and not r.get("note")]  # best-of-1: the plain (ODE) evaluation
+        ode = [r for r in rs if r["budget"] == 1 and r["method"]["name"] == "best_of"]  # best-of-1: the plain (ODE) evaluation
         sde = [r for r in rs if r.get("note")] or ode  # SVDD M = 1: the plain SDE rollout (= SMC N = 1 = RBF M = 1, tested)
         for col, (key, name) in enumerate(xs):
             ax = axes[row][col]
@@ -285,7 +287,7 @@ def plot(groups: dict, out: Path) -> None:
                 start = ode if lab.startswith("best-of") or lab == "noise search" else [] if lab.startswith("RBF (released") else sde
                 pts = sorted(start + pts, key=lambda r: r["budget"])
                 x = [p[key] if p.get(key) == p.get(key) else p["wall_seconds_per_item"] for p in pts]  # no CPU time recorded: wall
-                ax.plot(x, [p["reward"] for p in pts], marker="o", label=lab)
+                ax.plot(x, [p["reward"] for p in pts], marker="o", label=lab, color=colours[lab])
             ax.set_xscale("log")
             ax.set_xlabel(name)
             ax.set_ylabel("held-out reward" if "arith" not in model else "held-out accuracy")
