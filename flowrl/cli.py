@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("config", help="a shipped preset by name (digits/grpo; see flowrl presets) or a YAML file")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iterations=10")
+    t.add_argument(
+        "--json",
+        action="store_true",
+        help="end with the run's summary as one JSON line, for scripts (what summary.json holds); "
+        "default: a few lines for a person (how it ended, the reward before -> after, where the run is, what to run next)",
+    )
     _add_sample_parser(sub)
     _add_eval_parser(sub)
     _add_export_parser(sub)
@@ -387,12 +393,13 @@ def _train(args) -> int:
     from .trainer import Trainer
     from .training.distributed import end_process_group, exit_launched_process
     from .training.run_logger import json_line
+    from .training.run_summary import human_summary
 
     config = load_config(args.config, args.overrides)
     trainer = Trainer(config)
     summary = trainer.fit()
-    if trainer.is_main:  # one summary line per run, not one per process
-        print(json_line(summary))
+    if trainer.is_main:  # one summary per run, not one per process
+        print(json_line(summary) if args.json else human_summary(summary, trainer.run_dir), flush=True)
     code = PREEMPTED_EXIT if summary["status"] == "preempted" else 0
     if end_process_group():
         exit_launched_process(code)

@@ -169,7 +169,7 @@ def test_sigterm_saves_the_iteration_says_preempted_and_the_resume_is_exact(tmp_
     whole = tmp_path / "whole"
     assert main(["train", str(GRPO), *fast_overrides(whole, **overrides)]) == 0
     run = tmp_path / "preempted"
-    proc = flowrl_process("train", str(GRPO), *fast_overrides(run, **overrides))
+    proc = flowrl_process("train", str(GRPO), *fast_overrides(run, **overrides), "--json")
     wait_for(lambda: (run / "metrics.jsonl").is_file() and len(steps(run)) >= 2)  # iteration 1 is done
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)

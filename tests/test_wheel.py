@@ -90,8 +90,9 @@ def test_presets_are_listed_and_run_by_name_from_an_unrelated_directory(installe
 
     train = run(installed, tmp_path, "flowrl", "train", "digits/grpo", *FAST, "output_dir=by_name")
     assert train.returncode == 0, train.stderr[-2000:]
-    summary = json.loads(train.stdout.strip().splitlines()[-1])
+    summary = json.loads((tmp_path / "by_name" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["iterations_completed"] == 2
+    assert "flowrl: completed 2 of 2 iterations" in train.stdout  # the lines a person reads (--json: the summary)
     assert (tmp_path / "by_name" / "checkpoints" / "step_000002").is_dir()
     # the README's form of the same command, a checkout-relative path, finds the shipped file too
     readme_form = run(
