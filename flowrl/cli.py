@@ -354,13 +354,15 @@ def _check_writable(path: Path) -> None:
 
 
 def _presets(args) -> int:
+    from .evidence import LEGEND, badge
     from .presets import PRESET_DIR, preset_names, summary
 
     names = preset_names()
     width = max(len(n) for n in names)
-    print(f"{len(names)} presets shipped in {PRESET_DIR} (flowrl train NAME [key=value ...]):")
+    # one header line: tools read every later line's first word as a preset name
+    print(f"{len(names)} presets shipped in {PRESET_DIR} (flowrl train NAME [key=value ...]); {LEGEND} (docs/evidence.md):")
     for name in names:
-        print(f"  {name:<{width}}  {summary(name)}")
+        print(f"  {name:<{width}}  {badge(name)}  {summary(name)}")
     return 0
 
 

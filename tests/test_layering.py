@@ -43,6 +43,7 @@ ORDER: list[str] = [
     "flowrl.prompts.datasets",
     "flowrl.prompts",
     "flowrl.presets",
+    "flowrl.evidence",  # the presets' evidence records, the page they generate and `flowrl presets`' level column
     "flowrl.training.trackers",
     "flowrl.config",
     "flowrl.training.roles",
