@@ -48,7 +48,7 @@ def steps(run: Path) -> list[int]:
 @pytest.mark.slow
 def test_two_runs_started_together_into_one_directory_one_is_refused(tmp_path):
     run = tmp_path / "twin"
-    procs = [flowrl_process("train", str(GRPO), *fast_overrides(run, **{"train.iterations": 3, "seed": s})) for s in (0, 1)]
+    procs = [flowrl_process("train", str(GRPO), *fast_overrides(run, **{"train.iterations": 3, "seed": s}), "--json") for s in (0, 1)]
     results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 2], [err[-500:] for _, _, err in results]

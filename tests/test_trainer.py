@@ -131,6 +131,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
         "train",
         str(GRPO),
         *fast_overrides(tmp_path, **{"log.checkpoint_every": 1}),
+        "--json",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = run_launch(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
