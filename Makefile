@@ -65,4 +65,6 @@ assets: install-test
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind flow
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind ddpm
 	$(BIN)/python -m flowrl.pipelines.embedded.train_masked_digits
+	$(BIN)/python -m flowrl.pipelines.embedded.train_arith --steps 1000 --seed 0 --flaw-rate 0.3
 	$(BIN)/python -m flowrl.pipelines.embedded.train_arith_bd3lm
+	$(BIN)/python -m flowrl.pipelines.embedded.train_digits_video --steps 4500 --batch-size 32 --lr 0.002 --seed 0 --width 64 --layers 4 --threads 1
