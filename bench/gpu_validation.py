@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # flowrl from this checkout (the GPU machine has it only here)
 FAMILIES = ("sd3", "flux2_klein", "z_image")  # the issue's three: SD3.5-Medium, FLUX.2-klein-4B, Z-Image-Turbo
 CUDA_TESTS = ("tests/test_failure_behaviour.py::test_a_named_gpu_is_honoured",)
 MACHINE = """
@@ -88,9 +89,10 @@ def real_size_iterations(args) -> dict:
 
 def weights_hash(run: Path) -> str:
     """SHA-256 over the final checkpoint's safetensors files, in name order."""
+    from flowrl.training.run_summary import latest_checkpoint
+
     digest = hashlib.sha256()
-    checkpoint = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
-    for f in sorted(checkpoint.glob("*.safetensors")):
+    for f in sorted(latest_checkpoint(run).glob("*.safetensors")):
         digest.update(f.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -68,7 +68,8 @@ class RBFResult:
     reward_rows: Tensor  # (P,) long: rows scored per item
 
 
-def _finite(scores: Tensor) -> Tensor:
+def finite_or_worst(scores: Tensor) -> Tensor:
+    """A failed reward (NaN) as -inf, so that it is never kept over a finite one (both RBFs' comparisons)."""
     return torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
 
 
@@ -138,7 +139,7 @@ class _Chains:
             scores=torch.cat([o.scores.float().cpu() for o in scored]),
             extras={key: torch.cat([o.extras[key].float().cpu() for o in scored]) for key in scored[0].extras},
         )
-        r = _finite(out.scores).view(-1, init_particles)
+        r = finite_or_worst(out.scores).view(-1, init_particles)
         picked = torch.arange(len(self.item)) * init_particles + r.argmax(1)  # ties: the first start noise
         self.x, self.output, self.best = noise[picked].clone(), output[picked].clone(), r.max(1).values
         self.step_best_x, self.step_best_out = self.x.clone(), self.output.clone()
@@ -163,7 +164,7 @@ class _Chains:
             self.candidates[rows, k] += 1
         every = torch.arange(len(self.item))
         out = self._score(x0_hat, every)
-        self._advance(cand, look, x0_hat, out, _finite(out.scores.float().cpu()))
+        self._advance(cand, look, x0_hat, out, finite_or_worst(out.scores.float().cpu()))
 
     def _advance(self, cand: Tensor, look: Tensor, x0_hat: Tensor, out, r: Tensor) -> None:
         """The release's lines 217-284 on every chain at once."""

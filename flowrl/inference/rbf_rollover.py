@@ -52,7 +52,7 @@ from ..samplers.rollout import rows_of, start_noise
 from ..seeding import RowGenerators
 from ..types import index_condition
 from .batching import STEPS, in_batches, joined
-from .rbf import move_on, search_metrics
+from .rbf import finite_or_worst, move_on, search_metrics
 from .search import ImageSearchModel, Items, SearchOutcome
 
 
@@ -65,10 +65,6 @@ class RolloverResult:
     rolled_over: Tensor = joined(STEPS)  # (K, P) bool: the step ended early on a candidate beating the best so far
     denoiser_rows: Tensor  # (P,) long: rows through pipeline.predict per item
     reward_rows: Tensor  # (P,) long: rows scored per item
-
-
-def _finite(scores: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(scores), scores, torch.tensor(float("-inf")))
 
 
 class _Rollover:
@@ -161,12 +157,12 @@ def rbf_rollover_sample(
     output = pipeline.predict(x, sigmas[0], cond, model.guidance_scale)
     x0_hat = sampler.deterministic_step(output, x, sigmas[0], torch.zeros_like(sigmas[0]))
     start = reward(pipeline.decode(x0_hat), list(items.prompts), list(items.metadata))
-    search = _Rollover(model, reward, items, m, generator, cond, x, output, _finite(start.scores.float().cpu()))
+    search = _Rollover(model, reward, items, m, generator, cond, x, output, finite_or_worst(start.scores.float().cpu()))
     while bool((search.step < search.num_steps).any()):
         for k in search.steps_now():
             idx = torch.nonzero(search.step == k).squeeze(1)
             cand, look, out = search.draw(k, idx)
-            r = _finite(out.scores.float().cpu())
+            r = finite_or_worst(out.scores.float().cpu())
             search.keep_step_best(idx, cand, look, out, r)
             search.move_on(k, idx, cand, look, r)
     return search.result()

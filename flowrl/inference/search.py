@@ -195,6 +195,12 @@ class SearchSection(PartSection):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
     @classmethod
+    def as_recorded(cls, method: dict[str, Any]) -> dict[str, Any]:
+        """The search an evaluation spec's ``method`` ran: a section whose default changed after specs were written
+        (so they do not record the setting) fills in the value they ran with; by default the method as it is."""
+        return method
+
+    @classmethod
     def validated(cls, method: dict[str, Any], names: dict[str, str] | None = None) -> SearchSection:
         """``method`` (``{"name": ..., setting: value}``) as this section; a bad value is one sentence naming the setting
         as ``names`` calls it (a field -> its flag), or, without ``names``, the search and the setting."""

@@ -231,13 +231,13 @@ class RBFRolloverConfig(SearchSection):
 def as_recorded(method: dict[str, Any]) -> dict[str, Any]:
     """The search an evaluation spec's ``method`` ran, as today's sections name it: a setting whose default changed
     since the spec was written, and that the spec therefore did not record, takes the value the spec ran with
-    (``as_recorded`` of flowrl's own sections; every other method as it is)."""
+    (``SearchSection.as_recorded`` of flowrl's own sections; every other method as it is)."""
     from . import SEARCHES
 
     name = method.get("name")
     if not isinstance(name, str) or name not in SEARCHES.builtin_names():
         return method
-    return getattr(SEARCHES.section(name), "as_recorded", lambda m: m)(method)
+    return SEARCHES.section(name).as_recorded(method)
 
 
 __all__ = [

@@ -196,6 +196,10 @@ class MaskedImageSampler:
         device = generator.device if generator is not None else like.device
         return torch.zeros_like(like, device=device).uniform_(0, 1, generator=generator).to(like.device)
 
+    def _tau(self, i: int, n: int, device: torch.device | None = None) -> Tensor:
+        """tau_i: the Gumbel scale on the confidences at step i of n, linear from the first to the last step."""
+        return torch.linspace(*self.choice_temperature, n, device=device)[i]
+
     def _choose(self, probs: Tensor, draft: Tensor, masked: Tensor, i: int, n: int, noise: Tensor | None) -> Tensor:
         """(B, L) bool: the positions that stay masked after step i of n (``noise``: Gumbel noise, None = greedy)."""
         count = keep_masked(self.masking, i, n, masked.shape[1]).to(probs.device)
@@ -204,8 +208,7 @@ class MaskedImageSampler:
         confidence = torch.where(masked, confidence, torch.finfo(confidence.dtype).max)  # never re-mask a committed token
         score = torch.log(confidence.clamp(1e-20))
         if noise is not None:
-            tau = torch.linspace(*self.choice_temperature, n, device=probs.device)[i]
-            score = score + tau * noise
+            score = score + self._tau(i, n, probs.device) * noise
         cut_off = torch.sort(score, dim=-1).values.gather(1, count.long())
         return score < cut_off
 
@@ -235,8 +238,7 @@ class MaskedImageSampler:
         if self.score == "committed_tokens" or sigma_next is None or float(sigma_next) <= 0:
             return tokens_part  # the last step commits every masked position: P(C) = 1
         i, n = step_position(sigma, sigma_next)
-        tau = float(torch.linspace(*self.choice_temperature, n)[i])
-        return tokens_part + commit_log_prob(log_p, nxt, committed, masked & ~committed, tau)
+        return tokens_part + commit_log_prob(log_p, nxt, committed, masked & ~committed, float(self._tau(i, n)))
 
     def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None) -> StepOutput:
         """Sample the next token state (``x_next`` None) or re-score the given one; ``model_output``: logits (B, L, V)."""
