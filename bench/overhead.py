@@ -7,7 +7,10 @@ raw:  the model compute that iteration needs, written as bare PyTorch with the s
 Both are timed alternately, several repetitions each, and compared by median. The last line is
 ``overhead_ratio=<ours / raw>``.
 
-    python bench/overhead.py [key=value overrides for configs/digits/grpo.yaml]
+    python bench/overhead.py [--record] [key=value overrides for configs/digits/grpo.yaml]
+
+``--record`` also writes the numbers to bench/results/overhead.json under the overrides' setting (docs/results.md is
+generated from it).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import record  # noqa: E402  (bench/record.py)
 
 from flowrl.config import load_config  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
@@ -65,7 +71,8 @@ def raw_iteration(trainer: Trainer, stats: dict[str, float]) -> None:
 
 def main() -> None:
     torch.set_num_threads(2)
-    overrides = sys.argv[1:]
+    keep = "--record" in sys.argv
+    overrides = [a for a in sys.argv[1:] if a != "--record"]
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(REPO / "configs" / "digits" / "grpo.yaml", [f"output_dir={tmp}", "log.progress=false", *overrides])
         trainer = Trainer(config)
@@ -91,6 +98,20 @@ def main() -> None:
         o, r = med(ours, i), med(raw, i)
         print(f"{phase:<10}{o:>10.3f}{r:>10.3f}{o / r:>8.3f}")
     print(f"overhead_ratio={med(ours, 0) / med(raw, 0):.3f}")
+    if keep:
+        phases = {p: {"flowrl_s": med(ours, i), "raw_s": med(raw, i)} for i, p in enumerate(["total", "rollout", "score", "update"])}
+        setting = {
+            "overrides": overrides,
+            "samples": n,
+            "steps": config.rollout.num_inference_steps,
+            "guidance": config.rollout.guidance_scale,
+            "threads": torch.get_num_threads(),
+            "phases": phases,
+            **record.stamp(record.this_command()),
+        }
+        results = record.read("overhead") or {"about": __doc__.split("\n\n")[0], "settings": {}}
+        results["settings"][" ".join(overrides) or "preset"] = setting
+        record.write("overhead", results)
 
 
 if __name__ == "__main__":
