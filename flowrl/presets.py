@@ -45,10 +45,14 @@ def resolve_config(spec: str | Path) -> Path:
     raise FlowRLError(f"'{spec}' is neither a config file nor a shipped preset; `flowrl presets` lists the presets.")
 
 
+DESCRIPTION = "# description: "  # the one header line every preset declares; `flowrl presets` shows it
+
+
 def summary(name: str) -> str:
-    """The preset's own description: its comment lines after the command line and the hardware line."""
+    """The preset's declared one-line description (its ``# description:`` header line; tests/test_configs_and_errors.py
+    checks that every preset has exactly one, of at most 100 characters)."""
     lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
-    comments = [line.lstrip("# ").strip() for line in lines[1:] if line.startswith("#")]
-    described = [c for c in comments if c[:1].isupper() and not c.startswith(("Hardware:", "GPU", "CPU"))]  # not a wrapped line
-    text = described[0] if described else ""
-    return text if len(text) <= 100 else text[:97].rstrip() + "..."
+    declared = [line.removeprefix(DESCRIPTION).strip() for line in lines if line.startswith(DESCRIPTION)]
+    if len(declared) != 1:
+        raise FlowRLError(f"preset '{name}' declares {len(declared)} '{DESCRIPTION.strip()}' lines; it needs exactly one.")
+    return declared[0]

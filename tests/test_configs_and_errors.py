@@ -13,6 +13,7 @@ from conftest import CONFIGS, REPO, fast_overrides
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.errors import FlowRLError
+from flowrl.presets import summary
 
 PRESETS = sorted(
     p for p in CONFIGS.rglob("*.yaml") if "accelerate" not in p.relative_to(CONFIGS).parts
@@ -32,6 +33,8 @@ def test_every_preset_loads_and_names_its_command(path):
     first = text.splitlines()[0]
     assert first.startswith(("# flowrl train", "# accelerate launch")) and str(path.relative_to(REPO)) in first
     assert "Hardware:" in text
+    description = summary(str(path.relative_to(CONFIGS).with_suffix("")))  # the one declared line flowrl presets shows
+    assert 20 <= len(description) <= 100 and not description.endswith((".", ","))
     assert config.output_dir
     if config.prompts.dataset == "file":
         resolve_prompt_file(config.prompts.train_file), resolve_prompt_file(config.prompts.eval_file)
