@@ -273,11 +273,31 @@ def _describe(error: dict) -> str:
     return f"config key '{loc}' is invalid: {msg[0].lower()}{msg[1:]} (got {error.get('input')!r})"
 
 
-def validate(tree: dict[str, Any]) -> Config:
+def validate(tree: dict[str, Any], before: dict[str, Any] | None = None, overrides: tuple[str, ...] = ()) -> Config:
+    """``tree`` as a Config; the first problem as one sentence. ``before`` (the tree the ``overrides`` were applied
+    to) lets an error the user did not write be told in the user's own keys."""
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        raise FlowRLError(_describe(e.errors()[0]) + ".") from None
+        error = e.errors()[0]
+        raise FlowRLError((_left_by_a_renamed_part(error, before or {}, overrides) or _describe(error)) + ".") from None
+
+
+def _left_by_a_renamed_part(error: dict, before: dict[str, Any], overrides: tuple[str, ...]) -> str | None:
+    """``sampler.name=ddim`` on a preset whose sampler is flow_sde keeps the preset's flow_sde keys, which ddim does
+    not have: say so in the keys the user wrote, not as an unknown key they never typed."""
+    if error["type"] != "extra_forbidden" or len(error["loc"]) < 2:
+        return None
+    section, key = str(error["loc"][0]), ".".join(str(p) for p in error["loc"])
+    written = {o.split("=", 1)[0].strip(): o.split("=", 1)[1].strip() for o in overrides}
+    old = (before.get(section) or {}).get("name") if isinstance(before.get(section), dict) else None
+    new = written.get(f"{section}.name")
+    if new is None or key in written or old in (None, new):
+        return None
+    return (
+        f"{section}.name={new} replaces {section} '{old}', and the config's key '{key}' belongs to '{old}', not "
+        f"'{new}'; give the whole section instead, e.g. {section}={{name: {new}}} (flowrl config {section}.{new} lists its keys)"
+    )
 
 
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
@@ -309,13 +329,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise FlowRLError(f"override '{bad[0]}' must have the form key.sub=value.")
+    before = tree
     try:
         for override in overrides:
             tree = apply_override(tree, override)
         tree = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
     except OmegaConfBaseException as e:
         raise FlowRLError(f"could not apply the overrides: {str(e).splitlines()[0]}.") from None
-    return validate(tree)
+    return validate(tree, before, tuple(overrides))
 
 
 def apply_override(tree: dict[str, Any], override: str) -> dict[str, Any]:

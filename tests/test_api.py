@@ -164,6 +164,16 @@ def test_a_python_reward_returning_the_wrong_shape_is_one_sentence_at_its_first_
         trainer.train()
 
 
+@pytest.mark.parametrize("answer", [["0.7", "0.2"], np.array(["0.7", "0.2"]), ("0.7", 0.2), [b"0.7", 1.0]])
+def test_a_reward_answering_in_text_is_refused_not_parsed(answer):
+    """numpy would read '0.7' as 0.7; a reward answering in text (a judge's raw reply) is refused in one sentence."""
+    from flowrl.reward_models.callable_reward import as_scores
+
+    with pytest.raises(FlowRLError, match=r"^reward 'judge' returned text \((b?'0\.7')\), not numbers; convert its answer"):
+        as_scores(answer, 2, "judge", torch.device("cpu"))
+    assert as_scores([0.7, 1], 2, "judge", torch.device("cpu")).scores.tolist() == pytest.approx([0.7, 1.0])
+
+
 def test_several_trainers_with_other_settings_in_one_session(tmp_path):
     """accelerate keeps one state per process and refuses a second Accelerator with another precision or device; a
     notebook that builds a bf16 Trainer and then a float32 one (or a CPU one and then an automatic one) must not care."""

@@ -165,3 +165,17 @@ def test_fresh_run_refuses_an_existing_run_dir(tmp_path, capsys):
     assert (run / "metrics.jsonl").read_text() == before  # nothing lost
     assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 1}), "overwrite=true"]) == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_renaming_a_part_names_the_keys_the_user_wrote():
+    """`sampler.name=ddim` on a flow_sde preset leaves the preset's flow_sde keys behind: the error says so, in the
+    user's own override, instead of naming a key the user never typed as unknown."""
+    with pytest.raises(FlowRLError) as e:
+        load_config(GRPO, ["sampler.name=ddim"])
+    assert str(e.value) == (
+        "sampler.name=ddim replaces sampler 'flow_sde', and the config's key 'sampler.diffusion' belongs to 'flow_sde', "
+        "not 'ddim'; give the whole section instead, e.g. sampler={name: ddim} (flowrl config sampler.ddim lists its keys)."
+    )
+    assert load_config(GRPO, ["sampler={name: ddim}"]).sampler.name == "ddim"  # what the sentence proposes works
+    with pytest.raises(FlowRLError, match=r"^unknown config key 'objective\.std'\.$"):  # a key the user did write
+        load_config(GRPO, ["objective.name=ddpo", "objective.std=batch"])

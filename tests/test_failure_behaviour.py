@@ -613,6 +613,19 @@ def test_eval_of_a_jsonl_file_with_a_garbage_line_names_the_file_and_line(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recorded.jsonl"]
 
 
+def test_eval_of_a_jsonl_file_with_nothing_to_grade_exits_2(tmp_path, capsys):
+    """An empty file, or one whose rows carry no gold answer, has no accuracy: one sentence and exit 2, not NaN and 0."""
+    recorded = tmp_path / "empty.jsonl"
+    recorded.write_text("")
+    assert main(["eval", str(recorded)]) == 2
+    assert one_line_error(capsys.readouterr().err) == "flowrl: error: empty.jsonl has nothing to grade: it holds no rows."
+    recorded.write_text('{"llada_generation_256": "18"}\n{"llada_generation_256": "19"}\n')
+    assert main(["eval", str(recorded)]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        "flowrl: error: empty.jsonl has nothing to grade: none of its 2 rows has a 'ground_truth' answer."
+    )
+
+
 @pytest.fixture
 def unreachable_hub(tmp_path, monkeypatch):
     """huggingface_hub pointed at a local endpoint that accepts connections and never answers (a firewall that drops

@@ -3,7 +3,6 @@ data) with flowrl's math grader: ``flowrl eval FILE.jsonl`` or ``python -m flowr
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -40,13 +39,16 @@ def grade_recorded(
         extracted = extract_answer(row[field] or "")
         rows.append({"index": index, "gold": gold, "extracted": extracted, "correct": grade(extracted, gold)})
     n = len(rows)
+    if n == 0:  # an accuracy of nothing is no number: a script reading exit 0 would take NaN for a result
+        why = f"none of its {skipped} rows has a '{gold_field}' answer" if skipped else "it holds no rows"
+        raise FlowRLError(f"{p.name} has nothing to grade: {why}.")
     return {
         "path": str(p),
         "field": field,
         "n": n,
         "n_skipped": skipped,
-        "accuracy": sum(r["correct"] for r in rows) / n if n else math.nan,
-        "extracted_fraction": sum(r["extracted"] is not None for r in rows) / n if n else math.nan,
+        "accuracy": sum(r["correct"] for r in rows) / n,
+        "extracted_fraction": sum(r["extracted"] is not None for r in rows) / n,
         "rows": rows,
     }
 

@@ -47,6 +47,7 @@ def as_scores(out: Any, batch: int, name: str, device: torch.device) -> RewardOu
     if isinstance(out, RewardOutput):
         out, extras = out.scores, dict(out.extras)
     if isinstance(out, (list, tuple)) or isinstance(out, np.ndarray) or np.isscalar(out):
+        _refuse_text(out, name)
         try:
             out = torch.as_tensor(np.asarray(out, dtype=np.float64), dtype=torch.float32)
         except (TypeError, ValueError):
@@ -70,6 +71,14 @@ def as_scores(out: Any, batch: int, name: str, device: torch.device) -> RewardOu
         if not isinstance(value, Tensor) or tuple(value.shape) != (batch,):
             raise FlowRLError(f"reward '{name}' returned an extra '{key}' that is not a tensor of shape ({batch},).")
     return RewardOutput(scores=scores, extras=extras)
+
+
+def _refuse_text(out: Any, name: str) -> None:
+    """numpy reads the string '0.7' as the number 0.7: a reward that answers in text (a judge's raw reply, a parse
+    left undone) would be trained on silently. Text is refused, in one sentence quoting the first one."""
+    text = next((v for v in np.asarray(out, dtype=object).ravel().tolist() if isinstance(v, (str, bytes))), None)
+    if text is not None:
+        raise FlowRLError(f"reward '{name}' returned text ({text!r}), not numbers; convert its answer to float scores, one per sample.")
 
 
 def _describe(value: Any) -> str:
