@@ -2,10 +2,14 @@
 #                    opt-in: .venv/bin/pip install -e ".[lora,server,video,...]" (README, "Installing")
 # make install-test  flowrl with every test dependency, at the versions of .ci/constraints.txt (as root on Debian
 #                    also chromium + chromium-driver for the labelling page's browser test)
-# make test          install-test, then the ruff checks (lint + format) and the whole test suite (what CI runs)
+# make test          install-test, then the ruff checks (lint + format), the strict docs build (docs-check) and the
+#                    whole test suite (what CI runs)
 # make test-fast     the suite without the tests marked slow (pytest -m "not slow"): the inner loop, a few minutes;
 #                    nothing installed (run make install-test once); make test still runs everything
 # make lint          the ruff checks alone; `make format` applies ruff's fixes and formatting
+# make docs          the documentation site (MkDocs Material, mkdocs.yml) into site/; open site/index.html
+# make docs-check    the same build with --strict into a temporary folder: a broken link or anchor, a page missing from
+#                    the nav or an API reference that does not resolve fails it (part of make test)
 # make constraints   rewrite .ci/constraints.txt from .venv, once the suite passes with newer versions
 # make train     the README's main job: GRPO on the embedded digits model
 # make bench     framework-overhead benchmark
@@ -13,7 +17,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test test test-fast lint format constraints train bench assets
+.PHONY: install install-test test test-fast lint format docs docs-check constraints train bench assets
 CONSTRAINTS := .ci/constraints.txt
 
 $(BIN)/python:
@@ -37,13 +41,26 @@ constraints:
 
 # Two pytest-xdist workers, one test file each at a time (a file's module fixtures are built once), one torch thread
 # each (tests/conftest.py): on 2 cores 1.75x faster than one process, with the same tests.
-test: install-test lint
+test: install-test lint docs-check
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 # The same workers without the tests marked @pytest.mark.slow (a call over about 3 s: real training runs, launched
 # processes, the family tests' training checks).
 test-fast:
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow"
+
+# MkDocs, Material and mkdocstrings (pyproject's docs extra, which make install-test installs too), at the versions of
+# the constraints. mkdocstrings reads the sources without importing them, so the site needs neither torch nor flowrl.
+$(BIN)/mkdocs: $(BIN)/python
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(BIN)/python -m pip install -q mkdocs mkdocs-material "mkdocstrings[python]"
+
+# NO_MKDOCS_2_WARNING: Material's notice about its end of life (May 2027), printed on every build
+docs: $(BIN)/mkdocs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
+
+docs-check: $(BIN)/mkdocs
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir "$$tmp" && echo "docs: strict build passed"
 
 lint:
 	$(BIN)/ruff check .
