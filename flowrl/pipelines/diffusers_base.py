@@ -100,11 +100,43 @@ def _loaded_source(loaded: Any, pretrained: str) -> str:
     return str(source) if source else pretrained
 
 
+def cut_overlong(tokenizer: Any, prompts: list[str], max_length: int) -> list[str]:
+    """``prompts`` with each one longer than the text encoder reads cut to a start that still holds more than its
+    ``max_length`` tokens (the same ids after truncation, without tokenizing a 40 MB prompt whole), and a warning
+    naming its length (once per prompt length and limit), as a reward that reads the whole prompt would otherwise
+    score images against words the model never saw."""
+    cut = []
+    for prompt in prompts:
+        if len(prompt) + 2 <= max_length:  # every token spans at least one character: cannot be over
+            cut.append(prompt)
+            continue
+        head = prompt[: 16 * max_length]
+        count = len(tokenizer(head, add_special_tokens=True, truncation=False, verbose=False).input_ids)
+        if count > max_length and (len(prompt), max_length) not in _WARNED_LENGTHS:
+            _WARNED_LENGTHS.add((len(prompt), max_length))
+            over = f"{count} tokens" if head == prompt else f"more than {count} tokens"
+            warnings.warn(
+                f"a prompt of {len(prompt):,} characters ({over}) is longer than the text encoder's {max_length} tokens; "
+                f"only its first {max_length} tokens are read (it starts {prompt[:40]!r}).",
+                stacklevel=3,
+            )
+        cut.append(head if count > max_length + 8 else prompt)  # a margin: a merge at the cut stays past the limit
+    return cut
+
+
+_WARNED_LENGTHS: set[tuple[int, int]] = set()
+
+
 def prompt_token_ids(tokenizer: Any, prompts: list[str], max_length: int) -> Tensor:
     """(B, max_length) token ids of ``prompts`` as diffusers' pipelines tokenize them for a text encoder: special tokens
-    added, truncated and padded to ``max_length``."""
+    added, truncated and padded to ``max_length`` (with a warning for a prompt that is cut)."""
     return tokenizer(
-        prompts, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True, return_tensors="pt"
+        cut_overlong(tokenizer, prompts, max_length),
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_tensors="pt",
     ).input_ids
 
 
