@@ -203,6 +203,44 @@ def test_best_of_n_records_its_spec_and_reproduces(trained_run, tmp_path, capsys
     assert again["reproduction"]["bit_for_bit"] and again["reproduction"]["differing_fields"] == []
 
 
+@pytest.mark.slow
+def test_a_spec_recorded_with_relative_paths_re_runs_from_another_directory(trained_run, tmp_path, capsys, monkeypatch):
+    import json
+
+    from flowrl.cli import main
+
+    monkeypatch.chdir(trained_run.parent)
+    assert main(["eval", "run/checkpoints/step_000002", "--out", str(tmp_path / "a.png")]) == 0
+    record, _ = _printed_record(capsys)
+    assert record["spec"]["model"]["checkpoint"] == str((trained_run / "checkpoints" / "step_000002").resolve())
+    (tmp_path / "spec.json").write_text(json.dumps(record))
+    monkeypatch.chdir(tmp_path)  # elsewhere: every path the spec names is absolute
+    assert main(["eval", "--spec", "spec.json", "--out", "b.png"]) == 0
+    again, _ = _printed_record(capsys)
+    assert again["reproduction"]["bit_for_bit"]
+
+
+def test_config_paths_in_a_spec_are_absolute_when_they_name_a_file(tmp_path, monkeypatch):
+    from flowrl.evaluation.spec import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("a seven\n")
+    (tmp_path / "model").mkdir()
+    tree = {
+        "pipeline": {"name": "digits", "pretrained": "model"},
+        "prompts": {"dataset": "file", "train_file": "prompts.txt", "eval_file": "missing.txt"},
+        "resume_from": "latest",
+        "output_dir": "runs/x",
+    }
+    assert absolute_paths(tree) == {
+        "pipeline": {"name": "digits", "pretrained": str(tmp_path / "model")},
+        "prompts": {"dataset": "file", "train_file": str(tmp_path / "prompts.txt"), "eval_file": "missing.txt"},
+        "resume_from": "latest",  # a keyword, not a path here
+        "output_dir": "runs/x",  # where a run writes: not read by a re-run
+    }
+    assert absolute_paths("digits_flow", "pretrained") == "digits_flow"  # an embedded model's name
+
+
 def test_a_diffusion_lm_evaluation_spec_reproduces(tmp_path, capsys):
     from flowrl.cli import main
 

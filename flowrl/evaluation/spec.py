@@ -107,6 +107,22 @@ def text_generation_settings(sc) -> dict[str, Any]:
     }
 
 
+PATH_KEYS = ("pretrained", "train_file", "eval_file", "pairs", "winners", "resume_from")  # config values naming files
+
+
+def absolute_paths(value: Any, key: str = "") -> Any:
+    """``value`` (a config's dump, or one value of it) with every relative path under a key of ``PATH_KEYS`` that
+    names an existing file or directory made absolute: a spec must re-run from any directory. Names that are not
+    paths here (a hub id, an embedded model's name, ``latest``) stay as they are."""
+    if isinstance(value, dict):
+        return {k: absolute_paths(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [absolute_paths(v, key) for v in value]
+    if key in PATH_KEYS and isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
+
+
 def build_spec(
     config,
     *,
@@ -144,9 +160,9 @@ def build_spec(
         "method": method,
         "model": {
             "family": config.pipeline.name,
-            "pretrained": config.pipeline.pretrained,
+            "pretrained": absolute_paths(config.pipeline.pretrained, "pretrained"),
             "revision": getattr(config.pipeline, "revision", None),
-            "checkpoint": str(checkpoint) if checkpoint is not None else None,
+            "checkpoint": str(Path(checkpoint).resolve()) if checkpoint is not None else None,
             "weights_sha256": weights,
         },
         "sampler": sampler,
@@ -158,7 +174,7 @@ def build_spec(
             "noise": "per item, keyed by the prompt's content and the sample index",
         },
         "prompts": {
-            "source": config.prompts.model_dump(mode="json"),
+            "source": absolute_paths(config.prompts.model_dump(mode="json")),
             "count": len(prompts),
             "sha256": prompt_set_sha256(prompts, metadata),
         },
@@ -169,7 +185,7 @@ def build_spec(
             else None
         ),
         "environment": environment(),
-        "config": config.model_dump(mode="json"),
+        "config": absolute_paths(config.model_dump(mode="json")),
         # NaN as null, as every JSON flowrl writes has it: a re-run compares like with like
         "result": {k: None if v is None or math.isnan(float(v)) else float(v) for k, v in result.items()},
     }
