@@ -499,7 +499,7 @@ def test_non_finite_samples_score_nan_without_being_sent(server, reference):
 
 
 @pytest.mark.slow
-def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path):
+def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path, capsys):
     proc = ServerProcess(write_config(tmp_path / "server.yaml", device="cpu"), tmp_path / "server.log")
     try:
         images, prompts, meta = digits(2)
@@ -518,6 +518,17 @@ def test_killed_server_raises_one_sentence_after_bounded_retries(tmp_path):
         with pytest.raises(RewardServerError, match=r"did not answer after \d+ attempts \(connection refused\)\.$"):
             RemoteReward(proc.url, token=TOKEN, retry_for=1.5, backoff=0.1, timeout=5)(images, prompts, meta)
         assert 1.5 <= time.monotonic() - start < 3
+        # and says, once, while it waits, that the server is not answering and for how long it will keep trying
+        waiting = capsys.readouterr().err.splitlines()
+        said = [line for line in waiting if "not answering" in line]
+        assert len(said) == 2  # once per call above, when its first round of attempts failed
+        assert (
+            said[0]
+            == f"flowrl: reward server {proc.url} is not answering; retrying, at most 1 more attempt(s) for up to 120 s more (retry_for)."
+        )
+        assert re.fullmatch(
+            rf"flowrl: reward server {re.escape(proc.url)} is not answering; retrying, for up to [12] s more \(retry_for\)\.", said[1]
+        )
     finally:
         proc.stop()
 

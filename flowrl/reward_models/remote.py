@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import sys
 import threading
 import time
 import warnings
@@ -232,6 +233,14 @@ class RemoteReward:
         left = self.retry_for - (time.monotonic() - start)
         if left <= 0:
             return False
+        if attempt == n:  # every replica failed once: a person watching a silent run should know why it waits
+            servers = f"reward server {self.url} is" if n == 1 else f"reward servers {self.url} are"
+            limit = f"at most {self.retries - attempt} more attempt(s) " if self.retries is not None else ""
+            print(
+                f"flowrl: {servers} not answering; retrying, {limit}for up to {left:.0f} s more (retry_for).",
+                file=sys.stderr,
+                flush=True,
+            )
         if attempt % n == 0:
             time.sleep(min(backoff_seconds(attempt // n, self.backoff, retry_after, self._jitter), left))
         return True
