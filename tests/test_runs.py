@@ -113,6 +113,11 @@ def test_resuming_under_another_objective_or_model_is_refused_naming_the_keys(sa
     assert err.startswith("flowrl: error: resume_from=latest continues a run trained with objective.name='grpo', but this config has "
                           "objective.name='ddpo' (and ")  # fmt: skip
     assert "resume with the run's own config" in err and "resume_allow=[" in err
+    listed = err.split("add resume_allow=[")[1].split("]")[0].split(",")  # every changed key, none left out
+    more = int(err.split("(and ")[1].split(" more")[0])
+    assert len(listed) == more + 1 and listed[0] == "objective.name"
+    sections = sorted({k.split(".")[0] for k in listed})
+    assert err.endswith(f" (or whole sections: resume_allow=[{','.join(sections)}]).")
     ddpm = ["pipeline.pretrained=digits_ddpm", "sampler={name: ddim}"]
     assert main(["train", str(GRPO), *fast_overrides(run, **{"train.iterations": 3}), "resume_from=latest", *ddpm]) == 2
     err = capsys.readouterr().err

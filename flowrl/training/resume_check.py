@@ -63,13 +63,11 @@ def check_resume_config(config: Any, checkpoint: Path, spec: str) -> None:
     if not changes:
         return
     key, old, new = changes[0]
-    more = (
-        f" (and {len(changes) - 1} more: {', '.join(k for k, _, _ in changes[1:6])}{', ...' if len(changes) > 6 else ''})"
-        if len(changes) > 1
-        else ""
-    )
-    listed = ",".join(k for k, _, _ in changes[:6])
+    keys = [k for k, _, _ in changes]
+    more = f" (and {len(keys) - 1} more: {', '.join(keys[1:])})" if len(keys) > 1 else ""
+    sections = sorted({k.split(".")[0] for k in keys})
+    whole = f" (or whole sections: resume_allow=[{','.join(sections)}])" if len(sections) < len(keys) else ""
     raise FlowRLError(
         f"resume_from={spec} continues a run trained with {key}={old!r}, but this config has {key}={new!r}{more}; resume with "
-        f"the run's own config ({path}), or, to continue anyway with the new values, add resume_allow=[{listed}]."
+        f"the run's own config ({path}), or, to continue anyway with the new values, add resume_allow=[{','.join(keys)}]{whole}."
     )
