@@ -11,47 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.pipelines.tiny.amused import CODEBOOK, build_tiny_amused  # noqa: F401
 from tests.family_tester import FamilyTesterMixin, tiny_checkpoint
 from tests.tiny_components import family_config, two_iterations_change_every_parameter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-CODEBOOK = 16
-
-
-def build_tiny_amused(directory):
-    """An AmusedPipeline at tiny size: 8x8 pixels, a VQModel without downsampling (an 8x8 grid of 64 tokens, so the
-    cosine schedule commits 1 to 8 tokens a step over aMUSEd's 12 default steps), random weights."""
-    from diffusers import AmusedPipeline, VQModel
-
-    from flowrl.data.digits import build_tokenizer
-    from flowrl.pipelines.embedded.masked_digits_models import build_scheduler, build_text_encoder, build_transformer
-
-    torch.manual_seed(0)
-    vqvae = VQModel(
-        in_channels=1,
-        out_channels=1,
-        block_out_channels=(8,),
-        layers_per_block=1,
-        latent_channels=4,
-        sample_size=8,
-        num_vq_embeddings=CODEBOOK,
-        norm_num_groups=4,
-        mid_block_add_attention=False,
-        lookup_from_codebook=True,
-    )
-    transformer = build_transformer(CODEBOOK, hidden=16, layers=1, text_dim=16)
-    transformer.register_to_config(sample_size=8)
-    pipe = AmusedPipeline(
-        vqvae=vqvae,
-        tokenizer=build_tokenizer(),
-        text_encoder=build_text_encoder(16),
-        transformer=transformer,
-        scheduler=build_scheduler(CODEBOOK),
-    )
-    pipe.save_pretrained(directory)
-    return directory
-
 
 amused_dir = tiny_checkpoint(build_tiny_amused)
 

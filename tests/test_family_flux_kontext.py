@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from flowrl.pipelines.tiny.sd3_flux import build_tiny_kontext
 from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, tiny_checkpoint
-from tests.tiny_components import family_config, ode_sample, tiny_flux_components
+from tests.tiny_components import family_config, ode_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,15 +27,6 @@ FLOW_FACTORY_TARGETS = (
     "[attn.to_k, attn.to_q, attn.to_v, attn.to_out.0, attn.add_k_proj, attn.add_q_proj, attn.add_v_proj, attn.to_add_out, "
     "ff.net.0.proj, ff_context.net.0.proj, ff.net.2, ff_context.net.2]"
 )
-
-
-def build_tiny_kontext(directory):
-    """FLUX.1-Kontext-dev-shaped: one double- and one single-stream block, guidance embedding, FLUX.1-dev's dynamic
-    shift, a 4-channel VAE with FLUX's scaling and shift factors."""
-    from diffusers import FluxKontextPipeline
-
-    FluxKontextPipeline(**tiny_flux_components(guidance_embeds=True)).save_pretrained(directory)
-    return directory
 
 
 kontext_dir = tiny_checkpoint(build_tiny_kontext)

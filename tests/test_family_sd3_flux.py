@@ -9,57 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.pipelines.tiny.sd3_flux import build_tiny_flux, build_tiny_sd3
 from tests.family_tester import EmbeddedGuidanceTesterMixin, FamilyTesterMixin, Grid, flow_match, tiny_checkpoint
-from tests.tiny_components import ode_sample, tiny_clip_text, tiny_flux_components, tiny_t5, tiny_tokenizer, tiny_vae
+from tests.tiny_components import ode_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["a photo of a cat", "a dog"]
 T5_TOKENS = 8  # pipeline.max_sequence_length of the tiny models
-
-
-def build_tiny_sd3(directory, with_t5: bool = True):
-    """SD3.5-shaped: MMDiT with qk RMS-norm and one dual-attention layer, 16-channel VAE with shift factor."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-
-    torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=16,
-        out_channels=16,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        joint_attention_dim=96,
-        caption_projection_dim=32,
-        pooled_projection_dim=64,
-        pos_embed_max_size=16,
-        qk_norm="rms_norm",
-        dual_attention_layers=(0,),
-    )
-    vae = tiny_vae(latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=vae,
-        text_encoder=tiny_clip_text(projection=True, seed=1),
-        tokenizer=tiny_tokenizer(),
-        text_encoder_2=tiny_clip_text(projection=True, seed=2),
-        tokenizer_2=tiny_tokenizer(),
-        text_encoder_3=tiny_t5(d_model=96) if with_t5 else None,
-        tokenizer_3=tiny_tokenizer() if with_t5 else None,
-    )
-    pipe.save_pretrained(directory)
-    return directory
-
-
-def build_tiny_flux(directory, guidance_embeds: bool = True):
-    """FLUX.1-shaped: one double- and one single-stream block, guidance embedding (dev) or not (schnell)."""
-    from diffusers import FluxPipeline
-
-    FluxPipeline(**tiny_flux_components(guidance_embeds)).save_pretrained(directory)
-    return directory
 
 
 sd3_dir = tiny_checkpoint(build_tiny_sd3)

@@ -9,49 +9,12 @@ import operator
 import pytest
 import torch
 
+from flowrl.pipelines.tiny.unet import build_tiny_sdxl
 from tests.family_tester import FamilyTesterMixin, tiny_checkpoint
-from tests.tiny_components import tiny_clip_text, tiny_tokenizer, tiny_unet, tiny_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["a photo of a cat", "a dog"]
-
-
-def build_tiny_sdxl(directory, prediction_type: str = "epsilon", force_zeros_for_empty_prompt: bool = True, force_upcast: bool = True):
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
-
-    unet = tiny_unet(
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        transformer_layers_per_block=(1, 2),
-        projection_class_embeddings_input_dim=6 * 8 + 32,  # six time ids x 8 + text_encoder_2 projection
-        cross_attention_dim=64,
-    )  # 64 = 32 (text_encoder) + 32 (text_encoder_2)
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        timestep_spacing="leading",
-        prediction_type=prediction_type,
-    )
-    pipe = StableDiffusionXLPipeline(
-        vae=tiny_vae(force_upcast=force_upcast),
-        text_encoder=tiny_clip_text(hidden=32, seed=0),
-        text_encoder_2=tiny_clip_text(hidden=32, projection=True, seed=1),
-        tokenizer=tiny_tokenizer(),
-        tokenizer_2=tiny_tokenizer(),
-        unet=unet,
-        scheduler=scheduler,
-        force_zeros_for_empty_prompt=force_zeros_for_empty_prompt,
-        add_watermarker=False,
-    )
-    pipe.save_pretrained(directory)
-    return directory
 
 
 sdxl_dir = tiny_checkpoint(build_tiny_sdxl)

@@ -10,125 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from flowrl.pipelines.tiny.video import build_tiny_cogvideox, build_tiny_wan, build_tiny_wan_i2v, tiny_wan_transformer  # noqa: F401
 from tests.conftest import CONFIGS
 from tests.family_tester import FamilyTesterMixin, Grid, tiny_checkpoint
-from tests.tiny_components import family_config, tiny_causal_vae, tiny_t5, tiny_tokenizer
+from tests.tiny_components import family_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SIZE = {"pipeline.height": 32, "pipeline.width": 32, "pipeline.num_frames": 5, "pipeline.max_sequence_length": 16}
 PROMPTS = ["a small boat moving left across a lake", "a bird flying up into the sky"]
-
-
-# -- tiny builders (the way diffusers' own pipeline tests build dummy components) ---------------------
-
-
-def tiny_wan_transformer(in_channels: int = 4, image_dim: int | None = None, seed: int = 0, out_channels: int = 4):
-    """A tiny WanTransformer3DModel (Wan2.2's two experts are two of them that differ only by their seed)."""
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-        image_dim=image_dim,
-    )
-
-
-def build_tiny_wan(directory, expand_timesteps: bool = False):
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-
-    WanPipeline(
-        tokenizer=tiny_tokenizer(),
-        text_encoder=tiny_t5(umt5=True),
-        vae=tiny_causal_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=tiny_wan_transformer(),
-        expand_timesteps=expand_timesteps,
-    ).save_pretrained(directory)
-    return directory
-
-
-def build_tiny_wan_i2v(directory):
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-    torch.manual_seed(0)
-    clip = CLIPVisionModel(
-        CLIPVisionConfig(
-            hidden_size=8, projection_dim=8, num_hidden_layers=2, num_attention_heads=2, image_size=8, intermediate_size=16, patch_size=2
-        )
-    ).eval()
-    WanImageToVideoPipeline(
-        tokenizer=tiny_tokenizer(),
-        text_encoder=tiny_t5(umt5=True),
-        vae=tiny_causal_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=tiny_wan_transformer(in_channels=12, image_dim=8),
-        image_encoder=clip,
-        image_processor=CLIPImageProcessor(crop_size=8, size=8),
-    ).save_pretrained(directory)
-    return directory
-
-
-def build_tiny_cogvideox(directory, rotary: bool = True):
-    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
-
-    torch.manual_seed(0)
-    vae = AutoencoderKLCogVideoX(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("CogVideoXDownBlock3D",) * 4,
-        up_block_types=("CogVideoXUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=2,
-        temporal_compression_ratio=4,
-    ).eval()
-    torch.manual_seed(0)
-    transformer = CogVideoXTransformer3DModel(
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=8,
-        text_embed_dim=32,
-        num_layers=2,
-        sample_width=4,
-        sample_height=4,
-        sample_frames=9,
-        patch_size=2,
-        temporal_compression_ratio=4,
-        max_text_seq_length=16,
-        use_rotary_positional_embeddings=rotary,
-    )
-    # CogVideoX-2b's scheduler: v-prediction, SNR shift 3, zero terminal SNR, trailing spacing
-    scheduler = CogVideoXDDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        prediction_type="v_prediction",
-        rescale_betas_zero_snr=True,
-        set_alpha_to_one=True,
-        snr_shift_scale=3.0,
-        timestep_spacing="trailing",
-    )
-    CogVideoXPipeline(
-        tokenizer=tiny_tokenizer(), text_encoder=tiny_t5(), vae=vae, transformer=transformer, scheduler=scheduler
-    ).save_pretrained(directory)
-    return directory
 
 
 wan_dir = tiny_checkpoint(build_tiny_wan)

@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from flowrl.pipelines.tiny.video import BOUNDARY, build_tiny_ti2v, build_tiny_wan22, tiny_wan22_vae  # noqa: F401
 from tests.conftest import CONFIGS
 from tests.family_tester import plain_adapter, tiny_checkpoint
 from tests.test_family_video import (  # noqa: F401 (prompt_files: a fixture)
@@ -26,76 +27,10 @@ from tests.test_family_video import (  # noqa: F401 (prompt_files: a fixture)
 from tests.tiny_components import (
     ode_sample,
     rescoring_ratio_is_one,
-    tiny_causal_vae,
-    tiny_t5,
-    tiny_tokenizer,
     two_iterations_change_every_parameter,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-BOUNDARY = 0.875  # Wan2.2 T2V-A14B's boundary_ratio
-
-
-# -- tiny builders ------------------------------------------------------------------------------------
-
-
-def build_tiny_wan22(directory, i2v: bool = False, boundary_ratio: float | None = BOUNDARY, transformer_2: bool = True):
-    """Wan2.2 A14B at tiny size: two experts; I2V-A14B style (``i2v``): latents + mask + first-frame channels in, no
-    CLIP image encoder (Wan2.2 I2V has none)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
-
-    channels = 12 if i2v else 4
-    parts = dict(
-        tokenizer=tiny_tokenizer(),
-        text_encoder=tiny_t5(umt5=True),
-        vae=tiny_causal_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=tiny_wan_transformer(channels, seed=0),
-        transformer_2=tiny_wan_transformer(channels, seed=1) if transformer_2 else None,
-        boundary_ratio=boundary_ratio,
-    )
-    (WanImageToVideoPipeline if i2v else WanPipeline)(**parts).save_pretrained(directory)
-    return directory
-
-
-def tiny_wan22_vae():
-    """Wan2.2's VAE shape at tiny width: z_dim 48, residual blocks, 2x2 patchified pixels, 16x spatial / 4x temporal."""
-    from diffusers import AutoencoderKLWan
-
-    torch.manual_seed(0)
-    return AutoencoderKLWan(
-        base_dim=4,
-        decoder_base_dim=6,
-        z_dim=48,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_spatial=16,
-        scale_factor_temporal=4,
-        latents_mean=[0.05 * (i % 7 - 3) for i in range(48)],  # non-trivial, so the normalisation is exercised
-        latents_std=[0.8 + 0.05 * (i % 9) for i in range(48)],
-    ).eval()
-
-
-def build_tiny_ti2v(directory):
-    """Wan2.2 TI2V-5B at tiny size: one 48-channel transformer, expand_timesteps (saved as the hub's WanPipeline)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-
-    WanPipeline(
-        tokenizer=tiny_tokenizer(),
-        text_encoder=tiny_t5(umt5=True),
-        vae=tiny_wan22_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        transformer=tiny_wan_transformer(48, seed=2, out_channels=48),
-        expand_timesteps=True,
-    ).save_pretrained(directory)
-    return directory
-
 
 wan22_dir = tiny_checkpoint(build_tiny_wan22)
 wan22_i2v_dir = tiny_checkpoint(build_tiny_wan22, i2v=True)

@@ -1,5 +1,5 @@
-"""Tiny, seeded instances of the real diffusers / transformers classes (the way diffusers' own tests
-build dummy components), and the checks every model family must pass.
+"""The checks every model family's tests share, and (re-exported) the tiny builders of the real diffusers /
+transformers classes, which live in the package (flowrl/pipelines/tiny/, ``flowrl tiny FAMILY OUT``).
 
 Nothing here is a mock: each builder returns the real class at a tiny config, the family tests save it
 with ``save_pretrained`` (a real diffusers pipeline directory with model_index.json) and load it back
@@ -12,162 +12,20 @@ from pathlib import Path
 
 import torch
 
-CORPUS = [
-    "a photo of a cat",
-    "a painting of a dog sitting on a bench",
-    "an astronaut riding a horse on the moon",
-    "the digit seven",
-    "a red apple on a wooden table",
-    "a city at night with neon lights",
-    "",
-    "a small boat moving left across a lake",
-    "a bird flying up into the sky",
-    "one two three four five six",
-]
-
-
-def tiny_tokenizer(max_length: int = 16):
-    """A real byte-pair ``PreTrainedTokenizerFast`` trained in-process on a tiny corpus (no hub)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    specials = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
-    tok.train_from_iterator(
-        CORPUS * 4,
-        trainers.BpeTrainer(
-            vocab_size=300, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-        ),
-    )
-    bos, eos = tok.token_to_id("[BOS]"), tok.token_to_id("[EOS]")
-    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", bos), ("[EOS]", eos)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", model_max_length=max_length
-    )
-
-
-def tiny_clip_text(hidden: int = 32, projection: bool = False, seed: int = 0, vocab_size: int = 512):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    torch.manual_seed(seed)
-    config = CLIPTextConfig(
-        bos_token_id=2,
-        eos_token_id=3,
-        pad_token_id=0,
-        hidden_size=hidden,
-        intermediate_size=37,
-        layer_norm_eps=1e-5,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        vocab_size=vocab_size,
-        projection_dim=hidden,
-        max_position_embeddings=64,
-    )
-    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
-
-
-def tiny_t5(d_model: int = 32, seed: int = 0, umt5: bool = False, vocab_size: int = 512):
-    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
-
-    torch.manual_seed(seed)
-    kwargs = dict(vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
-    if umt5:
-        return UMT5EncoderModel(UMT5Config(**kwargs)).eval()
-    return T5EncoderModel(T5Config(**kwargs)).eval()
-
-
-def tiny_vae(latent_channels: int = 4, seed: int = 0, **kwargs):
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(seed)
-    return AutoencoderKL(
-        block_out_channels=[8, 16],
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=32,
-        **kwargs,
-    ).eval()
-
-
-def tiny_causal_vae(cls_name: str = "AutoencoderKLWan", base_dim: int = 4, dim_mult=(1, 1, 1, 1)):
-    """A causal 3-D VAE of Wan's design (``AutoencoderKLWan``; Qwen-Image's ``AutoencoderKLQwenImage`` is one too) at
-    tiny size: 4 latent channels with a non-trivial latents_mean / latents_std, so the normalisation is exercised."""
-    import diffusers
-
-    torch.manual_seed(0)
-    return getattr(diffusers, cls_name)(
-        base_dim=base_dim,
-        z_dim=4,
-        dim_mult=list(dim_mult),
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0],
-        latents_std=[1.5, 0.8, 1.2, 2.0],
-    ).eval()
-
-
-def tiny_flux_vae():
-    """The 4-channel VAE of the FLUX-shaped tiny models (FLUX.1, Kontext, Z-Image): FLUX's scaling and shift factors."""
-    return tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-
-
-def tiny_unet(**kwargs):
-    """A seeded UNet2DConditionModel at tiny size (two blocks of 8 and 16 channels, 4 latent channels); ``kwargs``:
-    the family's block types and conditioning."""
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4, norm_num_groups=4, **kwargs
-    )
-
-
-def tiny_flux_transformer(guidance_embeds: bool = True):
-    """FLUX.1-shaped: one double- and one single-stream block, a guidance embedding (dev, Kontext) or not (schnell)."""
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 4, 8),
-        guidance_embeds=guidance_embeds,
-    )
-
-
-def tiny_flux_components(guidance_embeds: bool = True) -> dict:
-    """The components of a FLUX.1-shaped pipeline (FluxPipeline, FluxKontextPipeline): the transformer, FLUX.1-dev's
-    dynamic scheduler, the FLUX VAE, CLIP and T5 with their tokenizers."""
-    return dict(
-        transformer=tiny_flux_transformer(guidance_embeds),
-        scheduler=flux_dynamic_scheduler(),
-        vae=tiny_flux_vae(),
-        text_encoder=tiny_clip_text(seed=1),
-        tokenizer=tiny_tokenizer(),
-        text_encoder_2=tiny_t5(d_model=32),
-        tokenizer_2=tiny_tokenizer(),
-    )
-
-
-def flux_dynamic_scheduler():
-    """FLUX.1-dev's FlowMatchEulerDiscreteScheduler config: shift from the image token count (mu)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-    )
-
+from flowrl.pipelines.tiny.components import (  # noqa: F401 (re-exported: the family tests import them from here)
+    CORPUS,
+    flux_dynamic_scheduler,
+    tiny_causal_vae,
+    tiny_clip_text,
+    tiny_flux_components,
+    tiny_flux_transformer,
+    tiny_flux_vae,
+    tiny_t5,
+    tiny_tokenizer,
+    tiny_unet,
+    tiny_vae,
+)
+from flowrl.pipelines.tiny.unet import build_tiny_sd, tiny_sd_pipeline  # noqa: F401
 
 # -- the checks every family runs ---------------------------------------------------------------------
 
@@ -335,41 +193,3 @@ def ode_sample(pipeline, prompts: list[str], seed: int = 0, steps: int = 3, guid
         same_noise_in_group=False,
     )
     return traj.samples
-
-
-def tiny_sd_pipeline(prediction_type: str = "epsilon"):
-    """A tiny Stable Diffusion pipeline of the real diffusers classes (UNet, VAE, CLIP text encoder), in memory."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
-
-    unet = tiny_unet(
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=4,
-    )
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-        prediction_type=prediction_type,
-    )
-    pipe = StableDiffusionPipeline(
-        vae=tiny_vae(),
-        text_encoder=tiny_clip_text(),
-        tokenizer=tiny_tokenizer(),
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    return pipe
-
-
-def build_tiny_sd(directory, prediction_type: str = "epsilon"):
-    """:func:`tiny_sd_pipeline` saved with ``save_pretrained`` (a real pipeline directory with model_index.json)."""
-    tiny_sd_pipeline(prediction_type).save_pretrained(directory)
-    return directory
