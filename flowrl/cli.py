@@ -1,4 +1,4 @@
-"""``flowrl train | sample | eval``: the command line. Errors the user can fix print one sentence."""
+"""``flowrl train | sample | eval | check | ...``: the command line. Errors the user can fix print one sentence."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ EPILOG = """examples:
   flowrl eval configs/digits/grpo.yaml --smc 16 --smc-lambda 30   (particles toward p_base exp(lambda r))
   flowrl eval configs/digits/grpo.yaml --rbf 4       (or --noise-search 5: rollover budget forcing, noise search)
   flowrl eval configs/dllm/diffu_grpo.yaml sampler.eval_temperature=1 --best-of 16 --select majority,likelihood
+  flowrl check configs/digits/grpo.yaml                  (training, evaluation, sampling and the card agree?)
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
   flowrl export runs/sd_lora/checkpoints/step_000100 my_lora --lora-only --push-to-hub me/my-lora
 """
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_sample_parser(sub)
     _add_eval_parser(sub)
+    _add_check_parser(sub)
     _add_export_parser(sub)
     sub.add_parser("presets", help="list the presets shipped with flowrl (flowrl train NAME)")
     c = sub.add_parser("config", help="explain the config: its sections, or one section's keys with types, defaults and descriptions")
@@ -81,7 +83,7 @@ def _add_sample_parser(sub) -> None:
     )
     s.add_argument("-n", "--num-samples", type=int, default=8, help="samples per prompt")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the checkpoint's)")
+    s.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the checkpoint's evaluation steps)")
     s.add_argument(
         "--sampler",
         choices=("ode", "rollout"),
@@ -90,7 +92,7 @@ def _add_sample_parser(sub) -> None:
         "SDE an Adjoint Matching model was trained on), with fresh noise; a masked-token model (amused) always samples "
         "with its own unmasking sampler",
     )
-    s.add_argument("--guidance-scale", type=float, default=None)
+    s.add_argument("--guidance-scale", type=float, default=None, help="(default: the checkpoint's evaluation guidance)")
     s.add_argument("--image", default=None, help="first frame for image-to-video models (wan_i2v)")
     s.add_argument(
         "--out",
@@ -98,6 +100,17 @@ def _add_sample_parser(sub) -> None:
         default=Path("samples.png"),
         help="a .png grid (images; videos also as MP4 / GIF), or a .npy file: the final samples as a float32 array (N, ...)",
     )
+
+
+def _add_check_parser(sub) -> None:
+    k = sub.add_parser(
+        "check",
+        help="build the run as training would and verify, for one prompt group, that training, evaluation, sampling and "
+        "the exported card agree (docs/check.md); exit 1 on any mismatch",
+    )
+    k.add_argument("config", help="a shipped preset by name (digits/grpo) or a YAML file, as for flowrl train")
+    k.add_argument("overrides", nargs="*", help="dotted overrides, e.g. pipeline.pretrained=DIR")
+    k.add_argument("--json", action="store_true", help="print the result as one JSON line, for scripts")
 
 
 def _add_export_parser(sub) -> None:
@@ -264,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             "sample": _sample,
             "eval": _eval,
             "export": _export,
+            "check": _check,
             "serve-reward": _serve_reward,
             "label": _label,
             "presets": _presets,
@@ -463,25 +477,26 @@ def _sample(args) -> int:
     if args.image is not None and not Path(args.image).is_file():
         raise FlowRLError(f"--image '{args.image}' does not exist.")
     metadata = [{"image": args.image} if args.image else {} for _ in prompts]
-    traj = sample(
-        pipeline,
-        _sample_sampler(args, pipeline, config),
-        prompts,
-        args.num_samples,
-        args.steps or steps,
-        guidance if args.guidance_scale is None else args.guidance_scale,
-        seed=args.seed,
-        metadata=metadata,
-    )
+    sampler, steps, guidance = _sample_settings(args, pipeline, config, steps, guidance)
+    traj = sample(pipeline, sampler, prompts, args.num_samples, steps, guidance, seed=args.seed, metadata=metadata)
     _write_samples(traj.samples, args.out, len(prompts), args.num_samples)
     return 0
 
 
+def _sample_settings(args, pipeline, config, steps: int, guidance: float):
+    """(sampler, steps, guidance) flowrl sample draws with: the flags where given, else the source's."""
+    return _sample_sampler(args, pipeline, config), args.steps or steps, guidance if args.guidance_scale is None else args.guidance_scale
+
+
 def _sample_source(source: str):
-    """(pipeline section, steps, guidance, the run's config or None) of a run checkpoint or an embedded model's name."""
+    """(pipeline section, steps, guidance, the run's config or None) of a run checkpoint or an embedded model's name. A
+    checkpoint samples as its run evaluates (eval.num_inference_steps / eval.guidance_scale, else the rollout's): the
+    numbers the run reported are of that model."""
     if Path(source).is_dir() and (Path(source) / "config.yaml").is_file():
+        from .config import eval_steps_and_guidance
+
         config, _ = _config_for_source(source, [])
-        return config.pipeline, config.rollout.num_inference_steps, config.rollout.guidance_scale, config
+        return config.pipeline, *eval_steps_and_guidance(config), config
     from .pipelines import FAMILIES
 
     family = {"digits_video": "digits_video", "digits_masked": "amused"}.get(source, "digits")  # the embedded models by name
@@ -549,6 +564,25 @@ def _write_samples(samples, out: Path, prompts: int, per_prompt: int) -> None:
     if samples.ndim == 5:  # videos: the PNG is a filmstrip; the clips themselves as MP4 and GIF
         written += save_videos(samples, out.with_suffix(""), ncol=per_prompt)
     print(f"wrote {', '.join(map(str, written))} ({prompts} prompt(s) x {per_prompt} samples)")
+
+
+def _check(args) -> int:
+    from .check import check, format_report
+    from .training.run_logger import json_line
+
+    result = check(args.config, args.overrides, sample_command=_sample_command)
+    print(json_line(result.as_json()) if args.json else format_report(result), flush=True)
+    return 0 if result.passed else 1
+
+
+def _sample_command(checkpoint: Path, pipeline):
+    """What `flowrl sample CHECKPOINT` with no flags samples with (flowrl check runs it on the run's own model)."""
+    from .check import SampleCommand
+
+    args = _parser().parse_args(["sample", str(checkpoint)])
+    pipe_cfg, steps, guidance, config = _sample_source(args.source)
+    sampler, steps, guidance = _sample_settings(args, pipeline, config, steps, guidance)
+    return SampleCommand(pipe_cfg, sampler, steps, guidance, config.rollout.guidance_mode)
 
 
 def _export(args) -> int:

@@ -180,6 +180,41 @@ def _base_text(p: Any) -> str:
     return f"`{p.pretrained}` ({where})"
 
 
+def sampling_settings(config) -> dict[str, Any]:
+    """The settings the held-out evaluation samples with, as the card states them (``flowrl check`` reads them back):
+    the deterministic sampler (a masked-token model's own), the evaluation's steps and guidance, and the size and shift
+    the config sets (None: the checkpoint's own); a diffusion LM's generation settings at its evaluation temperature."""
+    from .config import eval_steps_and_guidance
+
+    if config.pipeline.modality == "text":
+        section = config.sampler.model_dump(mode="json")
+        kept = {k: v for k, v in section.items() if k not in ("name", "temperature", "eval_temperature") and v is not None}
+        return {"sampler": config.sampler.name, **kept, "temperature": config.sampler.eval_temperature}
+    steps, guidance = eval_steps_and_guidance(config)
+    p = config.pipeline.model_dump(mode="json")
+    # what a serving engine must be told besides steps and guidance: size, shift, a second expert's guidance, the
+    # negative prompt, wherever the config sets them (otherwise the checkpoint's own apply)
+    stated = ("height", "width", "num_frames", "flow_shift", "guidance_scale_2", "negative_prompt")
+    sized = {k: p[k] for k in stated if p.get(k) is not None}
+    sampler = config.sampler.name if config.sampler.name == "masked_image" else "ode"  # as evaluation builds it
+    return {
+        "sampler": sampler,
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "guidance_mode": config.rollout.guidance_mode,
+        **sized,
+    }
+
+
+def _sampling_line(config) -> str:
+    """The card's statement of how to sample the model as it was evaluated (the numbers below were measured so)."""
+    values = sampling_settings(config)
+    what = "Generation" if config.pipeline.modality == "text" else "Sampling"
+    return f"- **{what}, as evaluated:** `{values.pop('sampler')}`, " + ", ".join(
+        f"`{k}={v!r}`" if isinstance(v, str) and k == "negative_prompt" else f"`{k}={v}`" for k, v in values.items()
+    )
+
+
 def _training_section(config, kind: str, step: int | None) -> list[str]:
     """The title, what the export is, and the run's method, sampler, reward, key config and prompts."""
     p, o, r, tc = config.pipeline, config.objective, config.reward, config.train
@@ -202,6 +237,7 @@ def _training_section(config, kind: str, step: int | None) -> list[str]:
         f"- **Method:** `{o.name}` — {_settings(o, skip=('name',))}",
         f"- **Sampler:** `{config.sampler.name}` — {_settings(config.sampler, skip=('name',))}; "
         f"{config.rollout.num_inference_steps} denoising steps, guidance {config.rollout.guidance_scale}",
+        _sampling_line(config),
         "- **Reward:** "
         + " + ".join(f"{w:g} × `{n}`" for n, w in r.components.items())
         + (

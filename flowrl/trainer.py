@@ -172,9 +172,9 @@ class Trainer:
 
     def sample(self, prompts: str | Sequence[str], num_samples: int = 1, seed: int = 0, **options: Any) -> Any:
         """Samples of the current weights: ``num_samples`` per prompt, prompt-major. Images and videos come back as a
-        float tensor in [0, 1] (deterministic sampler unless ``sampler="rollout"``; ``num_inference_steps``,
-        ``guidance_scale`` and ``metadata`` as options); a diffusion LM's as completion strings (``temperature``,
-        default the evaluation's)."""
+        float tensor in [0, 1] (deterministic sampler unless ``sampler="rollout"``; ``num_inference_steps`` and
+        ``guidance_scale``, by default the evaluation's, and ``metadata`` as options); a diffusion LM's as completion
+        strings (``temperature``, default the evaluation's)."""
         return self.modality.sample([prompts] if isinstance(prompts, str) else list(prompts), num_samples, seed, **options)
 
     # -- the run (training/run.py) ---------------------------------------------------------------------------------

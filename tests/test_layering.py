@@ -65,6 +65,7 @@ ORDER: list[str] = [
     "flowrl.training.run",
     "flowrl.trainer",
     "flowrl.eval_command",
+    "flowrl.check",  # flowrl check: builds a run and drives its loop, evaluation, sampling and card
     # what users call: the Python API (the package itself), the servers, the command line
     "flowrl",
     "flowrl.reward_server",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from ..config import Config
+from ..config import Config, eval_steps_and_guidance
 from ..errors import FlowRLError
 from ..evaluation.aggregate import nanmean
 from ..evaluation.diversity import seed_diversity
@@ -110,15 +110,15 @@ class ImageModality:
     ) -> torch.Tensor:
         if sampler not in ("ode", "rollout"):
             raise FlowRLError(f"sampler must be 'ode' (deterministic) or 'rollout' (the run's training sampler), got {sampler!r}.")
-        rc = self.config.rollout
+        steps, guidance = eval_steps_and_guidance(self.config)  # by default the model as it is evaluated
         self.pipeline.denoiser.eval()
         traj = sample(
             self.pipeline,
             self.eval_sampler if sampler == "ode" else self.sampler,
             prompts,
             num_samples,
-            num_inference_steps or rc.num_inference_steps,
-            rc.guidance_scale if guidance_scale is None else guidance_scale,
+            num_inference_steps or steps,
+            guidance if guidance_scale is None else guidance_scale,
             seed=seed,
             metadata=metadata,
         )
