@@ -76,3 +76,13 @@ def test_the_tables_evidence_levels_are_the_records():
         badges = re.findall(r"`([-ELRGC]{5})`", row)
         presets = re.findall(r"`(\w+/\w+)`", preset_cell)
         assert badges == [evidence.badge(p) for p in presets], row
+
+
+def test_the_math_grader_is_in_the_core_install():
+    """The README's dLLM and grading commands (flowrl train dllm/..., flowrl eval FILE.jsonl) run after `make install`
+    alone: math-verify is a core dependency, not an extra."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("math-verify") for d in project["dependencies"])
+    assert "math-verify (the math grader)" in README
