@@ -51,6 +51,7 @@ ORDER: list[str] = [
     "flowrl.training.run_logger",
     "flowrl.visualize",
     "flowrl.model_card",
+    "flowrl.export_formats",  # flowrl export --format comfy: a checkpoint's LoRA in the original / kohya layout
     "flowrl.evaluation",
     "flowrl.inference",
     "flowrl.preferences",
