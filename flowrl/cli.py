@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
         help="end with the run's summary as one JSON line, for scripts (what summary.json holds); "
         "default: a few lines for a person (how it ended, the reward before -> after, where the run is, what to run next)",
     )
+    t.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, print its full traceback above the one-sentence error (a run that failed also wrote it to "
+        "error.log in its output_dir)",
+    )
     _add_sample_parser(sub)
     _add_eval_parser(sub)
     _add_check_parser(sub)
@@ -286,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     except FlowRLError as e:
         from .training.distributed import report_error
 
+        if getattr(args, "debug", False):  # the sentence's traceback, with the user's code that caused it
+            import traceback
+
+            traceback.print_exception(e, file=sys.stderr)
         report_error(f"flowrl: error: {e}")  # once per launch of several processes, and to the launcher's report
         return 2
     except OSError as e:  # a file operation not wrapped where it happens: still one sentence naming the path
@@ -407,13 +417,19 @@ def _label(args) -> int:
 def _train(args) -> int:
     from .config import load_config
     from .trainer import Trainer
-    from .training.distributed import end_process_group, exit_launched_process
+    from .training.distributed import end_failed_run, end_process_group, exit_launched_process
+    from .training.failure import RunFailed
     from .training.run_logger import json_line
     from .training.run_summary import human_summary
 
     config = load_config(args.config, args.overrides)
     trainer = Trainer(config)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except RunFailed as e:  # every process stopped together, the work saved, summary.json written
+        if args.debug and e.traceback:  # the process that failed
+            print(e.traceback, end="", file=sys.stderr, flush=True)
+        return end_failed_run(f"flowrl: error: {e}", trainer.is_main, e.together)
     if trainer.is_main:  # one summary per run, not one per process
         print(json_line(summary) if args.json else human_summary(summary, trainer.run_dir), flush=True)
     code = PREEMPTED_EXIT if summary["status"] == "preempted" else 0

@@ -63,6 +63,7 @@ ORDER: list[str] = [
     "flowrl.training.engine",
     "flowrl.training.preflight",
     "flowrl.training.loop",
+    "flowrl.training.failure",  # a run's failure in one sentence: the part that raised, its line, the traceback's log
     "flowrl.training.run",
     "flowrl.trainer",
     "flowrl.eval_command",

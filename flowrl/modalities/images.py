@@ -22,6 +22,7 @@ from ..pipelines.guidance import training_guidance_scale
 from ..prompts import prompts_for
 from ..samplers import ODEConfig, build_sampler
 from ..samplers.rollout import padded_samples, sample, start_noise
+from ..training.distributed import check_peers
 from ..types import Pipeline, Reward, Sampler, Trajectory
 from ..visualize import save_grid, save_points, save_videos
 from .collector import collector_for
@@ -168,6 +169,7 @@ class ImageModality:
             )
             for j, i in enumerate(mine)
         ]
+        check_peers(world)  # a reward that failed on another process ends this evaluation too, not a wait
         rows = sorted(gather_object(local), key=lambda r: r[0])
         metrics = {"eval/reward/mean": nanmean([r[1] for r in rows])}
         for key in rows[0][2]:

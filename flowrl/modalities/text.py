@@ -20,6 +20,7 @@ from ..objectives import BuildContext, build_objective
 from ..pipelines import build_pipeline
 from ..prompts import prompts_for
 from ..samplers.text_generation import candidate_streams, generate_texts
+from ..training.distributed import check_peers
 from ..types import Reward, TokenTrajectory
 from .collector import collector_for
 from .text_rollouts import TextRollouts
@@ -106,6 +107,7 @@ class TextModality:
                         ),
                     }
                 )
+        check_peers(world)  # a reward that failed on another process ends this evaluation too, not a wait
         rows = sorted((r for part in gather_object([rows]) for r in part), key=lambda r: r["index"])
         metrics = {"eval/reward/mean": nanmean([r["score"] for r in rows])}
         for key in rows[0]:

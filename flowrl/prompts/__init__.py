@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ..errors import FlowRLError
+from ..errors import FlowRLError, first_line, raised_at
 from ..registry import Registry
 from ..sections import Section
 
@@ -181,11 +181,9 @@ def _user_source(name: str, split: str) -> list[Prompt]:
         items = list(fn(split))
     except FlowRLError:
         raise
-    except Exception as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        raise FlowRLError(
-            f"prompt source '{name}' failed for split '{split}' ({type(e).__name__}{': ' + first if first else ''})."
-        ) from None
+    except Exception as e:  # the user's line named, its traceback kept as the cause (flowrl train --debug prints it)
+        line = raised_at(e, getattr(fn, "__module__", None) or "")
+        raise FlowRLError(f"prompt source '{name}' failed for split '{split}' ({first_line(e)}{f', at {line}' if line else ''}).") from e
     pairs: list[Prompt] = []
     for i, item in enumerate(items):
         prompt, metadata = (

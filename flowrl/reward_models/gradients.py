@@ -22,24 +22,24 @@ from .per_frame import PerFrameReward
 DIFFERENTIABLE_EXAMPLES = "ink, digit_classifier, aesthetic, clip_score, pickscore, hpsv2, image_reward, linear2d, quadratic2d"
 
 
-def _leaves(reward: Any, name: str) -> Iterator[tuple[str, Any]]:
+def reward_leaves(reward: Any, name: str) -> Iterator[tuple[str, Any]]:
     """(name, reward) for every scoring model inside the combiners, in the order the config lists them.
     A weighted sum's parts are named by their component key (what the config calls them)."""
     if isinstance(reward, WeightedSum):
         for key, part in reward.components.items():
-            yield from _leaves(part, key)
+            yield from reward_leaves(part, key)
     elif isinstance(reward, RewardEnsemble):
         for member in reward.members:
-            yield from _leaves(member, getattr(member, "name", type(member).__name__))
+            yield from reward_leaves(member, getattr(member, "name", type(member).__name__))
     elif isinstance(reward, PerFrameReward):
-        yield from _leaves(reward.inner, name)
+        yield from reward_leaves(reward.inner, name)
     else:
         yield name, reward
 
 
 def require_differentiable(reward: Reward, objective: str = "adjoint_matching") -> None:
     """Raise FlowRLError naming the first part of ``reward`` that does not declare ``differentiable``."""
-    for name, leaf in _leaves(reward, getattr(reward, "name", type(reward).__name__)):
+    for name, leaf in reward_leaves(reward, getattr(reward, "name", type(reward).__name__)):
         if not getattr(leaf, "differentiable", False):
             # a model reward that can be differentiable but was configured not to be
             built_off = (

@@ -18,6 +18,10 @@ taken before ``prepare``) is never handed to it. flowrl adds (docs/distributed.m
 * a one-sentence refusal of CPU offload on CPU processes.
 
 DeepSpeed ZeRO launches are bridged in flowrl/training/deepspeed_zero.py.
+
+Every launch (DDP too): a run's error said once per launch (``report_error``), a failure on one process told to the
+others before they would wait for it in a collective (``exchange_failures`` / ``check_peers``, with accelerate's
+``gather_object``), and a failed run's processes ending together (``end_failed_run``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,37 @@ def report_error(line: str) -> None:
             pass  # the sentence is printed above; the launcher's report just lacks it
 
 
+class PeerFailed(FlowRLError):
+    """Raised on the processes of a launch that were well when another one failed (``report``: the failed one's, see
+    ``exchange_failures``), so that every process leaves the iteration together and takes part in saving the last
+    completed one."""
+
+    def __init__(self, report: dict[str, Any]):
+        super().__init__(report["head"])
+        self.report = report
+
+
+def exchange_failures(report: dict[str, Any] | None, world: int) -> dict[str, Any] | None:
+    """Every process's failure report (None: this process is well), exchanged with accelerate's ``gather_object``; the
+    lowest-ranked failure, or None when every process is well. A collective: a process that failed calls it where it
+    caught its error (training/run.py), the others at the next point the loop checks (``check_peers``), so a failure
+    on one process alone ends the iteration of all of them instead of leaving the others waiting in a collective
+    the failed one never reaches. In one process (``world`` 1), nothing is exchanged."""
+    from accelerate.utils import gather_object
+
+    if world == 1:
+        return report
+    return next((r for r in gather_object([report]) if r is not None), None)
+
+
+def check_peers(world: int) -> None:
+    """Called before a collective that follows code which can fail on one process alone (a user's reward, the
+    objective's prepare, the main process's own writes): if another of the ``world`` processes failed, raise
+    :class:`PeerFailed` here, so that every process ends the iteration together."""
+    if world > 1 and (report := exchange_failures(None, world)) is not None:
+        raise PeerFailed(report)
+
+
 def end_process_group() -> bool:
     """Leave the process group at the end of a launched run, every process together; True when there was one. A
     process that exits with its group alive can abort at interpreter shutdown ("terminate called without an active
@@ -92,6 +127,23 @@ def exit_launched_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def end_failed_run(line: str, is_main: bool, together: bool) -> int:
+    """End a process of a run that failed (training/failure.py), with exit status 2. ``together``: every process agreed
+    on the failure and saved with the others; then the main process prints the sentence (``line``), once for the
+    launch, and every process leaves the group together, after the sentence is out. The others wait before they exit,
+    so that the main process exits first and the launcher's report names it, with the sentence, as the root cause;
+    the launcher ends them then. Not together (another process was gone): each says it as report_error does."""
+    import time
+
+    if is_main or not together:
+        report_error(line)
+    if together and end_process_group():
+        if not is_main:
+            time.sleep(ERROR_GRACE_SECONDS)
+        exit_launched_process(2)
+    return 2
 
 
 def enable_fsdp_on_cpu(accelerator) -> None:

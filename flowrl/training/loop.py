@@ -14,10 +14,11 @@ around the iterations (output directory, evaluation, checkpoints, signals) is ru
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from ..evaluation.aggregate import nanmean
 from ..modalities.reward_overlap import RolloutScoring
 from ..types import LossOutput
 from . import fault_injection
+from .distributed import check_peers
 from .engine import Engine, gather_means
 from .roles import POLICY, Roles
 
@@ -72,11 +74,19 @@ class TrainingLoop:
         self.config, self.modality, self.roles, self.engine, self.reward = config, modality, roles, engine, reward
         self.collector, self.objective = modality.collector, modality.objective
         self.rank, self.world = rank, world
-        self.updating = False  # True while the optimizers may have changed the weights of an unfinished iteration
+        self.updating = False  # True once an optimizer may have changed the weights of an unfinished iteration
+        self._objective_before: dict[str, Any] | None = None  # the objective's state when an unfinished iteration began
         # (iteration, non-finite, all) of the last train.nonfinite_window iterations' rewards; saved in each checkpoint
         self.nonfinite: deque[tuple[int, int, int]] = deque(maxlen=config.train.nonfinite_window)
 
     def iteration(self, iteration: int) -> dict[str, float]:
+        """One iteration. It may fail anywhere (a user's part raising, a bug): the run catches that in one place
+        (run.py), and until the first optimizer step the weights and ``objective_state()`` are still the last
+        completed iteration's, so that one can be saved. Before each collective that follows code which can fail on
+        one process alone, the processes check on each other (``check_peers``), so that such a failure ends the
+        iteration on every process instead of leaving the others waiting."""
+        self._objective_before = copy.deepcopy(self.objective.state_dict())  # prepare() and losses() may change it
+        self.updating = False
         rates = self.set_learning_rates(iteration)
         phases = Phases(iteration + 1)
         # each finished rollout chunk is handed over to `scoring`: decoded, and with rollout.overlap_reward also scored
@@ -86,14 +96,15 @@ class TrainingLoop:
                 batch = self.collect(iteration, scoring)
             with phases("score", "perf/score_s"):
                 batch = self.score(batch, scoring)
+                check_peers(self.world)  # the rollouts and the reward ran on each process alone: a failure there, say it
                 reward_metrics = self.reward_metrics(batch, iteration)  # of everything collected, before prepare() reorders
                 self.check_learnable(iteration)  # a batch with nothing to learn from never reaches an optimizer
         with phases("advantages", "perf/update_s"):
             batch = self.prepare(batch)
-        self.updating = True
+            check_peers(self.world)  # and so did the objective's prepare()
         with phases("update", "perf/update_s"):
             metrics = self.update(batch, iteration)
-        self.updating = False
+        self.updating, self._objective_before = False, None
         return {
             **metrics,
             **reward_metrics,
@@ -170,8 +181,20 @@ class TrainingLoop:
                 per_step.setdefault(k, []).append(v)
 
         losses = self.objective.losses(self.modality.pipeline, self.modality.sampler, minibatch, gen)
-        norms = self.engine.step(self.roles, losses, record)
+        norms = self.engine.step(self.roles, self._stepping_after(losses), record)
         return {**{k: torch.stack(v).mean() for k, v in per_step.items()}, **norms}
+
+    def _stepping_after(self, losses: Iterable[LossOutput]) -> Iterator[LossOutput]:
+        """The minibatch's losses as the engine takes them; once the last is taken the engine steps the optimizers
+        (every engine steps only after the losses are exhausted), and from then on the weights are no longer the
+        last completed iteration's (``updating``)."""
+        yield from losses
+        self.updating = True
+
+    def objective_state(self) -> dict[str, Any]:
+        """The objective's state of the last completed iteration: what a checkpoint holds (during an unfinished
+        iteration, as it was when that iteration began)."""
+        return self._objective_before if self._objective_before is not None else self.objective.state_dict()
 
     # -- reward accounting ---------------------------------------------------------------------------------------------
     def reward_metrics(self, batch: Any, iteration: int) -> dict[str, float]:

@@ -5,8 +5,10 @@
   its files with an earlier run's); the resolved config is written first; the starting model is evaluated.
 * **iterate**: after each iteration (loop.py) the metrics line, then by cadence the evaluation, the checkpoint and the
   plots; Ctrl-C and SIGTERM finish the iteration and save (a second one stops at once).
-* **end**: summary.json, whatever ends the run: completed, interrupted, preempted, stopped, or failed, where the
-  failure path makes sure the last completed iteration is on disk and says how to resume, in one sentence.
+* **end**: summary.json, whatever ends the run: completed, interrupted, preempted, stopped, or failed. Any exception
+  from the starting model's evaluation on (a user's part, flowrl itself) is caught in one place, ``_fit``; the failure
+  path (``_failed``) has the processes agree on it, makes sure the last completed iteration is on disk and says what
+  failed and how to resume in one sentence (failure.py names the part; the traceback goes to error.log).
 
 Checkpoints hold every trained role (roles.py): the engine gathers their weights and optimizer states whole
 (engine.py), checkpoint.py writes them atomically and verifies them when read.
@@ -19,6 +21,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,11 +30,13 @@ from tqdm import tqdm
 
 from ..atomic_files import TEMP_PREFIX, atomic_path, writing
 from ..config import to_yaml
-from ..errors import FlowRLError, Preempted
+from ..errors import FlowRLError, Preempted, first_line
 from ..visualize import save_instruments, save_reward_curve
-from . import deepspeed_zero, fault_injection
+from . import deepspeed_zero, failure, fault_injection
 from .checkpoint import STATE_FILE, checkpoint_step, find_latest, read_checkpoint, remove_leftover_temporaries, save_checkpoint
+from .distributed import PeerFailed, check_peers, exchange_failures
 from .engine import Engine
+from .failure import RunFailed
 from .loop import TrainingLoop
 from .resume_check import check_resume_config
 from .roles import Roles
@@ -60,6 +65,7 @@ class Run:
         self._saving = False  # True while a checkpoint is being written
         self._logged = 0  # the last iteration whose metrics line (with its evaluation) is written; a later one is not saved
         self._last_eval_spec: tuple[int, dict[str, Any]] | None = None  # (step, spec) of the last evaluation, main process
+        self._stage = ""  # where the run is, as a failure's sentence says it: "in iteration 2"
 
     # -- the whole run ---------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -74,12 +80,27 @@ class Run:
 
     def _fit(self) -> dict[str, Any]:
         self._start()
+        started = time.time()
+        try:  # the run's one boundary: whatever fails from here on, in whichever part, ends the run in _failed
+            if self.iteration == 0:
+                self._stage = "in the evaluation before training"
+                self._evaluate_and_log(0, tag="before")
+            status, reason = self._iterate()
+        except Exception as error:  # KeyboardInterrupt and Preempted (SIGTERM) are not Exceptions: they pass
+            raise self._failed(error, time.time() - started) from (None if isinstance(error, FlowRLError) else error)
+        if self.iteration >= self.config.train.iterations:  # a stop requested during the last iteration stopped nothing
+            status, reason = "completed", None
+        return self._finish(time.time() - started, status, reason)
+
+    def _iterate(self) -> tuple[str, str | None]:
+        """The iterations, each followed by its log, evaluation and checkpoint by cadence; how they ended."""
         previous = self._catch_stop_signals()
-        started, first = time.time(), self.iteration
+        first = self.iteration
         bar = self._progress_bar()
         status, reason = "completed", None
         try:
             for iteration in bar:
+                self._stage = f"in iteration {iteration + 1}"
                 metrics = self.loop.iteration(iteration)  # collect -> score -> prepare -> update
                 self.iteration = iteration + 1
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
@@ -89,22 +110,16 @@ class Run:
                 if self.config.train.stop_after and self.iteration - first >= self.config.train.stop_after:
                     status, reason = "stopped", f"train.stop_after={self.config.train.stop_after} iterations were done."
                     break
-        except FlowRLError as e:
-            # Any failure of an iteration (a reward that cannot learn or stayed down, a full disk): keep what was
-            # trained, say so in summary.json, and end with one sentence.
-            message = f"{str(e).rstrip('.')}; {self._save_after_failure()}."
-            self._finish(time.time() - started, "failed", message, quiet=True)
-            raise FlowRLError(message) from None
+            check_peers(self.world)  # the main process alone drew the last plots; the end (summary.json) is collective
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             bar.close()
-        if self.iteration >= self.config.train.iterations:  # a stop requested during the last iteration stopped nothing
-            status, reason = "completed", None
-        return self._finish(time.time() - started, status, reason)
+        return status, reason
 
     def _start(self) -> None:
-        """Resume or claim the output directory, write the config, start the trackers, evaluate the starting model."""
+        """Resume or claim the output directory, write the config, start the trackers (the starting model is evaluated
+        next, in _fit)."""
         resume = self.config.resume_from
         if resume == "latest" and not self._has_checkpoint():
             if self.is_main:  # e.g. killed while writing its first checkpoint: there is nothing to resume
@@ -117,9 +132,9 @@ class Run:
             self._claim_output_dir()
         if self.is_main:
             self._write_config()
+            if resume:
+                self._remove_error_logs()  # an earlier failure's traceback, which this run continues past
         self.trackers.start(self.accelerator, self.config.model_dump(mode="json"))  # the resolved config, as config.yaml holds it
-        if self.iteration == 0:
-            self._evaluate_and_log(0, tag="before")
 
     def _progress_bar(self) -> tqdm:
         cfg = self.config
@@ -149,7 +164,9 @@ class Run:
         # (a preemption, with a deadline) they are only saved.
         evaluate = ((cfg.eval.every and it % cfg.eval.every == 0) or last or stopping) and stopping != "SIGTERM"
         if evaluate:
+            self._stage = f"in the evaluation after iteration {it}"
             metrics.update(self._evaluate_and_log(it, tag="after" if last or stopping else None, log=False))
+        self._stage = f"after iteration {it}"
         fault_injection.reached("log", it)
         self.logger.log(it, metrics)
         self._logged = it
@@ -196,14 +213,15 @@ class Run:
         """Every trained role's weights and optimizer state, the objective's state of every process, the iteration and
         the non-finite-reward window, written atomically; a collective (every process takes part)."""
         fault_injection.reached("checkpoint", self.iteration)
-        states = gather_object([self.loop.objective.state_dict()])
+        check_peers(self.world)  # the main process alone wrote the metrics line and the samples: had that failed, stop all
+        states = gather_object([self.loop.objective_state()])
         self.accelerator.wait_for_everyone()
         self._saving = True
         target = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
         weights, optimizer = self.engine.gather(self.roles, keep=self.is_main)
         staging = target.parent / f"{TEMP_PREFIX}{target.name}.deepspeed"
         launch_state = self.engine.save_extra(self.roles, staging)
-        self.accelerator.wait_for_everyone()
+        check_peers(self.world)  # every process wrote its own part (DeepSpeed's partitions): had one failed, stop all
         path = None
         if self.is_main:
             state = {
@@ -217,8 +235,8 @@ class Run:
             }
             extra = self._extra_files(weights, staging if launch_state else None)
             path = save_checkpoint(target, weights, optimizer, state, to_yaml(self.config), extra=extra)
+        check_peers(self.world)  # the main process alone wrote the checkpoint: had that failed, the others stop with it
         self._saving = False
-        self.accelerator.wait_for_everyone()
         return path
 
     def _extra_files(self, weights: dict, staging: Path | None):
@@ -336,6 +354,7 @@ class Run:
             with writing(self.run_dir):
                 for name in ("metrics.jsonl", "summary.json", "reward_curve.png", "instruments.png"):
                     (self.run_dir / name).unlink(missing_ok=True)
+                self._remove_error_logs()
                 for name in ("checkpoints", "samples", "tensorboard"):
                     if (self.run_dir / name).exists():
                         shutil.rmtree(self.run_dir / name)
@@ -397,9 +416,69 @@ class Run:
                 spec["model"]["trained_weights_unsaved"] = True
         return spec
 
+    def _failed(self, error: Exception, seconds: float) -> RunFailed:
+        """End the run after ``error``, whatever raised it: the processes agree on the failure (the lowest-ranked one's
+        when several failed; ``PeerFailed``: another process's, told at the loop's check), the last completed
+        iteration is saved where it can be, summary.json says ``failed`` with the sentence, and the sentence comes
+        back as a :class:`RunFailed`, which the CLI prints once, with exit 2 (docs/failure_behaviour.md)."""
+        own = None if isinstance(error, PeerFailed) else error
+        if own is None:
+            report = error.report
+        else:
+            head, internal = failure.describe(own, self._stage, self._user_parts())
+            log = None if isinstance(own, FlowRLError) else failure.write_log(self.run_dir, self.rank, own, head)
+            report = {"head": head, "internal": internal, "log": None if log is None else str(log)}
+        agreed = True
+        if own is not None:
+            try:
+                report = exchange_failures(report, self.world)
+            except Exception as lost:  # a process that is gone (killed): nothing collective can be done any more
+                agreed, cut = False, first_line(lost)
+        saved = (
+            self._save_after_failure()
+            if agreed
+            else f"the other processes could not be reached ({cut}), so nothing more was saved (resume_from=latest "
+            "continues from the newest checkpoint)"
+        )
+        message = failure.sentence(report, saved)
+        self._finish(seconds, "failed", message, quiet=True)
+        if agreed and self.world > 1:
+            self.accelerator.wait_for_everyone()  # summary.json is written before any process leaves
+        return RunFailed(message, None if own is None else "".join(traceback.format_exception(own)), together=agreed)
+
+    def _user_parts(self) -> list[failure.Part]:
+        try:
+            return failure.user_parts(self.config, self.loop.reward, getattr(self.evaluator, "judge", None), self.modality)
+        except Exception:  # naming the parts must not hide the failure being said
+            return []
+
+    def _remove_error_logs(self) -> None:
+        """An earlier failure's tracebacks (failure.py), which a run starting afresh or resuming leaves behind it."""
+        for path in [self.run_dir / "error.log", *self.run_dir.glob("error.rank*.log")]:
+            path.unlink(missing_ok=True)
+
     def _save_after_failure(self) -> str:
         """Make sure the last completed iteration is on disk and say where. Weights changed by an unfinished
-        update are not saved (they belong to no iteration). Every process must fail alike: saving is collective."""
+        update are not saved (they belong to no iteration). Every process calls this once they agreed on the failure
+        (_failed), and the main process's view decides (it writes the files, and a failure of its own writes left
+        the others a step ahead), so they all save, or none does: saving is collective."""
+        said = self._unsaved()
+        if self.world > 1:
+            said = broadcast_object_list([said])[0]
+        if said is not None:
+            return said
+        try:
+            self.save()
+        except Exception as e:  # a second failure must not hide the first
+            if not isinstance(e, PeerFailed):  # this process's own: the others hear of it at save's last check
+                exchange_failures({"head": first_line(e)}, self.world)
+            reason = str(e).rstrip(".") if isinstance(e, FlowRLError) else first_line(e)
+            return f"iteration {self.iteration} could not be saved either ({reason})"
+        directory = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
+        return f"the run stopped with iteration {self.iteration} saved in {directory} (resume with resume_from=latest)"
+
+    def _unsaved(self) -> str | None:
+        """What to say when the last completed iteration is on disk already or cannot be saved now; None: save it."""
         if self.iteration == 0:
             return "no iteration had completed, so there is nothing to resume"
         directory = self.run_dir / "checkpoints" / f"step_{self.iteration:06d}"
@@ -418,11 +497,7 @@ class Run:
                 else "was not saved (the failure came before its metrics were logged)"
             )
             return f"iteration {self.iteration} {what}, so {resume}"
-        try:
-            self.save()
-        except FlowRLError as e:
-            return f"iteration {self.iteration} could not be saved either ({str(e).rstrip('.')})"
-        return f"the run stopped with iteration {self.iteration} saved in {directory} (resume with resume_from=latest)"
+        return None
 
     # -- signals -------------------------------------------------------------------------------------------------------
     def _catch_stop_signals(self) -> dict[int, Any]:
