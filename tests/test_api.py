@@ -159,7 +159,7 @@ def test_a_python_reward_returning_the_wrong_shape_is_one_sentence_at_its_first_
     with pytest.raises(
         FlowRLError,
         match=r"^reward '<lambda>' returned scores of shape \((\d+), 1\) for \1 samples; it must return one score "
-        r"per sample, shape \(\1,\)\.$",
+        r"per sample, shape \(\1,\); no iteration had completed, so there is nothing to resume\.$",
     ):
         trainer.train()
 
