@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .console import libraries_on_stderr, say
 from .errors import FlowRLError, Preempted
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM: what a shell, SLURM and Kubernetes read as "ended by SIGTERM"
@@ -24,6 +25,9 @@ EPILOG = """examples:
   flowrl check configs/digits/grpo.yaml                  (training, evaluation, sampling and the card agree?)
   flowrl export runs/sd_lora/checkpoints/step_000100 exported_model
   flowrl export runs/sd_lora/checkpoints/step_000100 my_lora --lora-only --push-to-hub me/my-lora
+  flowrl export runs/flux_lora/checkpoints/step_000100 for_comfy --format comfy   (the LoRA in the original layout)
+  flowrl tiny flux2 tiny_klein --variant klein-base      (random weights: try a family's presets on a laptop)
+  flowrl check digits/grpo                                (training, evaluation, sampling and the card agree)
 """
 
 
@@ -65,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_check_parser(sub)
     _add_export_parser(sub)
+    from .pipelines.tiny.command import add_tiny_parser
+
+    add_tiny_parser(sub)
     sub.add_parser("presets", help="list the presets shipped with flowrl (flowrl train NAME)")
     c = sub.add_parser("config", help="explain the config: its sections, or one section's keys with types, defaults and descriptions")
     c.add_argument(
@@ -126,6 +133,13 @@ def _add_export_parser(sub) -> None:
     x.add_argument("checkpoint", help="a run checkpoint directory, e.g. runs/x/checkpoints/step_000030")
     x.add_argument("out", type=Path, help="output directory (must not exist)")
     x.add_argument("--lora-only", action="store_true", help="write only pytorch_lora_weights.safetensors (LoRA runs)")
+    x.add_argument(
+        "--format",
+        choices=("diffusers", "comfy"),
+        default="diffusers",
+        help="diffusers: a model directory or, with --lora-only, diffusers' LoRA file (default); comfy: the LoRA as one "
+        "OUT/lora.safetensors in the model's original / kohya layout, for ComfyUI and kohya-style tools (docs/lora_export.md)",
+    )
     x.add_argument(
         "--license",
         default=None,
@@ -278,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_library_progress()
     try:
         _check_arguments(args)
-        return {
+        command = {
             "train": _train,
             "sample": _sample,
             "eval": _eval,
@@ -288,7 +302,15 @@ def main(argv: list[str] | None = None) -> int:
             "label": _label,
             "presets": _presets,
             "config": _config,
-        }[args.command](args)
+            "tiny": _tiny,
+        }[args.command]
+        if args.command in ("serve-reward", "label"):  # long-running servers: their address line is read from stdout
+            return command(args)
+        with libraries_on_stderr():  # stdout: flowrl's own lines only (DeepSpeed's import notice goes to stderr)
+            return command(args)
+    except BrokenPipeError:  # `flowrl presets | head`: the reader has what it wanted; nothing is wrong
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
     except FlowRLError as e:
         from .training.distributed import report_error
 
@@ -311,6 +333,22 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted:
         print("flowrl: stopped by a second SIGTERM; the run's last checkpoint is the one to resume from.", file=sys.stderr)
         return PREEMPTED_EXIT
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's final flush of a closed pipe does not print a second error."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (a test's capture)
+        pass
+
+
+def _tiny(args) -> int:
+    from .pipelines.tiny.command import run_tiny
+
+    return run_tiny(args)
 
 
 def _check_arguments(args) -> None:
@@ -384,21 +422,17 @@ def _presets(args) -> int:
     names = preset_names()
     width = max(len(n) for n in names)
     # one header line: tools read every later line's first word as a preset name
-    print(f"{len(names)} presets shipped in {PRESET_DIR} (flowrl train NAME [key=value ...]); {LEGEND} (docs/evidence.md):")
+    say(f"{len(names)} presets shipped in {PRESET_DIR} (flowrl train NAME [key=value ...]); {LEGEND} (docs/evidence.md):")
     for name in names:
-        print(f"  {name:<{width}}  {badge(name)}  {summary(name)}")
+        say(f"  {name:<{width}}  {badge(name)}  {summary(name)}")
     return 0
 
 
 def _config(args) -> int:
-    import os
 
     from .config_reference import config_text
 
-    try:
-        print(config_text(args.target, args.name), flush=True)
-    except BrokenPipeError:  # flowrl config | head: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    say(config_text(args.target, args.name))  # a closed pipe (flowrl config | head): main() ends quietly
     return 0
 
 
@@ -431,7 +465,7 @@ def _train(args) -> int:
             print(e.traceback, end="", file=sys.stderr, flush=True)
         return end_failed_run(f"flowrl: error: {e}", trainer.is_main, e.together)
     if trainer.is_main:  # one summary per run, not one per process
-        print(json_line(summary) if args.json else human_summary(summary, trainer.run_dir), flush=True)
+        say(json_line(summary) if args.json else human_summary(summary, trainer.run_dir))
     code = PREEMPTED_EXIT if summary["status"] == "preempted" else 0
     if end_process_group():
         exit_launched_process(code)
@@ -473,12 +507,12 @@ def _eval(args) -> int:
         from .evaluation.recorded import format_report, grade_recorded
 
         result = grade_recorded(args.source, field=args.field, gold_field=args.gold_field)
-        print(format_report(result))
-        print(json_line({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
+        say(format_report(result))
+        say(json_line({k: result[k] for k in ("n", "n_skipped", "accuracy", "extracted_fraction")}))
         return 0
     search = _eval_search(args)
     config, checkpoint = _config_for_source(args.source, args.overrides)
-    print(json_line(run_evaluation(config, checkpoint, search or {"name": "plain"}, args.out)))  # NaN -> null
+    say(json_line(run_evaluation(config, checkpoint, search or {"name": "plain"}, args.out)))  # NaN -> null
     return 0
 
 
@@ -573,13 +607,13 @@ def _write_samples(samples, out: Path, prompts: int, per_prompt: int) -> None:
 
         with atomic_path(out) as tmp, open(tmp, "wb") as f:
             np.save(f, samples.detach().float().cpu().numpy())
-        print(f"wrote {out} (array {tuple(samples.shape)}, {prompts} prompt(s) x {per_prompt} samples)")
+        say(f"wrote {out} (array {tuple(samples.shape)}, {prompts} prompt(s) x {per_prompt} samples)")
         return
     save_grid(samples, out, ncol=per_prompt)
     written = [out]
     if samples.ndim == 5:  # videos: the PNG is a filmstrip; the clips themselves as MP4 and GIF
         written += save_videos(samples, out.with_suffix(""), ncol=per_prompt)
-    print(f"wrote {', '.join(map(str, written))} ({prompts} prompt(s) x {per_prompt} samples)")
+    say(f"wrote {', '.join(map(str, written))} ({prompts} prompt(s) x {per_prompt} samples)")
 
 
 def _check(args) -> int:
@@ -587,7 +621,7 @@ def _check(args) -> int:
     from .training.run_logger import json_line
 
     result = check(args.config, args.overrides, sample_command=_sample_command)
-    print(json_line(result.as_json()) if args.json else format_report(result), flush=True)
+    say(json_line(result.as_json()) if args.json else format_report(result))
     return 0 if result.passed else 1
 
 
@@ -612,6 +646,8 @@ def _export(args) -> int:
 
     source = Path(args.checkpoint)
     _check_export_arguments(source, args)
+    if args.format == "comfy":
+        return _export_comfy(source, args)
     config, _ = _config_for_source(str(source), [])
     pipeline = build_pipeline(config.pipeline, "cpu")
     load_checkpoint_weights(pipeline, source)
@@ -625,9 +661,26 @@ def _export(args) -> int:
         write_model_card(
             tmp, source, config, "lora" if args.lora_only else "full", where=args.push_to_hub or str(args.out), license=args.license
         )
-    print(f"wrote {args.out}")
+    say(f"wrote {args.out}")
     if args.push_to_hub is not None:  # the local export is complete before anything is sent: a failed push leaves it whole
         _push_export(args)
+    return 0
+
+
+def _export_comfy(source: Path, args) -> int:
+    """The checkpoint's LoRA as one file in the model's original / kohya layout (ComfyUI, kohya-style tools), with the
+    model card beside it; the base model is not loaded."""
+    from .atomic_files import atomic_directory
+    from .export_formats import export_lora
+    from .model_card import write_model_card
+
+    if args.lora_only or args.push_to_hub is not None:
+        raise FlowRLError("--format comfy writes a LoRA file already; give it without --lora-only or --push-to-hub.")
+    config, _ = _config_for_source(str(source), [])
+    with atomic_directory(args.out) as tmp:
+        written = export_lora(source, tmp, "comfy")
+        write_model_card(tmp, source, config, "lora", where=str(args.out), license=args.license)
+    say(f"wrote {args.out / written.name} (LoRA in the {config.pipeline.name} original layout, for ComfyUI / kohya)")
     return 0
 
 
@@ -679,7 +732,7 @@ def _push_export(args) -> None:
             f"could not push to the hub: {str(e).rstrip('.')}; the local export '{args.out}' is complete, "
             f"upload it later with `hf upload {args.push_to_hub} {args.out}`."
         ) from None
-    print(f"pushed to {url}")
+    say(f"pushed to {url}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .console import say
 from .errors import FlowRLError
 
 
@@ -83,7 +84,7 @@ def evaluate_again(path: Path, out: Path) -> int:
         print(f"reproduced bit for bit: all {len(keys)} numbers of '{path}' came back the same.", file=sys.stderr)
     for line in record["reproduction"]["differing_fields"]:
         print(f"  differs: {line}", file=sys.stderr)
-    print(json_line(record))
+    say(json_line(record))
     return 0 if not moved else 1
 
 

@@ -20,6 +20,7 @@ ORDER: list[str] = [
     # base: errors, records, keyed randomness, the config-section base and the name tables, files on disk
     "flowrl.errors",
     "flowrl.atomic_files",
+    "flowrl.console",  # flowrl's own output on stdout, the libraries' on stderr
     "flowrl.training",  # the training wing's face (its modules are placed one by one below)
     "flowrl.training.fault_injection",
     "flowrl.training.determinism",

@@ -335,6 +335,12 @@ def test_a_trained_checkpoint_exports(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
     file = export_lora(checkpoint, tmp_path / "comfy", "comfy")
     diffusers_file = export_lora(checkpoint, tmp_path / "diffusers", "diffusers")
+    from flowrl.cli import main  # the command line writes the same file, with the model card beside it
+
+    assert main(["export", str(checkpoint), str(tmp_path / "cli"), "--format", "comfy"]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["README.md", "lora.safetensors", "samples.png"]
+    with safe_open(str(file), "pt") as a, safe_open(str(tmp_path / "cli" / "lora.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys()) and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
     assert diffusers_file == tmp_path / "diffusers" / "pytorch_lora_weights.safetensors"
     with safe_open(str(diffusers_file), "pt") as a, safe_open(str(checkpoint / "pytorch_lora_weights.safetensors"), "pt") as b:
         assert set(a.keys()) == set(b.keys()) and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())

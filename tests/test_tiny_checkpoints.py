@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
+from flowrl.cli import main as flowrl_main
 from flowrl.pipelines.tiny import FAMILIES, tiny_checkpoint
-from flowrl.pipelines.tiny.command import main
 from flowrl.pipelines.tiny.runs import RUNS, TEXT_FAMILIES, tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,6 +34,11 @@ def checkpoints(tmp_path_factory):
 def _digit_share(samples, prompts, metadata):
     """A reward a random language model's completions vary in (its presets' math reward is 0 on random text)."""
     return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in samples]
+
+
+def main(argv: list[str]) -> int:
+    """`flowrl tiny ARGS` through the command line flowrl installs."""
+    return flowrl_main(["tiny", *argv])
 
 
 def test_an_unknown_family_is_one_sentence_and_writes_nothing(tmp_path, capsys):

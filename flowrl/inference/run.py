@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..console import say
 from .cost import SearchCost, metered
 from .search import Items, SearchOutcome, SearchSection, TextSearchModel
 
@@ -62,7 +63,7 @@ def run_search(config, checkpoint: Path | None, section: SearchSection, setup: S
     lines = list(outcome.lines)
     lines.insert(len(lines) if outcome.cost_line_at is None else outcome.cost_line_at, cost_line(outcome.cost, len(setup.items)))
     for line in lines:
-        print(line)
+        say(line)
     files = write_outcome(outcome, setup, out)
     return {
         **{k: round(v, 6) for k, v in outcome.metrics.items()},
