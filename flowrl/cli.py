@@ -110,9 +110,12 @@ def _add_sample_parser(sub) -> None:
     s.add_argument(
         "--out",
         type=Path,
-        default=Path("samples.png"),
-        help="a .png grid (images; videos also as MP4 / GIF), or a .npy file: the final samples as a float32 array (N, ...)",
+        default=None,
+        help="a .png grid (images; videos also as MP4 / GIF), or a .npy file: the final samples as a float32 array (N, ...); "
+        "default: samples.png in a new folder (RUN/outputs/sample_<time>/ for a run checkpoint, else "
+        "flowrl_outputs/sample_<time>/)",
     )
+    s.add_argument("--overwrite", action="store_true", help="replace an existing --out file (default: refuse)")
 
 
 def _add_check_parser(sub) -> None:
@@ -271,10 +274,12 @@ def _add_eval_parser(sub) -> None:
     e.add_argument(
         "--out",
         type=Path,
-        default=Path("best_of_n.png"),
+        default=None,
         help="(searches) grid of the chosen samples; for diffusion LMs the accuracy-vs-N plot, "
-        "the chosen completions going to the same name with .jsonl",
+        "the chosen completions going to the same name with .jsonl; default: best_of_n.png in a new folder "
+        "(RUN/outputs/eval_<time>/ for a run checkpoint, else flowrl_outputs/eval_<time>/)",
     )
+    e.add_argument("--overwrite", action="store_true", help="(searches) replace an existing --out file (default: refuse)")
 
 
 def _quiet_library_progress() -> None:
@@ -353,32 +358,61 @@ def _tiny(args) -> int:
 
 def _check_arguments(args) -> None:
     """Out-of-range arguments are refused before any model is loaded, in one sentence naming the argument."""
-    import math
-
-    def at_least_one(flag: str, value) -> None:
-        if value is not None and value < 1:
-            raise FlowRLError(f"{flag} must be at least 1, got {value}.")
-
+    chosen = args.command in ("sample", "eval") and args.out is None
+    if args.command in ("sample", "eval"):  # before anything else: where it writes, never over an existing file
+        args.out = _output_file(args)
     if args.command == "sample":
-        at_least_one("-n/--num-samples", args.num_samples)
-        at_least_one("--steps", args.steps)
-        if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
-            raise FlowRLError(f"--guidance-scale must be a finite number, got {args.guidance_scale}.")
-        if args.seed < 0:
-            raise FlowRLError(f"--seed must be non-negative, got {args.seed}.")
-        if args.out.suffix.lower() != ".npy":
-            from .visualize import image_format
-
-            image_format(args.out)  # an --out extension that names no image format: one sentence, before any model loads
+        _check_sample_arguments(args)
     searching = args.command == "eval" and args.spec is None and _eval_search(args) is not None  # bounds refused here
     if searching:
         from .visualize import image_format
 
         image_format(args.out)
+        if chosen:
+            print(f"flowrl: --out not given; the chosen samples go to {args.out}", file=sys.stderr)
     if args.command in ("serve-reward", "label") and args.port is not None and not 0 <= args.port <= 65535:
         raise FlowRLError(f"--port must be in 0-65535, got {args.port}.")
     if args.command == "sample" or searching:
         _check_writable(args.out)
+
+
+def _check_sample_arguments(args) -> None:
+    import math
+
+    for flag, value in (("-n/--num-samples", args.num_samples), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise FlowRLError(f"{flag} must be at least 1, got {value}.")
+    if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
+        raise FlowRLError(f"--guidance-scale must be a finite number, got {args.guidance_scale}.")
+    if args.seed < 0:
+        raise FlowRLError(f"--seed must be non-negative, got {args.seed}.")
+    if args.out.suffix.lower() != ".npy":
+        from .visualize import image_format
+
+        image_format(args.out)  # an --out extension that names no image format: one sentence, before any model loads
+
+
+def _output_file(args) -> Path:
+    """Where ``flowrl sample`` / ``flowrl eval`` (a search) writes: ``--out`` when given, refused when it exists unless
+    ``--overwrite``; else a new folder named for the command and the time, under the run of a run checkpoint (its
+    ``outputs/``) or under ``flowrl_outputs/`` in the working directory, so that no command replaces another's files."""
+    command, name = ("sample", "samples.png") if args.command == "sample" else ("eval", "best_of_n.png")
+    if args.out is not None:
+        siblings = [args.out] if command == "sample" else [args.out, args.out.with_suffix(".jsonl")]
+        existing = next((p for p in siblings if p.exists()), None)
+        if existing is not None and not args.overwrite:
+            raise FlowRLError(f"'{existing}' already exists; give another --out, or --overwrite to replace it.")
+        return args.out
+    import time
+
+    source = Path(args.source) if args.source else None
+    in_run = source is not None and source.parent.name == "checkpoints" and (source.parent.parent / "config.yaml").is_file()
+    base = source.parent.parent / "outputs" if in_run else Path("flowrl_outputs")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder, n = base / f"{command}_{stamp}", 2
+    while folder.exists():
+        folder, n = base / f"{command}_{stamp}_{n}", n + 1
+    return folder / name
 
 
 def _search_flags(args) -> dict:
@@ -600,6 +634,7 @@ def _write_samples(samples, out: Path, prompts: int, per_prompt: int) -> None:
     """A .npy array of the final samples (for analysis), or a grid (videos also as MP4 and GIF clips)."""
     from .visualize import save_grid, save_videos
 
+    out.parent.mkdir(parents=True, exist_ok=True)  # a new output folder (no --out) is made only now, once there is output
     if out.suffix.lower() == ".npy":  # the raw final samples, e.g. the 2-D toy's (N, 2) points
         import numpy as np
 

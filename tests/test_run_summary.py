@@ -57,9 +57,8 @@ def test_the_suggested_commands_parse_and_run(finished, tmp_path):
     for command in commands:
         args = _parser().parse_args(command[1:])
         assert getattr(args, "source", getattr(args, "checkpoint", None)) == str(checkpoint)
-    sample = commands[1][1:]
-    sample[sample.index("--out") + 1] = str(tmp_path / "samples.png")
-    assert main(sample) == 0 and (tmp_path / "samples.png").is_file()
+    assert main(commands[1][1:]) == 0  # no --out: a new folder under the run, never over another command's file
+    assert len(list((run / "outputs").glob("sample_*/samples.png"))) == 1
     export = [*commands[2][1:-1], str(tmp_path / "exported")]
     assert main(export) == 0 and (tmp_path / "exported").is_dir()
 

@@ -56,3 +56,26 @@ def test_library_prints_during_a_command_go_to_stderr(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "a library's notice" in err and "a library's notice" not in out
     assert "presets shipped in" in out.splitlines()[0]
+
+
+def test_no_output_is_overwritten_and_a_default_goes_to_a_new_folder(tmp_path, monkeypatch, capsys):
+    """`flowrl sample` without --out writes a new, named folder each time; an existing --out is refused (nothing
+    written, before any model loads) unless --overwrite."""
+    monkeypatch.chdir(tmp_path)
+    base = ["sample", "digits_flow", "--prompt", "a handwritten seven", "-n", "1", "--steps", "2"]
+    assert main(base) == 0 and main(base) == 0
+    folders = sorted((tmp_path / "flowrl_outputs").iterdir())
+    assert len(folders) == 2 and all((f / "samples.png").is_file() for f in folders)
+    assert folders[0].name.startswith("sample_") and folders[1].name != folders[0].name
+    out = tmp_path / "mine.png"
+    out.write_bytes(b"keep")
+    capsys.readouterr()
+    assert main([*base, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"flowrl: error: '{out}' already exists; give another --out, or --overwrite to replace it.\n"
+    assert out.read_bytes() == b"keep"
+    assert main([*base, "--out", str(out), "--overwrite"]) == 0 and out.read_bytes() != b"keep"
+    # a search's grid too (its diffusion-LM rows would go beside it as .jsonl)
+    grid = tmp_path / "grid.png"
+    grid.write_bytes(b"keep")
+    assert main(["eval", "digits/grpo", "--best-of", "2", "--out", str(grid)]) == 2
+    assert "already exists; give another --out, or --overwrite" in capsys.readouterr().err and grid.read_bytes() == b"keep"

@@ -80,6 +80,8 @@ def write_outcome(outcome: SearchOutcome, setup: SearchSetup, out: Path) -> dict
     .jsonl. Returns the record's fields naming them."""
     from ..atomic_files import atomic_path
 
+    out.parent.mkdir(parents=True, exist_ok=True)  # a new output folder (no --out) is made only now
+
     files = {}
     if outcome.samples is not None:
         from ..visualize import save_grid

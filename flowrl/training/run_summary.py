@@ -55,7 +55,7 @@ def _next_commands(summary: dict[str, Any], run_dir: Path) -> list[str]:
     ck = shlex.quote(str(latest))
     commands = [f"flowrl eval {ck} --best-of 4"]
     if (run_dir / "samples_after.png").exists():  # an image or video model: its checkpoint samples and exports
-        commands += [f"flowrl sample {ck} -n 8 --out samples.png", f"flowrl export {ck} OUT_DIR"]
+        commands += [f"flowrl sample {ck} -n 8", f"flowrl export {ck} OUT_DIR"]
     return commands
 
 
