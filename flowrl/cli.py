@@ -386,7 +386,7 @@ def _check_sample_arguments(args) -> None:
         raise FlowRLError(f"--guidance-scale must be a finite number, got {args.guidance_scale}.")
     if args.seed < 0:
         raise FlowRLError(f"--seed must be non-negative, got {args.seed}.")
-    if args.out.suffix.lower() != ".npy":
+    if args.out.suffix.lower() not in (".npy", ".jsonl"):  # .jsonl: a diffusion LM's completions
         from .visualize import image_format
 
         image_format(args.out)  # an --out extension that names no image format: one sentence, before any model loads
@@ -555,12 +555,20 @@ def _sample(args) -> int:
 
     if args.num_samples < 1:
         raise FlowRLError(f"-n must be at least 1, got {args.num_samples}.")
+    text = _text_source(args.source)
+    if text is not None:
+        return _sample_text(args, *text)
+    if args.out.suffix.lower() == ".jsonl":
+        raise FlowRLError(f"'{args.source}' samples images: give --out a .png grid or a .npy array, not '{args.out}'.")
     pipe_cfg, steps, guidance, config = _sample_source(args.source)
     pipeline = _sample_pipeline(Path(args.source), pipe_cfg, config)
-    prompts = args.prompt or [_first_held_out_prompt(args.source, config)]
     if args.image is not None and not Path(args.image).is_file():
         raise FlowRLError(f"--image '{args.image}' does not exist.")
-    metadata = [{"image": args.image} if args.image else {} for _ in prompts]
+    if args.prompt:
+        prompts, metadata = args.prompt, [{"image": args.image} if args.image else {} for _ in args.prompt]
+    else:  # the first held-out item whole: an edit or image-to-video model's prompt comes with its source image
+        prompt, item = _first_held_out_item(args.source, config)
+        prompts, metadata = [prompt], [{**item, "image": args.image} if args.image else item]
     sampler, steps, guidance = _sample_settings(args, pipeline, config, steps, guidance)
     traj = sample(pipeline, sampler, prompts, args.num_samples, steps, guidance, seed=args.seed, metadata=metadata)
     _write_samples(traj.samples, args.out, len(prompts), args.num_samples)
@@ -582,8 +590,9 @@ def _sample_source(source: str):
         config, _ = _config_for_source(source, [])
         return config.pipeline, *eval_steps_and_guidance(config), config
     from .pipelines import FAMILIES
+    from .pipelines.embedded_models import EMBEDDED_IMAGE_FAMILIES
 
-    family = {"digits_video": "digits_video", "digits_masked": "amused"}.get(source, "digits")  # the embedded models by name
+    family = EMBEDDED_IMAGE_FAMILIES.get(source, "digits")  # an embedded model by name, else a model directory
     return FAMILIES.section(family)(pretrained=source), 10, 1.0, None
 
 
@@ -606,12 +615,52 @@ def _sample_pipeline(source: Path, pipe_cfg, config):
     return pipeline
 
 
-def _first_held_out_prompt(source: str, config) -> str:
+def _first_held_out_item(source: str, config) -> tuple[str, dict]:
     if config is None:
         raise FlowRLError(f"--prompt is required when sampling from '{source}' (it is not a run checkpoint).")
     from .evaluation.held_out import eval_pool
 
-    return eval_pool(config)[0][0]
+    prompt, metadata = eval_pool(config)[0]
+    return prompt, dict(metadata)
+
+
+def _text_source(source: str):
+    """(config, checkpoint or None) when ``source`` is a diffusion LM: a run checkpoint of one, or an embedded LM by
+    name (sampled as its preset does); None for an image or video model."""
+    from .config import load_config
+    from .pipelines.embedded_models import embedded_lm_presets
+
+    presets = embedded_lm_presets()
+    if source in presets:
+        return load_config(presets[source], [f"pipeline.pretrained={source}"]), None
+    if Path(source).is_dir() and (Path(source) / "config.yaml").is_file():
+        config, checkpoint = _config_for_source(source, [])
+        return (config, checkpoint) if config.pipeline.modality == "text" else None
+    return None
+
+
+def _sample_text(args, config, checkpoint) -> int:
+    """A diffusion LM's completions at its evaluation temperature (greedy unless the run says otherwise), one JSON
+    line per completion on stdout and in a .jsonl file."""
+    import json
+
+    from .atomic_files import atomic_path
+    from .eval_command import text_model
+
+    out = args.out.with_suffix(".jsonl") if args.out.suffix.lower() == ".png" and args.out.name == "samples.png" else args.out
+    if out.suffix.lower() != ".jsonl":
+        raise FlowRLError(f"a diffusion LM's samples are text: give --out a .jsonl file, not '{args.out}'.")
+    modality, _ = text_model(config, checkpoint)
+    prompts = args.prompt or [_first_held_out_item(args.source, config)[0]]
+    completions = modality.sample(prompts, args.num_samples, args.seed)
+    rows = [{"prompt": p, "completion": c} for p, c in zip([p for p in prompts for _ in range(args.num_samples)], completions, strict=True)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for row in rows:
+        say(json.dumps(row))
+    print(f"flowrl: wrote {out} ({len(prompts)} prompt(s) x {args.num_samples} completions)", file=sys.stderr)
+    return 0
 
 
 def _sample_sampler(args, pipeline, config):

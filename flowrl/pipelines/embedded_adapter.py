@@ -43,8 +43,16 @@ class EmbeddedAdapter(DiffusersAdapter):
         """Map a shipped model name or a local directory to an absolute directory; fail with one sentence."""
         path = ASSETS / pretrained if pretrained in self.embedded else Path(pretrained).expanduser()
         if not path.is_dir():
+            from .embedded_models import embedded_names
+
+            if pretrained in embedded_names():  # shipped, for another family (arith_mdlm in an image pipeline)
+                raise FlowRLError(
+                    f"pipeline.pretrained '{pretrained}' is an embedded model of another family; this family's are "
+                    f"{', '.join(self.embedded)}."
+                )
             raise FlowRLError(
-                f"pipeline.pretrained '{pretrained}' is neither an embedded model ({', '.join(self.embedded)}) nor an existing directory."
+                f"pipeline.pretrained '{pretrained}' is neither an embedded model ({', '.join(embedded_names())}) nor an "
+                "existing directory."
             )
         missing = [c for c in self.required if not (path / c).is_dir()]
         if missing:
