@@ -628,7 +628,7 @@ def _text_source(source: str):
     """(config, checkpoint or None) when ``source`` is a diffusion LM: a run checkpoint of one, or an embedded LM by
     name (sampled as its preset does); None for an image or video model."""
     from .config import load_config
-    from .pipelines.embedded_models import embedded_lm_presets
+    from .presets import embedded_lm_presets
 
     presets = embedded_lm_presets()
     if source in presets:

@@ -56,3 +56,17 @@ def summary(name: str) -> str:
     if len(declared) != 1:
         raise FlowRLError(f"preset '{name}' declares {len(declared)} '{DESCRIPTION.strip()}' lines; it needs exactly one.")
     return declared[0]
+
+
+def embedded_lm_presets() -> dict[str, str]:
+    """Each shipped diffusion LM and the first preset that trains it (``flowrl sample NAME`` samples as it does)."""
+    import yaml
+
+    from .pipelines.dllm import EMBEDDED_LMS
+
+    found: dict[str, str] = {}
+    for name in preset_names():
+        pipeline = (yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text()) or {}).get("pipeline") or {}
+        if pipeline.get("pretrained") in EMBEDDED_LMS:
+            found.setdefault(pipeline["pretrained"], name)
+    return found

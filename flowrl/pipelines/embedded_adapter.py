@@ -25,6 +25,12 @@ from .diffusers_base import DiffusersAdapter, PipelineConfig, prompt_token_ids
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
+def shipped_generators() -> list[str]:
+    """The generators shipped in flowrl/assets (each folder with its training record; the digit classifier, a reward
+    model, aside): read from the files, so the list a user is shown is never stale."""
+    return sorted(p.name for p in ASSETS.iterdir() if (p / "training_info.json").is_file() and p.name != "digit_classifier")
+
+
 class EmbeddedPipelineConfig(PipelineConfig):
     """The section of an embedded model's family (digits, digits_video)."""
 
@@ -43,15 +49,13 @@ class EmbeddedAdapter(DiffusersAdapter):
         """Map a shipped model name or a local directory to an absolute directory; fail with one sentence."""
         path = ASSETS / pretrained if pretrained in self.embedded else Path(pretrained).expanduser()
         if not path.is_dir():
-            from .embedded_models import embedded_names
-
-            if pretrained in embedded_names():  # shipped, for another family (arith_mdlm in an image pipeline)
+            if pretrained in shipped_generators():  # shipped, for another family (arith_mdlm in an image pipeline)
                 raise FlowRLError(
                     f"pipeline.pretrained '{pretrained}' is an embedded model of another family; this family's are "
                     f"{', '.join(self.embedded)}."
                 )
             raise FlowRLError(
-                f"pipeline.pretrained '{pretrained}' is neither an embedded model ({', '.join(embedded_names())}) nor an "
+                f"pipeline.pretrained '{pretrained}' is neither an embedded model ({', '.join(shipped_generators())}) nor an "
                 "existing directory."
             )
         missing = [c for c in self.required if not (path / c).is_dir()]

@@ -4,8 +4,6 @@ never goes stale when a model is added."""
 
 from __future__ import annotations
 
-from functools import cache
-
 from .amused import EMBEDDED as AMUSED_EMBEDDED
 from .digits import DigitsPipeline
 from .digits_video import DigitsVideoPipeline
@@ -16,21 +14,6 @@ EMBEDDED_IMAGE_FAMILIES: dict[str, str] = {
     **dict.fromkeys(DigitsVideoPipeline.embedded, "digits_video"),
     **dict.fromkeys(AMUSED_EMBEDDED, "amused"),
 }
-
-
-@cache
-def embedded_lm_presets() -> dict[str, str]:
-    """Each shipped diffusion LM and the first preset that trains it (``flowrl sample NAME`` samples as it does)."""
-    import yaml
-
-    from ..presets import PRESET_DIR, preset_names
-
-    found: dict[str, str] = {}
-    for name in preset_names():
-        pipeline = (yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text()) or {}).get("pipeline") or {}
-        if pipeline.get("pretrained") in EMBEDDED_LMS:
-            found.setdefault(pipeline["pretrained"], name)
-    return found
 
 
 def embedded_names() -> list[str]:
