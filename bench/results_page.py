@@ -70,9 +70,12 @@ def preset_section(results: dict, notes: dict[str, str]) -> list[str]:
         "process) with the held-out evaluation before and after: the preset's reward on prompts never trained on, with",
         "its components, the held-out judge (a reward never trained on) and the seed diversity where the preset has them.",
         "Wall times are the shared development machine's, with its 1-minute load average beside the run (2 cores: a load",
-        "above 2 means other jobs were running).",
+        "above 2 means other jobs were running), and the commit it ran at (`+dirty`: the working tree also held",
+        "uncommitted edits, other work in progress that day).",
         "",
         "Re-measure: `python bench/preset_results.py [PRESET ...]`; regenerate this page: `python bench/results_page.py --write`.",
+        "The two other 2-D toy presets (`toy/adjoint_matching_quadratic`, `toy/grpo_kl_linear`) are measured against their",
+        "closed-form targets in [objectives/adjoint_matching.md](objectives/adjoint_matching.md) rather than here.",
         "",
     ]
     presets = results["presets"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 import sys
 from functools import cache
@@ -58,11 +59,16 @@ class Evidence(BaseModel):
     evidence: str = Field(default="", description="what the tests or measurement establish, in a sentence")
     numbers: str = Field(default="", description="a measurement's numbers with the date and source they came with")
     command: str = Field(default="", description="the command that re-derives the evidence")
+    record: str = Field(
+        default="",
+        description="a measurement record, bench/results/NAME.json, whose entry for this preset holds the numbers "
+        "(the page reads them from it: a measured number is never typed twice)",
+    )
     note: str = Field(default="", description="why a level is not verified, or what the evidence leaves out")
 
     @model_validator(mode="after")
     def _complete(self) -> Evidence:
-        if self.status == "verified" and not (self.command and (self.tests or self.files)):
+        if self.status == "verified" and not (self.command and (self.tests or self.files or self.record)):
             raise ValueError("a verified level names its tests or files and the command that re-derives it")
         if self.status == "not verified" and not self.note:
             raise ValueError("a level that is not verified says why (note)")
@@ -172,7 +178,35 @@ def validate(named: dict[str, PresetEvidence], root: Path = REPO) -> list[str]:
             entry = getattr(record, lv)
             problems += [f"{preset} {lv}: test {t} does not exist" for t in entry.tests if not test_exists(t, root)]
             problems += [f"{preset} {lv}: file {f} does not exist" for f in entry.files if not (root / f).is_file()]
+            if entry.record and measured(entry.record, preset, root) is None:
+                problems.append(f"{preset} {lv}: record bench/results/{entry.record}.json has no entry for it")
     return problems
+
+
+def measured(record: str, preset: str, root: Path = REPO) -> dict | None:
+    """The preset's entry in the measurement record bench/results/RECORD.json (bench/preset_results.py writes it)."""
+    path = root / "bench" / "results" / f"{record}.json"
+    return json.loads(path.read_text()).get("presets", {}).get(preset) if path.is_file() else None
+
+
+def measured_numbers(record: str, preset: str, root: Path = REPO) -> str:
+    """The record's numbers as a sentence: the held-out reward and its components before -> after, the samples, the
+    wall time, with the date, machine load and commit they were measured at."""
+    r = measured(record, preset, root)
+    if r is None or r.get("before") is None:
+        return ""
+    before, after = r["before"], r.get("after") or {}
+    parts = [
+        f"{key.removeprefix('eval/').removeprefix('reward/')} {before[key]:.3f} -> {after.get(key, float('nan')):.3f}"
+        for key in sorted(before)
+        if key.startswith("eval/reward/") and key != "eval/reward/mean"
+    ]
+    head = f"{before['eval/reward/mean']:.3f} -> {after.get('eval/reward/mean', float('nan')):.3f}"
+    return (
+        f"{head} ({', '.join(parts)}), {r['iterations']} iterations x {r['samples_per_iteration']} samples, "
+        f"{r['wall_s']:.0f} s; measured {r['date']} on the {r['machine']['cores']}-core development machine "
+        f"(load {r['machine']['load_1min']}), commit {r['commit']} (bench/results/{record}.json)."
+    )
 
 
 # -- the page -------------------------------------------------------------------------------------------------
@@ -211,9 +245,12 @@ def _summary_table(named: dict[str, PresetEvidence]) -> list[str]:
     return rows
 
 
-def _entry_row(lv: str, entry: Evidence) -> str:
-    said = [entry.evidence, entry.numbers and f"Numbers: {entry.numbers}", entry.note]
-    sources = [f"`{t}`" for t in entry.tests] + [f"[{f}](../{f})" for f in entry.files]
+def _entry_row(lv: str, entry: Evidence, preset: str) -> str:
+    recorded = entry.record and measured_numbers(entry.record, preset)
+    other = entry.numbers and (f"Other measurements: {entry.numbers}" if recorded else f"Numbers: {entry.numbers}")
+    said = [entry.evidence, recorded and f"Numbers: {recorded}", other, entry.note]
+    files = entry.files + ([f"bench/results/{entry.record}.json"] if entry.record else [])
+    sources = [f"`{t}`" for t in entry.tests] + [f"[{f}](../{f})" for f in files]
     what = " ".join(s for s in said if s) + (" Sources: " + ", ".join(sources) + "." if sources else "")
     command = f"`{entry.command}`" if entry.command else ""
     return f"| {TITLES[lv]} | {entry.status} | {_cell(what)} | {_cell(command)} |"
@@ -221,7 +258,7 @@ def _entry_row(lv: str, entry: Evidence) -> str:
 
 def _preset_section(preset: str, record: PresetEvidence) -> list[str]:
     rows = [f"### {preset}", "", "| level | status | evidence | command |", "|---|---|---|---|"]
-    return rows + [_entry_row(lv, getattr(record, lv)) for lv in LEVELS] + [""]
+    return rows + [_entry_row(lv, getattr(record, lv), preset) for lv in LEVELS] + [""]
 
 
 def page(named: dict[str, PresetEvidence] | None = None) -> str:

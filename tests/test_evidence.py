@@ -3,6 +3,7 @@ and `flowrl presets` show them. The named tests are found by parsing their files
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -42,6 +43,32 @@ def test_a_record_naming_a_missing_test_or_file_is_reported():
     assert "test tests/test_evidence.py::test_no_such_test does not exist" in problems[0]
 
 
+def test_numbers_from_a_measurement_record_are_read_not_typed(tmp_path):
+    """A level backed by bench/results/NAME.json shows that record's numbers; a record without the preset is named."""
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    entry = {
+        "date": "2026-11-28",
+        "commit": "abc1234",
+        "machine": {"cores": 2, "load_1min": 1.5},
+        "iterations": 30,
+        "samples_per_iteration": 64,
+        "wall_s": 78.2,
+        "before": {"eval/reward/mean": 1.2985, "eval/reward/ink": 0.3051, "eval/judge/mean": 0.88},
+        "after": {"eval/reward/mean": 1.4737, "eval/reward/ink": 0.4812, "eval/judge/mean": 0.78},
+    }
+    (tmp_path / "bench" / "results" / "runs.json").write_text(json.dumps({"presets": {"digits/grpo": entry}}))
+    assert evidence.measured_numbers("runs", "digits/grpo", tmp_path) == (
+        "1.298 -> 1.474 (ink 0.305 -> 0.481), 30 iterations x 64 samples, 78 s; measured 2026-11-28 on the 2-core "
+        "development machine (load 1.5), commit abc1234 (bench/results/runs.json)."
+    )
+    backed = Evidence(status="verified", record="runs", command="flowrl train digits/grpo")
+    record = PresetEvidence(exact=backed, learns=backed, real_size_cpu=backed)
+    assert evidence.validate({"digits/grpo": record}, tmp_path) == []
+    assert evidence.validate({"digits/ddpo": record}, tmp_path) == [
+        f"digits/ddpo {lv}: record bench/results/runs.json has no entry for it" for lv in ("exact", "learns", "real_size_cpu")
+    ]
+
+
 def test_inherited_and_parametrized_test_ids_are_found():
     assert evidence.test_exists("tests/test_family_sd3_flux.py::TestFlux::test_sampler_equals_the_diffusers_pipeline")
     assert evidence.test_exists("tests/test_family_sd3_flux.py::test_real_configs_validate[configs/sd3/x.yaml]")
@@ -59,7 +86,8 @@ def test_measurements_carry_numbers_and_gpu_and_checkpoint_are_never_claimed():
     for name, record in evidence.records().items():
         for lv in ("learns", "real_size_cpu"):
             entry = getattr(record, lv)
-            assert entry.status == "not verified" or entry.numbers, f"{name} {lv}: a measurement without its numbers"
+            has_numbers = entry.numbers or (entry.record and evidence.measured_numbers(entry.record, name))
+            assert entry.status == "not verified" or has_numbers, f"{name} {lv}: a measurement without its numbers"
         # no GPU was lent and no hub checkpoint loaded: a record claiming either would be made up
         assert record.gpu.status == record.real_checkpoint.status == "not verified", name
 
