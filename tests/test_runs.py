@@ -351,3 +351,18 @@ def test_seppo_winners_without_the_metadata_the_reward_needs_are_refused_at_star
         Trainer(config)
     assert str(e.value).startswith(f"reward 'digit_classifier' needs 'digit' in every prompt's metadata, but winner 1 of '{winners}' ")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_starting_from_another_runs_checkpoint_says_so_and_reports_its_step(saved_run, tmp_path, capsys):
+    """A new output_dir resumed from another run's checkpoint: the notice names it, and the 'before' reward is said
+    to be that checkpoint's (its step), not the base model's."""
+    checkpoint = saved_run / "checkpoints" / "step_000002"
+    other = tmp_path / "other"
+    overrides = [*fast_overrides(other, **{"train.iterations": 3, "log.trackers": "[]"}), f"resume_from={checkpoint}"]
+    assert main(["train", str(GRPO), *overrides]) == 0
+    out, err = capsys.readouterr()
+    assert f"flowrl: starting from another run's checkpoint '{checkpoint}' (its iteration 2)" in err
+    summary = json.loads((other / "summary.json").read_text())
+    assert summary["eval_reward_initial_step"] == 2
+    assert "(the checkpoint it started from, iteration 2) ->" in out

@@ -60,6 +60,7 @@ class Run:
         self.run_dir = Path(config.output_dir)
         self.logger = RunLogger(self.run_dir, enabled=self.is_main, trackers=trackers)
         self.iteration = 0
+        self._started_elsewhere = False  # resumed from another run's checkpoint: evaluated before training here too
         self.stop_requested: str | bool = False  # "SIGINT" or "SIGTERM" once asked to stop
         self._lock = RunLock(self.run_dir)
         self._saving = False  # True while a checkpoint is being written
@@ -82,9 +83,9 @@ class Run:
         self._start()
         started = time.time()
         try:  # the run's one boundary: whatever fails from here on, in whichever part, ends the run in _failed
-            if self.iteration == 0:
+            if self.iteration == 0 or self._started_elsewhere:  # this run's own "before": the weights it starts from
                 self._stage = "in the evaluation before training"
-                self._evaluate_and_log(0, tag="before")
+                self._evaluate_and_log(self.iteration, tag="before")
             status, reason = self._iterate()
         except Exception as error:  # KeyboardInterrupt and Preempted (SIGTERM) are not Exceptions: they pass
             raise self._failed(error, time.time() - started) from (None if isinstance(error, FlowRLError) else error)
@@ -276,6 +277,14 @@ class Run:
             raise FlowRLError(f"checkpoint '{directory}' was written by {len(objective_states)} process(es) but this run has {self.world}.")
         self.loop.objective.load_state_dict(objective_states[self.rank])
         self.iteration = self._logged = int(state["iteration"])
+        self._started_elsewhere = not directory.resolve().is_relative_to(self.run_dir.resolve())
+        if self.is_main and self._started_elsewhere:
+            print(
+                f"flowrl: starting from another run's checkpoint '{directory}' (its iteration {self.iteration}); the "
+                "held-out reward 'before' is of its trained weights, not of the base model.",
+                file=sys.stderr,
+                flush=True,
+            )
         self.loop.nonfinite.clear()  # a checkpoint written before the window was saved: it starts afresh
         self.loop.nonfinite.extend(tuple(int(x) for x in entry) for entry in state.get("nonfinite_window", []))
 
@@ -373,6 +382,7 @@ class Run:
             "iterations_completed": self.iteration,
             "iterations_planned": self.config.train.iterations,
             "eval_reward_initial": evals[0]["eval/reward/mean"] if evals else None,
+            "eval_reward_initial_step": evals[0]["step"] if evals else None,  # > 0: a resumed checkpoint's weights
             "eval_reward_final": evals[-1]["eval/reward/mean"] if evals else None,
             "eval_reward_final_step": evals[-1]["step"] if evals else None,  # the weights the final reward measured
             "samples_per_iteration": self.config.train.prompts_per_iteration * self.loop.collector.rows_per_prompt,

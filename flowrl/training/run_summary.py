@@ -26,6 +26,8 @@ def _reward_line(summary: dict[str, Any]) -> str:
     if after is None or summary.get("eval_reward_final_step") in (None, 0):
         return f"  held-out reward: {before:.4f} at the start; no evaluation after training"
     start = f"{before:.4f}" if before is not None else "not evaluated"
+    if before is not None and summary.get("eval_reward_initial_step"):  # a run started from a trained checkpoint
+        start += f" (the checkpoint it started from, iteration {summary['eval_reward_initial_step']})"
     gain = f" ({after - before:+.4f})" if before is not None else ""
     return f"  held-out reward: {start} -> {after:.4f}{gain} after iteration {summary['eval_reward_final_step']}"
 
