@@ -107,6 +107,14 @@ class TrainConfig(Section):
         description="Stop the run when more than this fraction of the last nonfinite_window iterations' rewards are NaN or inf.",
     )
     nonfinite_window: int = Field(10, ge=1, description="Iterations over which max_nonfinite_fraction is measured.")
+    # Equal rewards within every group give zero advantages: an objective that learns from reward differences then
+    # trains on nothing (a judge that answers one score, a binary reward no sample passes).
+    flat_reward_warn: int = Field(
+        3, ge=0, description="Warn after this many iterations in a row in which every group's rewards were equal (0: never)."
+    )
+    flat_reward_stop: int = Field(
+        10, ge=0, description="Stop the run after this many iterations in a row in which every group's rewards were equal (0: never)."
+    )
     roles: dict[str, RoleConfig] = Field(
         default_factory=dict,
         description="Per trained role (policy, or one the objective declares) optimizer settings that differ from train's.",

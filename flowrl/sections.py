@@ -90,6 +90,9 @@ class ObjectiveSection(PartSection):
     """An objective: ``build(context)`` returns the :class:`flowrl.types.Objective`."""
 
     supports_branching: ClassVar[bool] = False  # B2-DiffuRL's branched rollouts (rollout.branching) train it
+    # learns from the differences between a group's rewards (advantages, preferences), so equal rewards in every group
+    # teach it nothing; False for one that learns from the reward's gradient (Adjoint Matching)
+    learns_from_reward_differences: ClassVar[bool] = True
 
     def build(self, context: BuildContext) -> Any:
         if self.target is None:

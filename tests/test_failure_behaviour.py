@@ -152,6 +152,34 @@ def test_too_many_nan_rewards_over_the_window_stop_the_run_before_the_update(tmp
     assert strict_json((run / "summary.json").read_text())["status"] == "failed"
 
 
+def test_flat_group_fraction_counts_groups_without_a_difference():
+    from flowrl.training.loop import flat_group_fraction
+
+    nan = float("nan")
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, nan, 2.0, 3.0, 3.0])  # groups of 2: flat, varied, one finite, flat
+    assert flat_group_fraction(rewards, 2) == 0.75
+    assert flat_group_fraction(torch.zeros(8), 4) == 1.0 and flat_group_fraction(torch.arange(8.0), 4) == 0.0
+    assert flat_group_fraction(torch.zeros(8), 1) == 0.0  # a group of one has no spread to speak of
+
+
+@pytest.mark.slow
+def test_a_reward_with_no_spread_in_any_group_warns_then_stops_the_run(tmp_path):
+    """Equal rewards within every group: zero advantages. Warned after train.flat_reward_warn iterations in a row,
+    stopped after train.flat_reward_stop, with the last completed iteration saved, as NaN rewards stop a run."""
+    run = tmp_path / "run"
+    overrides = fast_overrides(run, **{"train.iterations": 4, "train.flat_reward_warn": 1, "train.flat_reward_stop": 2})
+    trainer = Trainer(load_config(GRPO, overrides), reward={"one_score": lambda samples, prompts, metadata: [0.5] * len(prompts)})
+    with pytest.raises(FlowRLError) as info, pytest.warns(UserWarning, match="does the reward tell this model's samples apart"):
+        trainer.fit()
+    assert str(info.value).startswith(
+        "every group's rewards were equal in the last 2 iterations (reward components: one_score), so the advantages "
+        "are zero and the update learns nothing; the run cannot learn (train.flat_reward_stop=2); the run stopped with "
+        "iteration 1 saved"
+    )
+    rows = [strict_json(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("reward/flat_group_fraction") for r in rows if "reward/mean" in r] == [1.0]
+
+
 def test_a_reward_that_cannot_score_the_prompts_is_refused_before_anything_runs(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red bicycle\na bowl of fruit\n")

@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -383,6 +383,7 @@ class AdjointMatchingConfig(ObjectiveSection):
     reward and a memoryless sampler: flow_memoryless for flow models, ddim with eta 1 for diffusion models)."""
 
     name: str = "adjoint_matching"
+    learns_from_reward_differences: ClassVar[bool] = False  # it regresses onto the reward's gradient
     reward_multiplier: float = Field(
         1.0, gt=0, description="lambda: the target is p_base(x) exp(lambda r(x)) (the authors use 100 with ImageReward)."
     )

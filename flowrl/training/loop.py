@@ -78,6 +78,7 @@ class TrainingLoop:
         self._objective_before: dict[str, Any] | None = None  # the objective's state when an unfinished iteration began
         # (iteration, non-finite, all) of the last train.nonfinite_window iterations' rewards; saved in each checkpoint
         self.nonfinite: deque[tuple[int, int, int]] = deque(maxlen=config.train.nonfinite_window)
+        self.flat_streak = 0  # iterations in a row in which every group's rewards were equal (check_learnable)
 
     def iteration(self, iteration: int) -> dict[str, float]:
         """One iteration. It may fail anywhere (a user's part raising, a bug): the run catches that in one place
@@ -205,10 +206,27 @@ class TrainingLoop:
             "reward/mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
             "reward/std": float(rewards[finite].std(unbiased=False)) if finite.any() else float("nan"),
             "reward/nonfinite_count": int((~finite).sum()),
+            "reward/flat_group_fraction": flat_group_fraction(rewards, self.collector.rows_per_prompt),
         }
+        self.flat_streak = self.flat_streak + 1 if metrics["reward/flat_group_fraction"] == 1.0 else 0
         for name, values in batch.reward_components.items():
             metrics[f"reward/{name}"] = nanmean(torch.cat(gather_object([values.cpu()])).tolist())
         return metrics
+
+    def _check_reward_spread(self, iteration: int) -> None:
+        """Equal rewards within every group, iteration after iteration: zero advantages, nothing learnt. Warn after
+        train.flat_reward_warn such iterations in a row, stop after train.flat_reward_stop (0: never)."""
+        tc, streak = self.config.train, self.flat_streak
+        if not type(self.config.objective).learns_from_reward_differences or self.collector.rows_per_prompt < 2:
+            return
+        what = (
+            f"every group's rewards were equal in the last {streak} iterations (reward components: "
+            f"{', '.join(self.config.reward.components)}), so the advantages are zero and the update learns nothing"
+        )
+        if tc.flat_reward_stop and streak >= tc.flat_reward_stop:
+            raise FlowRLError(f"{what}; the run cannot learn (train.flat_reward_stop={tc.flat_reward_stop})")
+        if tc.flat_reward_warn and streak == tc.flat_reward_warn:
+            warnings.warn(f"{what}: does the reward tell this model's samples apart?", stacklevel=2)
 
     def check_learnable(self, iteration: int) -> None:
         """Stop a run that cannot learn instead of training on nothing: every reward of this iteration non-finite, or
@@ -216,6 +234,7 @@ class TrainingLoop:
         labelled already (offline pairs, SePPO's winners) do not learn from the reward, so they are exempt."""
         if not self.collector.learns_from_rewards or not self.nonfinite:
             return
+        self._check_reward_spread(iteration)
         tc = self.config.train
         _, bad, total = self.nonfinite[-1]
         if total and bad == total:
@@ -230,3 +249,15 @@ class TrainingLoop:
                     f"{bad} of {total} rewards of the last {tc.nonfinite_window} iterations were NaN or infinite, more than "
                     f"train.max_nonfinite_fraction={tc.max_nonfinite_fraction:g}, so the run is not learning"
                 )
+
+
+def flat_group_fraction(rewards: torch.Tensor, group: int) -> float:
+    """The fraction of the batch's groups (``group`` consecutive rows each) whose finite rewards are all equal (a group
+    with fewer than two finite rewards counts as flat: it has no difference to learn from)."""
+    if group < 2 or len(rewards) % group:
+        return 0.0
+    flat = 0
+    for row in rewards.view(-1, group):
+        finite = row[torch.isfinite(row)]
+        flat += int(len(finite) < 2 or bool((finite == finite[0]).all()))
+    return flat / (len(rewards) // group)

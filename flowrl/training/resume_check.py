@@ -20,6 +20,7 @@ MAY_CHANGE = (
     "output_dir", "resume_from", "overwrite", "resume_allow",
     "train.iterations", "train.stop_after", "train.learning_rate", "train.lr_schedule", "train.lr_min_fraction",
     "train.max_grad_norm", "train.max_nonfinite_fraction", "train.nonfinite_window", "train.num_threads",
+    "train.flat_reward_warn", "train.flat_reward_stop",
     "eval", "log", "pipeline.device", "pipeline.offload_frozen", "pipeline.gradient_checkpointing", "pipeline.attention",
     "rollout.batch_size",
 )  # fmt: skip
