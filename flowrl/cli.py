@@ -730,7 +730,7 @@ def _export(args) -> int:
 
     source = Path(args.checkpoint)
     _check_export_arguments(source, args)
-    if args.format == "comfy":
+    if getattr(args, "format", "diffusers") == "comfy":  # (a Namespace built by hand may not carry it)
         return _export_comfy(source, args)
     config, _ = _config_for_source(str(source), [])
     pipeline = build_pipeline(config.pipeline, "cpu")

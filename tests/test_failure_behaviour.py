@@ -50,6 +50,8 @@ def strict_json(text: str):
 
 
 def one_line_error(err: str) -> str:
+    # a library's own notice on stderr is not flowrl's (DeepSpeed, when installed, announces its accelerator at import)
+    err = "".join(line for line in err.splitlines(keepends=True) if "[real_accelerator.py" not in line)
     assert err.startswith("flowrl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     return err.strip()
 

@@ -101,7 +101,7 @@ def test_cli_svdd(tmp_path, capsys):
     assert out.is_file() and "eval/reward/mean@svdd2" in last and last["settings"]["sampler"] == "flow_sde"
     assert last["spec"]["method"] == {"name": "svdd", "m": 2, "last_step": "plain"}
     assert last["cost"]["denoiser_rows_per_item"] == 1 + 2 * 3 and last["cost"]["verifier_rows_per_item"] == 2 * 3 + 1
-    assert main(["eval", str(GRPO), *overrides, "--svdd", "2", "--svdd-last-step", "best_of_m", "--out", str(out)]) == 0
+    assert main(["eval", str(GRPO), *overrides, "--svdd", "2", "--svdd-last-step", "best_of_m", "--out", str(out), "--overwrite"]) == 0
     best = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert best["spec"]["method"]["last_step"] == "best_of_m" and best["cost"]["verifier_rows_per_item"] == 2 * 4
     assert main(["eval", str(GRPO), "--svdd", "0"]) == 2

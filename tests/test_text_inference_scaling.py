@@ -270,6 +270,7 @@ def test_cli_best_of_n_and_svdd_on_a_dllm_config(tmp_path, capsys):
     # unset, the last step is the discrete release's (a best-of-M of finished completions), and the spec says so
     assert line["settings"]["svdd_last_step"] == "best_of_m" and line["spec"]["method"]["last_step"] == "best_of_m"
     assert line["cost"]["verifier_rows_per_item"] == 2 * 8
-    assert main(["eval", str(CONFIG), *OVERRIDES, "--best-of", "2", "--select", "math_answer", "--out", str(out)]) == 2
+    refused = tmp_path / "refused.png"
+    assert main(["eval", str(CONFIG), *OVERRIDES, "--best-of", "2", "--select", "math_answer", "--out", str(refused)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flowrl: error: 'math_answer' grades against the gold answer") and len(err.splitlines()) == 1

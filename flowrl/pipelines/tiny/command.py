@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ...console import say
 from ...errors import FlowRLError
 
 HELP = "write a tiny random-weight checkpoint of a model family (runs its presets on a laptop; random weights: plumbing only)"
@@ -37,11 +38,11 @@ def run_tiny(args) -> int:
     variant, chosen = variant_of(args.family, args.variant)
     out = tiny_checkpoint(args.family, args.out, variant, seed=args.seed, overwrite=args.overwrite)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"wrote a tiny {args.family} checkpoint ({variant}: {chosen.about}; seed {args.seed}) to {out}, {size / 1e6:.1f} MB.")
-    print("Its weights are random: a run on it exercises the whole path (loading, sampling, log-probs, the update), not quality.")
+    say(f"wrote a tiny {args.family} checkpoint ({variant}: {chosen.about}; seed {args.seed}) to {out}, {size / 1e6:.1f} MB.")
+    say("Its weights are random: a run on it exercises the whole path (loading, sampling, log-probs, the update), not quality.")
     for run in runs_for(args.family, variant):
         command = ["flowrl", "train", RUNS[run].preset, *tiny_overrides(run, out)]
-        print(f"\n{run}:\n  " + " ".join(shlex.quote(part) for part in command))
+        say(f"\n{run}:\n  " + " ".join(shlex.quote(part) for part in command))
     return 0
 
 
