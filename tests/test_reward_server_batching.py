@@ -191,10 +191,13 @@ def test_several_replicas_share_the_work_and_a_dead_one_is_skipped(reference):
         images, prompts, meta = digits(16)
         out = client(images, prompts, meta)  # 4 chunks of 4, on both replicas at once
         assert_same(out, reference(images, prompts, meta))
-        assert sorted(first.calls + second.calls) == [4, 4, 4, 4] and first.calls and second.calls
+        # both replicas worked; a replica's server may merge two chunks that reach it together into one model batch
+        # (its own batching, even at max_wait_ms=0 on a loaded machine), so the calls are chunks of 4 or merged 8s
+        calls = first.calls + second.calls
+        assert sum(calls) == 16 and all(c in (4, 8) for c in calls) and first.calls and second.calls
         for _ in range(4):  # whole batches go round-robin
             client(*digits(3))
-        assert len(first.calls) + len(second.calls) == 8 and abs(len(first.calls) - len(second.calls)) <= 2
+        assert sum(first.calls) + sum(second.calls) == 16 + 4 * 3 and abs(len(first.calls) - len(second.calls)) <= 2
         a.stop()
         done_before = sum(second.calls)
         start = time.monotonic()
