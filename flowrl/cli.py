@@ -733,6 +733,16 @@ def _export(args) -> int:
     if getattr(args, "format", "diffusers") == "comfy":  # (a Namespace built by hand may not carry it)
         return _export_comfy(source, args)
     config, _ = _config_for_source(str(source), [])
+    if config.pipeline.name == "toy2d":
+        raise FlowRLError(
+            "the 2-D toy has no model format to export: its checkpoint's safetensors are the model; sample it with "
+            f"flowrl sample {source} --out points.npy."
+        )
+    if config.pipeline.name == "diffusion_gemma":  # measured: save_pretrained + from_pretrained changed its logits
+        raise FlowRLError(
+            "exporting a DiffusionGemma run is not supported yet (its model loaded back from an export did not give the "
+            f"trained logits); flowrl eval and flowrl sample read the checkpoint itself: flowrl sample {source}."
+        )
     pipeline = build_pipeline(config.pipeline, "cpu")
     load_checkpoint_weights(pipeline, source)
     with atomic_directory(args.out) as tmp:
@@ -788,6 +798,11 @@ def _write_merged_model(tmp: Path, pipeline, config) -> None:
     the merged denoiser for a hub id."""
     import shutil
 
+    if config.pipeline.modality == "text":  # a diffusion LM: the transformers model (LoRA merged) and its tokenizer
+        model = pipeline.model.merge_and_unload() if pipeline.has_lora else pipeline.model
+        model.save_pretrained(tmp)
+        pipeline.tokenizer.save_pretrained(tmp)
+        return
     # by subfolder; several for a denoiser that spans components (Wan2.2's transformer + transformer_2)
     merged = (
         pipeline.merged_components()
