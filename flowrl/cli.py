@@ -396,7 +396,10 @@ def _output_file(args) -> Path:
     """Where ``flowrl sample`` / ``flowrl eval`` (a search) writes: ``--out`` when given, refused when it exists unless
     ``--overwrite``; else a new folder named for the command and the time, under the run of a run checkpoint (its
     ``outputs/``) or under ``flowrl_outputs/`` in the working directory, so that no command replaces another's files."""
-    command, name = ("sample", "samples.png") if args.command == "sample" else ("eval", "best_of_n.png")
+    if args.command == "sample":  # a diffusion LM's samples are text
+        command, name = "sample", "samples.jsonl" if _text_source(args.source) is not None else "samples.png"
+    else:
+        command, name = "eval", "best_of_n.png"
     if args.out is not None:
         siblings = [args.out] if command == "sample" else [args.out, args.out.with_suffix(".jsonl")]
         existing = next((p for p in siblings if p.exists()), None)
@@ -647,7 +650,7 @@ def _sample_text(args, config, checkpoint) -> int:
     from .atomic_files import atomic_path
     from .eval_command import text_model
 
-    out = args.out.with_suffix(".jsonl") if args.out.suffix.lower() == ".png" and args.out.name == "samples.png" else args.out
+    out = args.out
     if out.suffix.lower() != ".jsonl":
         raise FlowRLError(f"a diffusion LM's samples are text: give --out a .jsonl file, not '{args.out}'.")
     modality, _ = text_model(config, checkpoint)

@@ -10,15 +10,16 @@ import pytest
 from conftest import CONFIGS, fast_overrides
 
 from flowrl.cli import main
+from flowrl.pipelines.dllm import EMBEDDED_LMS
 from flowrl.pipelines.embedded_adapter import shipped_generators
-from flowrl.pipelines.embedded_models import EMBEDDED_IMAGE_FAMILIES, embedded_names
+from flowrl.pipelines.embedded_models import EMBEDDED_IMAGE_FAMILIES
 from flowrl.presets import embedded_lm_presets
 
 
 def test_the_embedded_models_are_read_from_the_families():
     assert set(EMBEDDED_IMAGE_FAMILIES) == {"digits_flow", "digits_ddpm", "digits_video", "digits_masked"}
     assert embedded_lm_presets() == {"arith_mdlm": "dllm/bgpo", "arith_bd3lm": "dllm/diffu_grpo_block_cache"}
-    assert set(embedded_names()) == {*EMBEDDED_IMAGE_FAMILIES, "arith_mdlm", "arith_bd3lm"} == set(shipped_generators())
+    assert {*EMBEDDED_IMAGE_FAMILIES, *EMBEDDED_LMS} == {*EMBEDDED_IMAGE_FAMILIES, "arith_mdlm", "arith_bd3lm"} == set(shipped_generators())
 
 
 @pytest.mark.slow

@@ -7,15 +7,9 @@ from __future__ import annotations
 from .amused import EMBEDDED as AMUSED_EMBEDDED
 from .digits import DigitsPipeline
 from .digits_video import DigitsVideoPipeline
-from .dllm import EMBEDDED_LMS
 
 EMBEDDED_IMAGE_FAMILIES: dict[str, str] = {
     **dict.fromkeys(DigitsPipeline.embedded, "digits"),
     **dict.fromkeys(DigitsVideoPipeline.embedded, "digits_video"),
     **dict.fromkeys(AMUSED_EMBEDDED, "amused"),
 }
-
-
-def embedded_names() -> list[str]:
-    """Every shipped generator's name (the digit classifier, a reward model, aside)."""
-    return [*EMBEDDED_IMAGE_FAMILIES, *EMBEDDED_LMS]

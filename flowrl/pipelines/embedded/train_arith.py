@@ -30,15 +30,17 @@ from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems,
 from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
 
-def build_model():
+def build_model(hidden: int = 128, layers: int = 4, heads: int = 4):
+    """arith_mdlm's architecture, a bidirectional BertForMaskedLM (the shipped size by default; flowrl tiny builds it
+    smaller)."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
         vocab_size=len(vocabulary()),
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=256,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
         max_position_embeddings=PROMPT_LEN + COMPLETION_LEN,
         type_vocab_size=1,
         pad_token_id=0,

@@ -32,17 +32,19 @@ from .train_arith import fit_on_problems
 from .training import ASSETS, parse_training_arguments, training_parser
 
 
-def build_model(block_length: int):
+def build_model(block_length: int, hidden: int = 96, layers: int = 3, heads: int = 4):
+    """arith_bd3lm's architecture, a LlamaForCausalLM run with block-causal attention (the shipped size by default;
+    flowrl tiny builds it smaller)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(vocabulary()),
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
