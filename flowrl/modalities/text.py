@@ -54,11 +54,25 @@ class TextModality:
         """DCoLT's unmasking policy when the sampler remasks by it, else None."""
         return self.objective.position_scorer if self.config.sampler.remasking == "policy" else None
 
-    def generate(self, prompts: list[str], temperature: float, gen: torch.Generator) -> TokenTrajectory:
-        # one generation path for rollouts, evaluation and inference-time scaling (best-of-1 = the evaluation)
+    def generate(self, prompts: list[str], temperature: float, gen: torch.Generator, sampler: Any = None) -> TokenTrajectory:
+        # one generation path for rollouts, evaluation and inference-time scaling (best-of-1 = the evaluation);
+        # ``sampler``: the rollout's own settings where the objective rolls out differently (rollout_sampler)
         return generate_texts(
-            self.pipeline, prompts, self.config.sampler, self.config.pipeline.prompt_length, temperature, gen, self.position_scorer
+            self.pipeline,
+            prompts,
+            sampler or self.config.sampler,
+            self.config.pipeline.prompt_length,
+            temperature,
+            gen,
+            self.position_scorer,
         )
+
+    @property
+    def rollout_sampler(self) -> Any:
+        """The sampler settings training rollouts use: the objective's ``rollout_sampler(sampler)`` where it has one
+        (JustGRPO rolls out left to right, one token per step), else the run's sampler, which evaluation always uses."""
+        rollout = getattr(self.objective, "rollout_sampler", None)
+        return rollout(self.config.sampler) if rollout is not None else self.config.sampler
 
     def for_update(self, batch: TokenTrajectory) -> TokenTrajectory:
         return batch  # training re-scores exactly what was generated

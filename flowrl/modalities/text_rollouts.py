@@ -60,7 +60,10 @@ class TextRollouts:
         rows = seeding.global_rows(group_ids, n)
         self.modality.pipeline.model.eval()
         traj = self.modality.generate(
-            prompts, self.config.sampler.temperature, seeding.RowGenerators.keyed(seed, iteration, "rollout", rows)
+            prompts,
+            self.config.sampler.temperature,
+            seeding.RowGenerators.keyed(seed, iteration, "rollout", rows),
+            self.modality.rollout_sampler,
         )
         traj.prompts, traj.metadata = prompts, [dict(m) for _, m in chosen for _ in range(n)]
         traj.group_ids = group_ids

@@ -34,6 +34,8 @@ OBJECTIVES = Registry(
         "dcolt": "flowrl.objectives.dllm.policy:DCoLTConfig",
         "bgpo": "flowrl.objectives.dllm.policy:BGPOConfig",
         "step_grpo": "flowrl.objectives.dllm.step_grpo:StepGRPOConfig",  # uniform-noise block diffusion (DiffusionGemma)
+        "just_grpo": "flowrl.objectives.dllm.just_grpo:JustGRPOConfig",  # left-to-right rollouts, exact likelihood
+        "block_elbo": "flowrl.objectives.dllm.block_elbo:BlockELBOConfig",  # block diffusion: LLaDA2.1's EBPO
     },
     base=ObjectiveSection,
 )
