@@ -84,6 +84,10 @@ class ImageRollouts:
         if cfg.branching is not None:  # B2-DiffuRL: one shared prefix per group, branches over the trained window (samplers/branching.py)
             yield Chunk(self._branched(iteration, prompts, metadata, group_ids, gen, noise))  # decoded: one graph of branches
             return
+        layout = getattr(self.objective, "rollout_layout", None)  # Flash-GRPO, TreeGRPO, stepwise GRPO (samplers/step_credit.py)
+        if layout is not None:
+            yield Chunk(layout.collect(self, iteration, prompts, metadata, group_ids, gen, noise))  # decoded
+            return
         window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)
         sigmas = self.pipeline.schedule.sigmas(cfg.num_inference_steps).to(self.modality.device)
         for start in range(0, len(prompts), cfg.batch_size):
@@ -145,4 +149,6 @@ class ImageRollouts:
                 reward, self.pipeline.decode, batch.latents[:, -1], batch.prompts, batch.metadata, chunk_size=self.config.rollout.batch_size
             )
         with torch.no_grad():
-            return reward(batch.samples, batch.prompts, batch.metadata), None
+            out = reward(batch.samples, batch.prompts, batch.metadata)
+            layout = getattr(self.objective, "rollout_layout", None)  # stepwise GRPO adds the rewards of the x0 estimates
+            return (out if layout is None else layout.score(self, batch, reward, out)), None

@@ -28,6 +28,9 @@ OBJECTIVES = Registry(
         "flow_dppo": "flowrl.objectives.flow_dppo:FlowDPPOConfig",
         "awm": "flowrl.objectives.awm:AWMConfig",
         "dgpo": "flowrl.objectives.dgpo:DGPOConfig",
+        "flash_grpo": "flowrl.objectives.flash_grpo:FlashGRPOConfig",  # one SDE step per trajectory, iso-temporal groups
+        "tree_grpo": "flowrl.objectives.tree_grpo:TreeGRPOConfig",  # shared-prefix trees, per-edge advantages
+        "stepwise_grpo": "flowrl.objectives.stepwise_grpo:StepwiseGRPOConfig",  # dense credit: gains of the x0 estimate's reward
         # diffusion language models (modality "text")
         "diffu_grpo": "flowrl.objectives.dllm.policy:DiffuGRPOConfig",
         "unigrpo": "flowrl.objectives.dllm.policy:UniGRPOConfig",

@@ -41,6 +41,7 @@ SAMPLERS = Registry(
         "flow_sde": "flowrl.samplers.flow_sde:FlowSDEConfig",
         "flow_cps": "flowrl.samplers.flow_sde:FlowCPSConfig",
         "flow_memoryless": "flowrl.samplers.flow_sde:FlowMemorylessConfig",
+        "flash_sde": "flowrl.samplers.flash_sde:FlashSDEConfig",  # Flash-GRPO
         "ddim": "flowrl.samplers.ddim:DDIMConfig",
         "ode": "flowrl.samplers.ode:ODEConfig",
         "masked": "flowrl.samplers.masked:MaskedSamplerConfig",
