@@ -82,17 +82,23 @@ def _check_block_model(lm: MaskedLM, G: int) -> int:
     return L
 
 
+def block_token_log_probs(lm: MaskedLM, traj: TokenTrajectory, mask: Tensor) -> Tensor:
+    """(B, G) float32 log p(y_i | prompt, y^{<b(i)}, block b(i) noised by ``mask`` (B, G)) for every completion position,
+    from ONE forward of the composite input ``[prompt ; noised ; clean]`` under the block-causal training mask."""
+    y = traj.completion_ids
+    noised = torch.where(mask.to(y.device), lm.mask_token_id, y)
+    logits = lm.block_diffusion_logits(traj.prompt_ids, traj.prompt_mask, noised.to(traj.prompt_ids.device), y.to(traj.prompt_ids.device))
+    return token_log_probs(logits, y.to(logits.device))
+
+
 def vectorised_elbo_terms(lm: MaskedLM, traj: TokenTrajectory, masks: Tensor) -> Tensor:
     """(B, N, K) every block's weighted ELBO term at every timestep: per timestep n ONE forward of the composite input
     ``[prompt ; y_{t_n} ; y_0]`` under the block-causal training mask (every block at once)."""
     L = _check_block_model(lm, traj.completion_ids.shape[1])
     _, w = timestep_grid(masks.shape[0])
-    y = traj.completion_ids
     terms = []
     for n, mask in enumerate(masks):
-        noised = torch.where(mask, lm.mask_token_id, y)
-        logits = lm.block_diffusion_logits(traj.prompt_ids, traj.prompt_mask, noised.to(traj.prompt_ids.device), y)
-        lp = token_log_probs(logits, y.to(logits.device))
+        lp = block_token_log_probs(lm, traj, mask)
         terms.append(_block_sums(torch.where(mask.to(lp.device), lp, 0.0), L) * float(w[n]))
     return torch.stack(terms, 1)
 
