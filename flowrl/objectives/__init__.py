@@ -31,6 +31,7 @@ OBJECTIVES = Registry(
         "flash_grpo": "flowrl.objectives.flash_grpo:FlashGRPOConfig",  # one SDE step per trajectory, iso-temporal groups
         "tree_grpo": "flowrl.objectives.tree_grpo:TreeGRPOConfig",  # shared-prefix trees, per-edge advantages
         "stepwise_grpo": "flowrl.objectives.stepwise_grpo:StepwiseGRPOConfig",  # dense credit: gains of the x0 estimate's reward
+        "dmd2": "flowrl.objectives.dmd2:DMD2Config",  # few-step distillation: student + fake score
         # diffusion language models (modality "text")
         "diffu_grpo": "flowrl.objectives.dllm.policy:DiffuGRPOConfig",
         "unigrpo": "flowrl.objectives.dllm.policy:UniGRPOConfig",
