@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -46,6 +47,8 @@ def is_import_path(name: str) -> bool:
 def import_path(spec: str, what: str) -> Any:
     """The object ``"package.module:attribute"`` names; one sentence (naming ``what``) when it cannot be had."""
     module_name, _, attribute = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # a module in the working directory, as `python -m` finds it (installed ones first)
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -66,7 +66,7 @@ def import_cv2():
     try:
         import cv2
     except ImportError as e:
-        raise FlowRLError("the motion_quality reward needs OpenCV; install it with `pip install opencv-python-headless`.") from e
+        raise FlowRLError("the motion_quality reward needs OpenCV, which is not installed; pip install 'flowrl[video]'.") from None
     return cv2
 
 
@@ -158,6 +158,7 @@ class MotionQualityReward:
             raise FlowRLError(f"motion_quality smoothness_weight must be >= 0, got {smoothness_weight}.")
         if min_size < 1:
             raise FlowRLError(f"motion_quality min_size must be a positive integer, got {min_size}.")
+        import_cv2()  # refused when the run is built, before its directory is written
         self.motion_scale = motion_scale
         self.warp_scale = warp_scale
         self.static_score = static_score

@@ -16,7 +16,7 @@ from .checkpoint import writing
 # accelerate's tracker name -> the pip package that provides it
 PIP_PACKAGES = {
     "tensorboard": "tensorboard",
-    "wandb": "wandb",
+    "wandb": "'flowrl[wandb]'",
     "comet_ml": "comet-ml",
     "aim": "aim",
     "mlflow": "mlflow",
