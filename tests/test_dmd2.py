@@ -77,6 +77,7 @@ def _inputs(pipeline, n: int = 3):
     return x, torch.tensor([0.9, 0.5, 0.1])[:n], pipeline.encode(["a 3", "the digit seven", "an 8"][:n])
 
 
+@pytest.mark.slow  # the module's two digits pipelines load in its setup
 @pytest.mark.parametrize("guidance", [1.0, 1.75])
 def test_teacher_forward_with_adapters_off_equals_the_base_model_exactly(pipelines, guidance):
     base, adapted = pipelines
@@ -90,6 +91,7 @@ def test_teacher_forward_with_adapters_off_equals_the_base_model_exactly(pipelin
     assert not torch.allclose(student, want, atol=1e-3)  # the adapters are back on after the block
 
 
+@pytest.mark.slow
 def test_guided_velocity_is_the_familys_cfg_with_a_noise_level_per_row(pipelines):
     base, _ = pipelines
     x, sigma, cond = _inputs(base)
@@ -99,6 +101,7 @@ def test_guided_velocity_is_the_familys_cfg_with_a_noise_level_per_row(pipelines
     torch.testing.assert_close(per_row, torch.cat(rows), rtol=0, atol=1e-5)  # batch-size rounding of the convolutions only
 
 
+@pytest.mark.slow
 def test_fake_score_loss_is_flow_matching_on_student_samples_through_its_adapter(pipelines):
     _, adapted = pipelines
     x0, sigma, cond = _inputs(adapted)
