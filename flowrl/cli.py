@@ -741,11 +741,6 @@ def _export(args) -> int:
             "the 2-D toy has no model format to export: its checkpoint's safetensors are the model; sample it with "
             f"flowrl sample {source} --out points.npy."
         )
-    if config.pipeline.name == "diffusion_gemma":  # measured: save_pretrained + from_pretrained changed its logits
-        raise FlowRLError(
-            "exporting a DiffusionGemma run is not supported yet (its model loaded back from an export did not give the "
-            f"trained logits); flowrl eval and flowrl sample read the checkpoint itself: flowrl sample {source}."
-        )
     pipeline = build_pipeline(config.pipeline, "cpu")
     load_checkpoint_weights(pipeline, source)
     with atomic_directory(args.out) as tmp:
