@@ -176,6 +176,9 @@ class LogConfig(Section):
         description="accelerate's tracker names (tensorboard, wandb, ...) to log metrics to; []: metrics.jsonl only.",
     )
     project: str | None = Field(None, description="The trackers' project name; None: the output_dir's last component.")
+    peak_flops: float | None = Field(
+        None, gt=0, description="Peak FLOP/s of one device for perf/mfu (docs/throughput.md); None: the known-GPU table, else no MFU."
+    )
     tracker_kwargs: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Tracker name -> keyword arguments of its init, e.g. wandb: {mode: offline}."
     )

@@ -50,6 +50,7 @@ ORDER: list[str] = [
     "flowrl.training.roles",
     "flowrl.training.resume_check",
     "flowrl.training.run_logger",
+    "flowrl.training.flops",  # model FLOPs per call of the run's models, FLOP/s and MFU (torch only)
     "flowrl.visualize",
     "flowrl.model_card",
     "flowrl.export_formats",  # flowrl export --format comfy: a checkpoint's LoRA in the original / kohya layout

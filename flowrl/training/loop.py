@@ -32,6 +32,7 @@ from ..types import LossOutput
 from . import fault_injection
 from .distributed import check_peers
 from .engine import Engine, gather_means
+from .flops import ModelFlops, run_modules
 from .roles import POLICY, Roles
 
 
@@ -79,6 +80,9 @@ class TrainingLoop:
         # (iteration, non-finite, all) of the last train.nonfinite_window iterations' rewards; saved in each checkpoint
         self.nonfinite: deque[tuple[int, int, int]] = deque(maxlen=config.train.nonfinite_window)
         self.flat_streak = 0  # iterations in a row in which every group's rewards were equal (check_learnable)
+        # the model FLOPs of each iteration, counted per call of the run's models (training/flops.py)
+        device = getattr(modality.pipeline, "device", "cpu")
+        self.flops = ModelFlops(lambda: run_modules(roles, modality.pipeline, self.objective), device, config.log.peak_flops)
 
     def iteration(self, iteration: int) -> dict[str, float]:
         """One iteration. It may fail anywhere (a user's part raising, a bug): the run catches that in one place
@@ -90,6 +94,8 @@ class TrainingLoop:
         self.updating = False
         rates = self.set_learning_rates(iteration)
         phases = Phases(iteration + 1)
+        self.flops.start()
+        started = time.perf_counter()
         # each finished rollout chunk is handed over to `scoring`: decoded, and with rollout.overlap_reward also scored
         # on a worker thread while the next chunk is generated (modalities/reward_overlap.py)
         with contextlib.closing(RolloutScoring(self.reward, self.config.rollout.overlap_reward)) as scoring:
@@ -114,6 +120,7 @@ class TrainingLoop:
             "perf/reward_wait_s": phases.seconds["perf/score_s"],  # the loop blocked on the reward: all of it when serial
             "perf/reward_hidden_s": 0.0,
             **scoring.perf(),  # decode_s; when overlapped the reward's own score_s and the part of it hidden
+            **self.flops.metrics(time.perf_counter() - started, self.world),  # iteration_s, model FLOPs, FLOP/s, MFU
         }
 
     def set_learning_rates(self, iteration: int) -> dict[str, float]:

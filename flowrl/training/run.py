@@ -37,6 +37,7 @@ from .checkpoint import STATE_FILE, checkpoint_step, find_latest, read_checkpoin
 from .distributed import PeerFailed, check_peers, exchange_failures
 from .engine import Engine
 from .failure import RunFailed
+from .flops import device_name, throughput_summary
 from .loop import TrainingLoop
 from .resume_check import check_resume_config
 from .roles import Roles
@@ -389,6 +390,8 @@ class Run:
             "wall_seconds_this_process": round(seconds, 1),
             "stopped_early": self.iteration < self.config.train.iterations,
             "eval_spec": self._final_eval_spec(),
+            # the logged iterations' model FLOPs, seconds, FLOP/s and MFU (training/flops.py)
+            "throughput": throughput_summary(records, device_name(self.loop.flops.device), self.loop.flops.peak, self.world),
         }
         fault_injection.reached("finish")
         written = self.is_main and (self.run_dir / "config.yaml").is_file()
