@@ -179,3 +179,18 @@ def test_a_runs_flops_are_its_calls_times_the_per_call_count(digits, tmp_path):
     assert t["model_flops"] == sum(r["perf/model_flops"] for r in iterations) and t["iterations"] == 2
     assert t["device"] == "cpu" and t["peak_flops_per_s"] is None and t["mfu"] is None
     assert json.loads((tmp_path / "summary.json").read_text())["throughput"] == json.loads(json.dumps(t))
+
+
+def test_the_signature_keys_shapes_flags_and_cache_lengths_not_numbers():
+    class Cache:  # a transformers KV cache: attention's keys grow with it
+        def __init__(self, n):
+            self.n = n
+
+        def get_seq_length(self):
+            return self.n
+
+    x = torch.zeros(2, 3)
+    assert F._signature((x, 0.5, 7)) == F._signature((torch.ones(2, 3), 0.9, 8))  # a timestep changes no FLOPs
+    assert F._signature((x,)) != F._signature((torch.zeros(4, 3),)) != F._signature((x.double(),))
+    assert F._signature({"return_dict": False}) != F._signature({"return_dict": True})
+    assert F._signature({"cache": Cache(4)}) != F._signature({"cache": Cache(8)})

@@ -88,6 +88,8 @@ def _signature(value: Any, depth: int = 0) -> Any:
         return (tuple(value.shape), value.dtype)
     if isinstance(value, (bool, str)) or value is None:
         return value
+    if callable(getattr(value, "get_seq_length", None)):  # a transformers KV cache: its length is attention's keys
+        return (type(value).__name__, int(value.get_seq_length()))
     if isinstance(value, (int, float)):
         return type(value).__name__
     if depth < 3 and isinstance(value, dict):
