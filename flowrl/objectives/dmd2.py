@@ -39,7 +39,7 @@ the student's ODE states (re-noised with the ODE's own predicted noise, as flowr
 re-noises each x0 prediction with fresh noise; the step k is drawn per row (DMD2's backward simulation draws one per
 batch); times are continuous sigma (DMD2: integer DDPM steps); the fake score regresses the flow's velocity (DMD2:
 epsilon, the SD teachers' target); the student and fake score are LoRA adapters on one base (DMD2: full UNets;
-its SDXL LoRA run, as here, adapts the generator only). docs/objectives/dmd2.md has the measured numbers.
+its SDXL LoRA run adapts the generator alone, the fake score staying a full UNet). docs/objectives/dmd2.md has the measured numbers.
 """
 
 from __future__ import annotations
