@@ -74,6 +74,7 @@ def test_missing_images_can_only_be_skipped_and_no_images_at_all_is_refused(fres
         assert call(server.base + "api/label", {"pair": 2, "choice": "skip"})[0] == 200
         assert call(server.base + "image/2/loser.png")[0] == 404
     err = server.stop()
+    assert server.proc.returncode == 0  # SIGTERM (as Ctrl-C) stops the page cleanly: exit 0, not the re-raised signal
     assert (
         "1 of 6 pairs have a missing image (first: images/000002_loser.png); the page shows them as missing and they can only be skipped."
         in err

@@ -334,7 +334,7 @@ class DiffusersAdapter:
         try:
             from peft import LoraConfig
         except ImportError:
-            raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
+            raise FlowRLError("pipeline.lora needs peft, which is not installed; pip install 'flowrl[lora]'.") from None
         self.denoiser.requires_grad_(False)
         targets = list(lora.target_modules or self.default_lora_targets)
         for module in modules:

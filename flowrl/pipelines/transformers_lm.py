@@ -145,7 +145,7 @@ def attach_lora(model: torch.nn.Module, lora: Mapping[str, Any], default_targets
     try:
         import peft
     except ImportError:
-        raise FlowRLError("pipeline.lora needs the peft package (pip install peft).") from None
+        raise FlowRLError("pipeline.lora needs peft, which is not installed; pip install 'flowrl[lora]'.") from None
     unknown = set(lora) - LORA_KEYS
     if unknown:
         raise FlowRLError(f"unknown pipeline.lora key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(LORA_KEYS))}.")

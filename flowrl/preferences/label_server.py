@@ -13,6 +13,7 @@ it in a SameSite=Strict cookie). Requests that change labels must be JSON, which
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import secrets
@@ -251,6 +252,22 @@ def build_app(session: LabelSession, token: str | None, port: int, loopback: boo
     return Starlette(routes=_routes(session), middleware=[Middleware(BaseHTTPMiddleware, dispatch=_guard(token, port, loopback))])
 
 
+def _stopping_cleanly(server_class: type) -> type:
+    """uvicorn's Server, except that Ctrl-C or SIGTERM ends ``flowrl label`` with exit status 0 once the page is shut
+    down (uvicorn re-raises the signal after its graceful shutdown, which would end the process with 130 or -15)."""
+
+    class Server(server_class):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    getattr(self, "_captured_signals", []).clear()
+
+    return Server
+
+
 def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8765) -> int:
     """Serve the labelling page until Ctrl-C; prints the address (with the token where one is needed)."""
     try:
@@ -288,7 +305,7 @@ def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8765) -> i
     print(
         f"flowrl label: {p['labelled']} of {p['total']} pairs of '{session.directory}' labelled; open {url}  (Ctrl-C to stop)", flush=True
     )
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = _stopping_cleanly(uvicorn.Server)(uvicorn.Config(app, log_level="warning", access_log=False))
     try:
         server.run(sockets=[sock])
     finally:
