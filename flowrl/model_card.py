@@ -168,8 +168,19 @@ def _card_data(config, kind: str, license: str | None):
         else "image-to-image"
         if p.name in EDIT
         else VIDEO.get(p.name, None if p.name == "toy2d" else "text-to-image"),
-        tags=["flowrl", "reinforcement-learning", o.name, *(["lora"] if kind == "lora" else []), p.name],
+        tags=[
+            "flowrl",
+            "distillation" if _distillation(o) else "reinforcement-learning",
+            o.name,
+            *(["lora"] if kind == "lora" else []),
+            p.name,
+        ],
     )
+
+
+def _distillation(objective: Any) -> str | None:
+    """The method's name when the objective distils the base into a few-step student (DMD2), else None."""
+    return getattr(type(objective), "distillation", None)
 
 
 def _base_text(p: Any) -> str:
@@ -225,11 +236,14 @@ def _training_section(config, kind: str, step: int | None) -> list[str]:
         else "the full model" + (" with the LoRA merged into the denoiser" if lora else "")
     )
     base_text = _base_text(p)
+    how = f"flowrl (objective `{o.name}`" + (f", checkpoint step {step}" if step is not None else "") + ")."
+    distillation = _distillation(o)
     return [
         f"# {o.name.upper()} fine-tune of {p.pretrained}",
         "",
-        f"This is {kind_text}, fine-tuned from {base_text} with reinforcement learning by "
-        f"flowrl (objective `{o.name}`" + (f", checkpoint step {step}" if step is not None else "") + ").",
+        f"This is {kind_text}: a {config.rollout.num_inference_steps}-step student distilled from {base_text} by {distillation} with {how}"
+        if distillation
+        else f"This is {kind_text}, fine-tuned from {base_text} with reinforcement learning by {how}",
         "",
         "## Training",
         "",

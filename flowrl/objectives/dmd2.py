@@ -185,6 +185,7 @@ class DMD2Config(ObjectiveSection):
 
     name: str = "dmd2"
     learns_from_reward_differences: ClassVar[bool] = False  # it reads no reward: the loop's flat-reward stop is off
+    distillation: ClassVar[str] = "distribution matching distillation (DMD2)"  # the model card's words (model_card.py)
     fake_steps_per_student_step: int = Field(
         5,
         ge=1,
@@ -213,6 +214,12 @@ class DMD2Config(ObjectiveSection):
         pipeline = getattr(context, "pipeline", None)
         if pipeline is not None and getattr(pipeline, "prediction_type", "flow") != "flow":
             raise FlowRLError(f"objective 'dmd2' distils rectified-flow models; this model predicts '{pipeline.prediction_type}'.")
+        if pipeline is not None and getattr(pipeline, "step_distilled", False) and self.real_guidance_scale != 1.0:
+            # guided_velocity's two calls would run CFG on a model distilled to run without it (FLUX.2-klein)
+            raise FlowRLError(
+                f"this checkpoint is step-distilled (is_distilled: true) and runs without guidance, so its teacher has no "
+                f"CFG: set objective.real_guidance_scale to 1 (got {self.real_guidance_scale})."
+            )
         return DMD2Objective(**self.target_kwargs())
 
 

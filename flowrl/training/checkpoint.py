@@ -241,8 +241,10 @@ def _load(file: Path) -> dict[str, torch.Tensor]:
 
 def load_checkpoint_weights(pipeline, checkpoint: Path) -> None:
     """Load a run checkpoint's trained weights into ``pipeline`` (an objective's own module, saved under
-    ``objective.``, is left to its objective); a checkpoint of another model is one sentence."""
-    weights = {k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")}
+    ``objective.``, and the other trained roles' tensors, under the prefixes ``trainer_state.json`` records, e.g.
+    DMD2's ``fake_score.``, are left out: the policy's alone); a checkpoint of another model is one sentence."""
+    others = [p for p in _read_state(Path(checkpoint)).get("roles", {}).values() if p]
+    weights = {k: v for k, v in read_weights(checkpoint).items() if not k.startswith(("objective.", *others))}
     try:
         pipeline.load_trainable_state_dict(weights)
     except (RuntimeError, KeyError, ValueError) as e:

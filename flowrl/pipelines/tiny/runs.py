@@ -98,6 +98,10 @@ def _runs(preset: str, family: str, variants: tuple[str, ...]) -> dict[str, Tiny
 
 
 FLUX_UNGUIDED = ("rollout.guidance_mode=cfg", "rollout.guidance_scale=1.0")  # no guidance embedding to use
+# DMD2 steps the student on every ratio-th minibatch: four minibatches of one row, the student on the 2nd and 4th (a
+# LoRA's down-projection gets its first gradient on its adapter's second step: its up-projection starts at zero); at
+# the presets' rate 1e-5 that gradient is below AdamW's eps on a random tiny model and leaves klein's unchanged
+DMD2_TINY = ("train.batch_size=1", "objective.fake_steps_per_student_step=2", "train.learning_rate=1e-3")
 # run name (a preset, or FAMILY:VARIANT for a checkpoint without a preset of its own) -> the run
 RUNS: dict[str, TinyRun] = {
     **_runs("stable_diffusion/ddpo_aesthetic", "stable_diffusion", ("epsilon", "v_prediction")),
@@ -111,8 +115,10 @@ RUNS: dict[str, TinyRun] = {
     "flux2/grpo_dev_clip_pickscore": TinyRun("flux2/grpo_dev_clip_pickscore", "flux2", "dev"),
     "flux2/grpo_klein_base_pickscore": TinyRun("flux2/grpo_klein_base_pickscore", "flux2", "klein-base"),
     "flux2/grpo_klein_pickscore": TinyRun("flux2/grpo_klein_pickscore", "flux2", "klein"),
+    "flux2/dmd2_klein": TinyRun("flux2/dmd2_klein", "flux2", "klein", DMD2_TINY),
     "z_image/grpo_pickscore": TinyRun("z_image/grpo_pickscore", "z_image", "turbo"),
     "z_image/grpo_pickscore_turbo": TinyRun("z_image/grpo_pickscore_turbo", "z_image", "turbo"),
+    "z_image/dmd2_turbo": TinyRun("z_image/dmd2_turbo", "z_image", "turbo", DMD2_TINY),
     "qwen_image/grpo_pickscore": TinyRun("qwen_image/grpo_pickscore", "qwen_image", "t2i"),
     "qwen_image_edit:edit": TinyRun("qwen_image/grpo_pickscore", "qwen_image_edit", "edit", ("pipeline.name=qwen_image_edit",)),
     **_runs("qwen_image/edit_plus_grpo_pickscore", "qwen_image_edit_plus", ("2509", "2511")),
