@@ -192,6 +192,10 @@ FAMILIES = {
         _family("test_family_flux2", "build_tiny_flux2", "klein"),
         ["pipeline.max_sequence_length=32", "pipeline.height=16", "pipeline.width=16"],
     ),
+    "flux2/dmd2_klein": (
+        _family("test_family_flux2", "build_tiny_flux2", "klein"),
+        ["pipeline.max_sequence_length=32", "pipeline.height=16", "pipeline.width=16"],
+    ),
     "flux_kontext/": (
         _family("test_family_flux_kontext", "build_tiny_kontext"),
         [*T5, "pipeline.height=16", "pipeline.width=16", "pipeline.condition_height=16", "pipeline.condition_width=16"],
@@ -276,6 +280,8 @@ def preset_overrides(name: str, tiny_checkpoints, prompt_files, dpo_pairs) -> li
     steps = ["rollout.num_inference_steps=2"] if not name.startswith(("toy/", "digits/b2")) else []
     if "num_inference_steps" in load_config(name).eval.model_fields_set:  # kept apart from the rollout's, as the preset does
         steps.append("eval.num_inference_steps=3")
+    if name == "digits/tree_grpo":  # a tree of two leaves (the group) branching at step 0 of 2
+        return [*GROUP, *EVAL, *steps, "objective.branch_steps=[0]", "objective.branch_factor=2"]
     if name == "digits/diffusion_dpo":
         return ["train.batch_size=2", *EVAL, *steps, f"prompts.pairs={dpo_pairs}"]
     prefix, entry = _real_family(name)
@@ -295,4 +301,13 @@ def preset_overrides(name: str, tiny_checkpoints, prompt_files, dpo_pairs) -> li
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_passes_at_tiny_size(name, tiny_checkpoints, prompt_files, dpo_pairs):
     result = check(name, preset_overrides(name, tiny_checkpoints, prompt_files, dpo_pairs), sample_command=_sample_command)
+    assert result.passed, result.mismatches
+
+
+@pytest.mark.slow
+def test_a_tree_is_re_scored_edge_by_edge():
+    """TreeGRPO re-scores one row per tree edge, in edge order, not in the minibatch's row order: the re-score pairs each
+    new log-prob with the recorded one of the row whose transition it is (found by its recorded next state). Paired by
+    position instead, the preset's last branch step read max |log r| 0.22."""
+    result = check("digits/tree_grpo", EVAL)
     assert result.passed, result.mismatches

@@ -28,6 +28,11 @@ INTENDED: dict[str, str] = {
     "temperature": "a diffusion LM evaluates at sampler.eval_temperature (greedy by default) and rolls out at sampler.temperature",
     "negative prompt": "CFG's unconditional branch is only called when the guidance scale is not 1",
 }
+# a diffusion LM's objective that rolls out with sampler settings of its own (objective.rollout_sampler)
+OBJECTIVE_ROLLOUT = (
+    "the objective rolls out with its own sampler settings (rollout_sampler; JustGRPO: left to right, one token per "
+    "step) and the evaluation keeps the run's sampler"
+)
 
 
 @dataclass
@@ -53,10 +58,13 @@ class Context:
     eval_guidance: float | None
     eval_temperature: float | None
     same_deterministic_step: Callable[[str], bool]  # path -> its sampler steps as the rollout's does without noise
+    objective_rollout: frozenset[str] = frozenset()  # the settings an objective's own rollout sampler changes
 
 
 def intended(setting: str, path: str, value: Any, expected: Any, context: Context) -> str | None:
     """The reason ``path`` may show ``value`` for ``setting`` where the rollout shows ``expected``, or None."""
+    if setting in context.objective_rollout:
+        return OBJECTIVE_ROLLOUT
     allowed = {
         "sampler": lambda: context.same_deterministic_step(path),
         "steps": lambda: context.eval_steps is not None and value == context.eval_steps,

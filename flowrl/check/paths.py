@@ -102,11 +102,11 @@ class PathRecorder:
         """Record ``modality.generate``: the temperature asked for and what the generation ran (steps, length)."""
         generate = modality.generate
 
-        def recorded_generate(prompts, temperature, generator):
-            traj = generate(prompts, temperature, generator)
+        def recorded_generate(prompts, temperature, generator, sampler=None):
+            traj = generate(prompts, temperature, generator, sampler)
             rec = self._recording()
             if rec is not None:
-                rec.generations.append(_generation(modality, traj, temperature))
+                rec.generations.append(_generation(modality, traj, temperature, sampler))
             return traj
 
         modality.generate = recorded_generate
@@ -125,13 +125,15 @@ def _fingerprint(cond: Any) -> str:
     return f"{total:.6g} {shapes}"
 
 
-def _generation(modality: Any, traj: Any, temperature: float) -> dict[str, Any]:
+def _generation(modality: Any, traj: Any, temperature: float, sampler: Any = None) -> dict[str, Any]:
     settings = getattr(traj, "settings", None)  # DiffusionGemma's resolved settings
     if settings is not None and dataclasses.is_dataclass(settings):
         resolved = {k: v for k, v in dataclasses.asdict(settings).items() if k != "temperature" and not isinstance(v, list | tuple)}
     else:
         resolved = {"steps": int(traj.num_steps), "gen_length": int(traj.completion_ids.shape[1])}
-    section = modality.config.sampler  # the settings every path hands generate_texts; what the generation ran wins
+    # the settings the path handed generate_texts (the run's sampler, or an objective's own rollout sampler); what the
+    # generation ran wins
+    section = sampler or modality.config.sampler
     kept = {k: v for k, v in section.model_dump(mode="json").items() if k not in ("temperature", "eval_temperature", "name")}
     return {
         "sampler": section.name,

@@ -120,15 +120,19 @@ class StepLogProbs:
 
     def step(self, model_output, x, sigma, sigma_next, x_next=None, generator=None):
         out = self._sampler.step(model_output, x, sigma, sigma_next, x_next=x_next, generator=generator)
-        k = self._recorded_step(x, sigma, sigma_next, x_next, out)
-        if k is not None and k not in self._seen:
+        found = self._recorded_step(x, sigma, sigma_next, x_next, out)
+        if found is not None and found[0] not in self._seen:
+            k, rows = found
             self._seen.add(k)
-            self.pairs.setdefault(k, []).append((out.log_prob.detach(), self.minibatch.log_probs[:, k].detach()))
+            self.pairs.setdefault(k, []).append((out.log_prob.detach(), self.minibatch.log_probs[rows, k].detach()))
         return out
 
-    def _recorded_step(self, x, sigma, sigma_next, x_next, out) -> int | None:
+    def _recorded_step(self, x, sigma, sigma_next, x_next, out) -> tuple[int, torch.Tensor] | None:
+        """(step, the minibatch rows the call's rows re-score) of a call that re-scores recorded transitions, or None.
+        The rows are found by their recorded next state, since an objective may re-score some rows only, in its own
+        order (TreeGRPO: one row per tree edge)."""
         mb = self.minibatch
-        if mb is None or x_next is None or out.log_prob is None or x.shape[0] != len(mb):
+        if mb is None or x_next is None or out.log_prob is None or x.shape[0] > len(mb):
             return None
         if torch.as_tensor(sigma).numel() != 1 or torch.as_tensor(sigma_next).numel() != 1:
             return None  # a per-sample time (a denoising-loss objective), not a recorded step
@@ -136,8 +140,19 @@ class StepLogProbs:
         s, s_next = float(sigma), float(sigma_next)
         for k in range(grid.shape[0] - 1):
             if float(grid[k]) == s and float(grid[k + 1]) == s_next and bool(mb.stochastic[k]):
-                return k
+                rows = _rows_of(x_next, mb.latents[:, k + 1])
+                return None if rows is None else (k, rows)
         return None
+
+
+def _rows_of(states: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor | None:
+    """For each row of ``states``, the index of a row of ``recorded`` equal to it bit for bit; None if one has none."""
+    if states.shape[1:] != recorded.shape[1:]:
+        return None
+    if states.shape[0] == recorded.shape[0] and torch.equal(states, recorded.to(states.device)):
+        return torch.arange(states.shape[0])
+    equal = (states.flatten(1)[:, None, :] == recorded.to(states.device).flatten(1)[None]).all(-1)
+    return equal.float().argmax(1).cpu() if bool(equal.any(1).all()) else None
 
 
 class ScoringEngine:

@@ -257,7 +257,15 @@ class Check:
             shape = tuple(int(n) for n in str(rows[ROLLOUT]["latent shape"]).split("x"))
             return same_deterministic_step(sampler, rollout, grid, shape)
 
-        return Context(ec.num_inference_steps, ec.guidance_scale, text_temperature, deterministic)
+        return Context(ec.num_inference_steps, ec.guidance_scale, text_temperature, deterministic, self._objective_rollout())
+
+    def _objective_rollout(self) -> frozenset[str]:
+        """The text settings the objective's own rollout sampler changes (with the steps they imply), or none."""
+        own = getattr(self.trainer.objective, "rollout_sampler", None)
+        if self.images or own is None:
+            return frozenset()
+        run, rollout = self.config.sampler.model_dump(mode="json"), own(self.config.sampler).model_dump(mode="json")
+        return frozenset({k for k in run if rollout.get(k) != run[k]} | {"steps"})
 
     def _measured(self, rows, shown) -> dict[str, Any]:
         """What the card's values are held against beside the evaluation's row: the sampler's name, the schedule's
