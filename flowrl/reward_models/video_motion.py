@@ -65,7 +65,7 @@ def import_cv2():
     """Import OpenCV or raise a FlowRLError naming the package to install."""
     try:
         import cv2
-    except ImportError as e:
+    except ImportError:
         raise FlowRLError("the motion_quality reward needs OpenCV, which is not installed; pip install 'flowrl[video]'.") from None
     return cv2
 
