@@ -31,6 +31,8 @@ TOKENS_LIKE = SimpleNamespace(prediction_type="masked_tokens", mask_token_id=0, 
 CONTEXT = BuildContext(
     reward_weights={"ink": 1.0, "digit_classifier": 1.0}, sampler=SAMPLERS.section("masked")(), pipeline=SimpleNamespace(mask_token_id=0)
 )
+# block_elbo is built for block-diffusion models only (their pipeline has a block length)
+BLOCK_CONTEXT = dataclasses.replace(CONTEXT, pipeline=SimpleNamespace(mask_token_id=0, block_length=4))
 
 
 def runtime_classes(obj, seen=None) -> set[type]:
@@ -66,7 +68,7 @@ def built(kind: str, name: str):
             FLOW_LIKE if "flow" in section.prediction_types else TOKENS_LIKE if "masked_tokens" in section.prediction_types else DDPM_LIKE
         )
         return section, section.build(like)
-    return section, section.build(CONTEXT)
+    return section, section.build(BLOCK_CONTEXT if name == "block_elbo" else CONTEXT)
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ independently with probability t_n (the forward process), the same t_n for every
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -129,10 +129,10 @@ def per_block_elbo_terms(lm: MaskedLM, traj: TokenTrajectory, masks: Tensor) -> 
 class BlockELBOObjective(_DLLMBase):
     """PPO clip on the sequence ratio exp(ELBO_new - ELBO_old), the ELBO a sum of block terms (LLaDA2.1's EBPO)."""
 
-    num_timesteps: int = 2
-    clip_range_high: float | None = None
-    likelihood: Likelihood = "vectorised"
-    log_ratio: LogRatio = "sum"
+    num_timesteps: int = field(kw_only=True)
+    clip_range_high: float | None = field(kw_only=True)
+    likelihood: Likelihood = field(kw_only=True)
+    log_ratio: LogRatio = field(kw_only=True)
 
     def prepare(self, batch: TokenTrajectory) -> TokenTrajectory:
         batch.advantages = self.advantages(batch)

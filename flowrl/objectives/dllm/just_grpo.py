@@ -28,7 +28,7 @@ sampler must decode its own block length, so it cannot roll out one token per bl
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -77,8 +77,8 @@ def left_to_right_log_probs(lm: MaskedLM, traj: TokenTrajectory, positions: Tens
 class JustGRPOObjective(_DLLMBase):
     """GRPO on the exact left-to-right per-token log-probs of completions rolled out left to right."""
 
-    positions_per_forward: int | None = None
-    loss_aggregation: JustGRPOLossAggregation = "nonzero_advantage_mean"
+    positions_per_forward: int | None = field(kw_only=True)
+    loss_aggregation: JustGRPOLossAggregation = field(kw_only=True)
 
     def rollout_sampler(self, sampler: Any) -> Any:
         """The run's sampler turned left to right: blocks of one token, one step each (the leftmost masked position is
