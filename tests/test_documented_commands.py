@@ -16,6 +16,7 @@ the test that covers them instead; a command without a rule fails the first test
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -32,12 +33,10 @@ from core_install import environment_variables, make_environment
 SHARED = REPO.parent / "shared"
 PAGES = ["README.md", *(str(p.relative_to(REPO)) for p in sorted((REPO / "docs").rglob("*.md")))]
 
-# A training run of the page's command, at one iteration of two groups of four (every phase runs: rollout, reward,
-# update, evaluation, checkpoint, summary).
-TRAIN_BUDGET = (
-    "train.iterations=1 train.prompts_per_iteration=2 train.num_generations=4 train.batch_size=4 "
-    "eval.samples_per_prompt=1 prompts.eval_size=2 log.progress=false"
-)
+# A training run of the page's command, at one iteration of two groups of the preset's size (every phase runs:
+# rollout, reward, update, evaluation, checkpoint, summary). A real family's preset named without a checkpoint of the
+# user's runs on a tiny random checkpoint of its family (`flowrl tiny`) with the overrides `flowrl tiny` prints.
+TRAIN_BUDGET = "train.iterations=1 train.prompts_per_iteration=2 eval.samples_per_prompt=1 prompts.eval_size=2 log.progress=false"
 EVAL_BUDGET = "eval.samples_per_prompt=1 prompts.eval_size=2"
 # Scripts that train from scratch: the same script, a few steps.
 SCRIPT_BUDGET = {"flowrl.pipelines.embedded.train_digits_video": "--steps 2"}
@@ -225,6 +224,22 @@ def ensure_tiny_run(ws: Workspace) -> str:
     return ws.tiny_run
 
 
+def tiny_family_overrides(ws: Workspace, text: str) -> str | None:
+    """For `flowrl train PRESET` of a real family without a checkpoint of the user's: a tiny checkpoint of the preset's
+    family made with `flowrl tiny` (once per page), and the overrides that run the preset on it."""
+    from flowrl.pipelines.tiny.runs import RUNS, tiny_overrides
+
+    match = re.search(r"\btrain\s+(?:configs/)?([\w/]+?)(?:\.yaml)?(?:\s|$)", text)
+    if match is None or match.group(1) not in RUNS or "pipeline.pretrained=" in text:
+        return None
+    run = RUNS[match.group(1)]
+    checkpoint = f"tiny_{run.family}_{run.variant}".replace("-", "_").replace(".", "_")
+    if not (ws.dir / checkpoint).is_dir():
+        made = ws.shell(f"flowrl tiny {run.family} {checkpoint} --variant {run.variant}")
+        assert made.returncode == 0, made.stderr[-3000:]
+    return " ".join(shlex.quote(o) for o in tiny_overrides(match.group(1), checkpoint))
+
+
 def newest_checkpoint(ws: Workspace, name: str) -> str:
     ensure_run(ws, name)
     steps = sorted((ws.dir / "runs" / name / "checkpoints").glob("step_*"))
@@ -246,7 +261,7 @@ def rewrite(ws: Workspace, text: str, printed: list[str]) -> str:
     for name in re.findall(r"\bruns/([\w.-]+)/summary\.json", text):
         ensure_run(ws, name)
     if re.search(r"\bflowrl(\.cli)?\s+train\b", text):
-        text = _insert_after_source(text, "train", TRAIN_BUDGET)
+        text = _insert_after_source(text, "train", tiny_family_overrides(ws, text) or TRAIN_BUDGET)
     elif re.search(r"\bflowrl\s+eval\s+(?!--spec)\S+", text) and not re.search(r"\beval\s+\S+\.jsonl\b", text):
         text = _insert_after_source(text, "eval", EVAL_BUDGET)
     for module, budget in SCRIPT_BUDGET.items():
