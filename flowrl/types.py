@@ -342,6 +342,12 @@ class Objective(Protocol):
     produced, so an objective can keep memory flat in the number of denoising steps). A LossOutput names the
     trained role it updates (``"policy"`` unless the objective declares ``roles``); every role that received a loss
     takes one step of its own optimizer after the minibatch's last loss.
+
+    Two optional declarations change how its rollouts are collected (the collectors read them, the loop does not):
+    ``rollout_layout`` (image rollouts laid out by the objective: Flash-GRPO's one shared SDE step, TreeGRPO's trees,
+    stepwise GRPO's x0 rewards; modalities/image_rollouts.py, samplers/step_credit.py) and ``rollout_sampler(sampler)``
+    (a diffusion LM's rollouts with sampler settings of its own, JustGRPO's left to right; modalities/text.py).
+    Without them the run's rollout and sampler are used.
     """
 
     name: str
