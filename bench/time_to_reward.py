@@ -16,6 +16,11 @@ digits flow model with the README's reward (ink + digit_classifier), trained thr
     dgpo            configs/digits/dgpo.yaml (DGPO: ODE rollouts, group-level DPO on the flow-matching loss)
     fast_window_lr1e-3, flow_dppo_window_lr1e-3   the two windows at learning rate 1e-3 (the presets: 3e-4)
     fast_window_5steps  fast_window with 5-step rollouts (steps 0-1 of 5 stochastic); the evaluation keeps 10 steps
+    flash_grpo      configs/digits/flash_grpo.yaml (Flash-GRPO: one SDE step per trajectory, shared by a prompt group)
+    tree_grpo       configs/digits/tree_grpo.yaml (TreeGRPO: 8 leaves per prompt as one tree, branching at steps 0, 3, 6)
+    stepwise_grpo   configs/digits/stepwise_grpo.yaml (dense credit: each step's x0-estimate reward gain)
+    flash_grpo_5steps, tree_grpo_5steps, stepwise_grpo_window_3steps_lr5e-4, ...   combinations (few-step rollouts,
+                    an SDE window, the learning rate, TreeGRPO's edge advantage); METHODS below lists each one's changes
 
 Each run evaluates the held-out set (20 unseen prompt phrasings x ``--eval-samples`` fixed seeds, 10-step ODE,
 ``Trainer.evaluate``, with the judge ``digit_realism``: never trained on, reported at the target so that a method that
@@ -32,7 +37,10 @@ Runs are interleaved seed-major (for seed: for method), so drifting load on a sh
     python bench/time_to_reward.py --seed-list 1 --runs-out runs1.json ...; python bench/time_to_reward.py --merge runs*.json
 
 Prints a table; the last line is one JSON object with ``speedup_vs_full_sde`` (the baseline's median time to
-target / the fastest method's, among methods that reached the target in every seed) and every method's numbers.
+target / the fastest method's, among methods that reached the target in every seed), ``work_speedup_vs_full_sde``
+(the baseline's median counted work to target, forward rows + 2 x backward rows in the rollout and the update, / the
+least-work method's, among methods that reached the target in every seed with a median judge at the target no worse
+than the baseline's) and every method's numbers.
 """
 
 from __future__ import annotations
@@ -82,9 +90,43 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
         "grpo.yaml",
         {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0, "rollout.num_inference_steps": 5},
     ),
+    # the control for stepwise_grpo_window_3steps_lr5e-4: the same rollouts, update and learning rate, GRPO's credit
+    "fast_window_3steps_lr5e-4": (
+        "grpo.yaml",
+        {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0, "rollout.num_inference_steps": 3, "train.learning_rate": 5e-4},
+    ),
     "flow_dppo_window_lr1e-3": (
         "flow_dppo.yaml",
         {"rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0, "train.learning_rate": 1e-3},
+    ),
+    # #40's step-credit objectives (their presets), and the combinations searched (bench/RESULTS.md lists them all)
+    "flash_grpo": ("flash_grpo.yaml", {}),
+    "tree_grpo": ("tree_grpo.yaml", {}),
+    "stepwise_grpo": ("stepwise_grpo.yaml", {}),
+    # Flash-GRPO on 5-step rollouts: the step drawn from steps 0-1 (step_fraction 0.5 of 5 -> the first 2)
+    "flash_grpo_5steps": ("flash_grpo.yaml", {"rollout.num_inference_steps": 5}),
+    # TreeGRPO on 5-step rollouts, branching at steps 0, 1, 2: a tree costs 1 + 2 + 4 + 8 + 8 = 23 rows (8 x 5 = 40)
+    "tree_grpo_5steps": ("tree_grpo.yaml", {"rollout.num_inference_steps": 5, "objective.branch_steps": [0, 1, 2]}),
+    # TreeGRPO with the parent-relative edge advantage (objective.edge_advantage: minus_parent; the preset: subtree_mean)
+    "tree_grpo_minus_parent": ("tree_grpo.yaml", {"objective.edge_advantage": "minus_parent"}),
+    "tree_grpo_5steps_minus_parent": (
+        "tree_grpo.yaml",
+        {"rollout.num_inference_steps": 5, "objective.branch_steps": [0, 1, 2], "objective.edge_advantage": "minus_parent"},
+    ),
+    # stepwise credit on fast_window_5steps' rollouts: steps 0-1 of 5 stochastic and trained
+    "stepwise_grpo_window_5steps": (
+        "stepwise_grpo.yaml",
+        {"rollout.num_inference_steps": 5, "rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0},
+    ),
+    # stepwise credit on 3-step rollouts, steps 0-1 of 3 stochastic and trained, learning rate 5e-4
+    "stepwise_grpo_window_3steps_lr5e-4": (
+        "stepwise_grpo.yaml",
+        {"rollout.num_inference_steps": 3, "rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0, "train.learning_rate": 5e-4},
+    ),
+    # the same at learning rate 1e-3 (the preset: 3e-4)
+    "stepwise_grpo_window_5steps_lr1e-3": (
+        "stepwise_grpo.yaml",
+        {"rollout.num_inference_steps": 5, "rollout.sde_window_size": 2, "objective.timestep_fraction": 1.0, "train.learning_rate": 1e-3},
     ),
 }
 
@@ -213,6 +255,12 @@ def run_method(
     }
 
 
+def work_rows(point: dict[str, Any]) -> int:
+    """Counted denoiser work up to a point of a curve: forward rows (rollout and update) + 2 x backward rows (a
+    backward costs about two forwards)."""
+    return point["rollout_forwards"] + point["train_forwards"] + 2 * point["train_backwards"]
+
+
 def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) -> dict[str, Any]:
     """Per method: medians over seeds of time, forwards and backwards to target (None unless every seed reached it),
     the per-seed values, and the final reward of each run."""
@@ -231,6 +279,7 @@ def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) 
                 "classifier": round(r["reached"]["classifier"], 4),
                 "judge": round(r["reached"]["judge"], 4),
                 "forwards": r["reached"]["rollout_forwards"] + r["reached"]["train_forwards"],
+                "work": work_rows(r["reached"]),
                 "rollout_forwards": r["reached"]["rollout_forwards"],
                 "train_forwards": r["reached"]["train_forwards"],
                 "backwards": r["reached"]["train_backwards"],
@@ -248,6 +297,7 @@ def summarise(runs: list[dict[str, Any]], methods: list[str], seeds: list[int]) 
             "median_rollout_forwards": med("rollout_forwards"),
             "median_train_forwards": med("train_forwards"),
             "median_backwards": med("backwards"),
+            "median_work": med("work"),
             "median_reached_reward": med("reward"),
             "median_reached_ink": med("ink"),
             "median_reached_classifier": med("classifier"),
@@ -269,6 +319,23 @@ def speedup(summary: dict[str, Any]) -> tuple[float | None, str | None]:
     return round(base / reached[best], 3), best
 
 
+def work_speedup(summary: dict[str, Any]) -> tuple[float | None, str | None]:
+    """Baseline median counted work to target / the least median work among methods that reached the target in every
+    seed with a median judge at the target no worse than the baseline's (the baseline itself qualifies: 1.0)."""
+    base = summary.get(BASELINE, {})
+    if base.get("median_work") is None:
+        return None, None
+    eligible = {
+        m: s["median_work"]
+        for m, s in summary.items()
+        if s["median_work"] is not None
+        and s["median_reached_judge"] is not None
+        and s["median_reached_judge"] >= base["median_reached_judge"]
+    }
+    best = min(eligible, key=eligible.get)
+    return round(base["median_work"] / eligible[best], 3), best
+
+
 def plot(runs: list[dict[str, Any]], methods: list[str], target: float, path: Path, title: str) -> None:
     import matplotlib
 
@@ -276,23 +343,28 @@ def plot(runs: list[dict[str, Any]], methods: list[str], target: float, path: Pa
     import matplotlib.pyplot as plt
 
     # two x axes: wall time, and the counted denoiser work (forward rows + 2 x backward rows, a backward costing
-    # about two forwards), which the machine's load does not move
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
-    work = lambda p: p["rollout_forwards"] + p["train_forwards"] + 2 * p["train_backwards"]  # noqa: E731
+    # about two forwards), which the machine's load does not move; both logarithmic (the methods span 20x and more),
+    # so each curve starts at its first trained iteration
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), dpi=100)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = {m: (palette[i % len(palette)], "-" if i < len(palette) else "--") for i, m in enumerate(methods)}
+    work = work_rows
     for ax, x_of, xlabel in (
         (axes[0], lambda p: p["train_s"], "training wall time, s (evaluations excluded)"),
         (axes[1], work, "denoiser rows: forward + 2 x backward (rollout and update)"),
     ):
         for r in runs:
-            xs, ys = [x_of(p) for p in r["curve"]], [p["reward"] for p in r["curve"]]
+            points = [p for p in r["curve"] if p["iteration"] > 0]
+            xs, ys = [x_of(p) for p in points], [p["reward"] for p in points]
             first = r["seed"] == min(x["seed"] for x in runs if x["method"] == r["method"])
-            ax.plot(xs, ys, "-", color=colors[r["method"]], alpha=0.8, lw=1.2, label=r["method"] if first else None)
-        ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target:g}")
-        ax.set_xlabel(xlabel)
+            color, ls = styles[r["method"]]
+            ax.plot(xs, ys, ls, color=color, alpha=0.8, lw=1.2, label=r["method"] if first else None)
+        ax.axhline(target, color="k", ls=":", lw=0.8, label=f"target {target:g}")
+        ax.set_xscale("log")
+        ax.set_xlabel(xlabel + " (log)")
         ax.set_ylabel("held-out reward")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="lower right")
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -322,7 +394,7 @@ def train_runs(
                 runs_out.write_text(json.dumps({"target": target, "total_s": total_s, "runs": runs}) + "\n")
             last = r["reached"] or r["curve"][-1]
             print(
-                f"seed {seed} {m:<15} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
+                f"seed {seed} {m:<35} {'reached' if r['reached'] else 'missed '} at it {last['iteration']:>3}  "
                 f"{last['train_s']:7.1f} s  reward {last['reward']:.4f}  judge {last['judge']:.4f} (start {r['curve'][0]['judge']:.4f})",
                 file=sys.stderr,
                 flush=True,
@@ -388,30 +460,40 @@ def main() -> None:
         runs, total_s = train_runs(methods, seeds, a.target, a.max_iterations, a.eval_every, overrides, a.runs_out)
     summary = summarise(runs, methods, seeds)
     ratio, best = speedup(summary)
+    work_ratio, work_best = work_speedup(summary)
     print(
         f"digits_flow, target held-out reward {a.target:g} (20 prompts x {overrides['eval.samples_per_prompt']} seeds, ODE); "
         f"{torch.get_num_threads()} thread(s); median of {len(seeds)} seed(s); training time only; total {total_s:.0f} s"
         + (f" (the longest of {len(a.merge)} processes)" if a.merge else "")
     )
-    print(f"{'method':<18}{'reached':>8}{'time s':>9}{'iters':>7}{'fwd rows':>10}{'bwd rows':>10}{'judge@tgt':>11}{'final rew':>11}")
+    print(
+        f"{'method':<36}{'reached':>8}{'time s':>9}{'iters':>7}{'fwd rows':>10}{'bwd rows':>10}{'work':>10}{'judge@tgt':>11}{'final rew':>11}"
+    )
     for m, s in summary.items():
         fmt = lambda v, w, f: f"{'-':>{w}}" if v is None else format(v, f"{w}{f}")  # noqa: E731
         print(
-            f"{m:<18}{s['seeds_reached']:>6}/{len(seeds)}{fmt(s['median_train_s'], 9, '.1f')}{fmt(s['median_iterations'], 7, '.0f')}"
-            f"{fmt(s['median_forwards'], 10, '.0f')}{fmt(s['median_backwards'], 10, '.0f')}{fmt(s['median_reached_judge'], 11, '.4f')}"
+            f"{m:<36}{s['seeds_reached']:>6}/{len(seeds)}{fmt(s['median_train_s'], 9, '.1f')}{fmt(s['median_iterations'], 7, '.0f')}"
+            f"{fmt(s['median_forwards'], 10, '.0f')}{fmt(s['median_backwards'], 10, '.0f')}{fmt(s['median_work'], 10, '.0f')}"
+            f"{fmt(s['median_reached_judge'], 11, '.4f')}"
             f"{s['median_final_reward']:>11.4f}"
         )
+    print(
+        f"speedup_vs_full_sde (wall time) {ratio} ({best}); work_speedup_vs_full_sde (forward + 2 x backward rows, judge no worse) "
+        f"{work_ratio} ({work_best})"
+    )
     if a.plot:
         plot(
             runs,
             methods,
             a.target,
             a.plot,
-            f"digits_flow, held-out reward vs training time, {len(seeds)} seed(s), {torch.get_num_threads()} thread(s)",
+            f"digits_flow, held-out reward vs training time and counted denoiser work, {len(seeds)} seed(s), {torch.get_num_threads()} thread(s)",
         )
     result = {
         "speedup_vs_full_sde": ratio,
         "best_method": best,
+        "work_speedup_vs_full_sde": work_ratio,
+        "best_work_method": work_best,
         "target": a.target,
         "seeds": len(seeds),
         "threads": torch.get_num_threads(),

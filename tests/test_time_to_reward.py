@@ -150,6 +150,50 @@ def test_bench_quick_prints_parseable_json():
     for s in result["methods"].values():
         assert s["reached_in_all_seeds"] and s["median_iterations"] == 1 and s["median_forwards"] > 0 and s["median_backwards"] > 0
         assert set(s["per_seed"]) == {"0"}
+        # counted work = forward rows (rollout + update) + 2 x backward rows
+        seed0 = s["per_seed"]["0"]
+        assert s["median_work"] == seed0["work"] == seed0["rollout_forwards"] + seed0["train_forwards"] + 2 * seed0["backwards"]
+    # work_speedup_vs_full_sde: the baseline's work / the least work among methods whose judge at the target is no
+    # worse than the baseline's (the baseline itself qualifies)
+    base = result["methods"]["full_sde"]
+    eligible = {m: s["median_work"] for m, s in result["methods"].items() if s["median_reached_judge"] >= base["median_reached_judge"]}
+    least = min(eligible, key=eligible.get)
+    assert result["best_work_method"] == least
+    assert result["work_speedup_vs_full_sde"] == pytest.approx(base["median_work"] / eligible[least], abs=2e-3)
+    # 3 steps, 8 rows, one iteration: full_sde trains every step (24 rows through the update), fast_window 2 of 3
+    assert base["median_work"] == 3 * 8 + 3 * 3 * 8
+    assert result["methods"]["fast_window"]["median_work"] == 3 * 8 + 3 * 2 * 8
+
+
+def test_bench_step_credit_methods_are_their_presets():
+    # #40's objectives and their combinations are derived from their presets; the evaluation keeps 10 steps
+    bench = _bench()
+    for method, (objective, steps) in {
+        "flash_grpo": ("flash_grpo", 10),
+        "tree_grpo": ("tree_grpo", 10),
+        "stepwise_grpo": ("stepwise_grpo", 10),
+        "flash_grpo_5steps": ("flash_grpo", 5),
+        "tree_grpo_5steps": ("tree_grpo", 5),
+        "stepwise_grpo_window_5steps": ("stepwise_grpo", 5),
+    }.items():
+        config = bench.method_config(method, 0, "/tmp/unused")
+        assert (config.objective.name, config.rollout.num_inference_steps, config.eval.num_inference_steps) == (objective, steps, 10)
+    assert list(bench.method_config("tree_grpo_5steps", 0, "/tmp/unused").objective.branch_steps) == [0, 1, 2]
+    best = bench.method_config("stepwise_grpo_window_3steps_lr5e-4", 0, "/tmp/unused")
+    assert (best.rollout.num_inference_steps, best.rollout.sde_window_size, best.train.learning_rate) == (3, 2, 5e-4)
+    for method in bench.METHODS:  # every entry is a valid config
+        bench.method_config(method, 0, "/tmp/unused")
+
+
+def test_work_speedup_skips_methods_with_a_worse_judge():
+    bench = _bench()
+
+    def entry(work, judge):
+        return {"median_work": work, "median_reached_judge": judge}
+
+    summary = {"full_sde": entry(1000, 0.80), "cheap_hack": entry(10, 0.70), "fair": entry(50, 0.80), "missed": entry(None, None)}
+    assert bench.work_speedup(summary) == (20.0, "fair")
+    assert bench.work_speedup({"full_sde": entry(None, None), "fair": entry(50, 0.9)}) == (None, None)
 
 
 @pytest.mark.slow
