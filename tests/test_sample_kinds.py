@@ -18,7 +18,7 @@ from flowrl.presets import embedded_lm_presets
 
 def test_the_embedded_models_are_read_from_the_families():
     assert set(EMBEDDED_IMAGE_FAMILIES) == {"digits_flow", "digits_ddpm", "digits_video", "digits_masked"}
-    assert embedded_lm_presets() == {"arith_mdlm": "dllm/bgpo", "arith_bd3lm": "dllm/diffu_grpo_block_cache"}
+    assert embedded_lm_presets() == {"arith_mdlm": "dllm/bgpo", "arith_bd3lm": "dllm/block_elbo"}  # the first by name
     assert {*EMBEDDED_IMAGE_FAMILIES, *EMBEDDED_LMS} == {*EMBEDDED_IMAGE_FAMILIES, "arith_mdlm", "arith_bd3lm"} == set(shipped_generators())
 
 
