@@ -85,7 +85,7 @@ class ImageRollouts:
             yield Chunk(self._branched(iteration, prompts, metadata, group_ids, gen, noise))  # decoded: one graph of branches
             return
         layout = getattr(self.objective, "rollout_layout", None)  # Flash-GRPO, TreeGRPO, stepwise GRPO (samplers/step_credit.py)
-        if layout is not None:
+        if layout is not None and layout.collects:
             yield Chunk(layout.collect(self, iteration, prompts, metadata, group_ids, gen, noise))  # decoded
             return
         window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)

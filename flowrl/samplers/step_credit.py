@@ -2,8 +2,8 @@
 trees, and Stepwise-Flow-GRPO's x0 (Tweedie) estimates of every step.
 
 An objective that needs its rollouts laid out its own way carries a ``rollout_layout`` (one of the classes at the
-end of this file); the image collector (modalities/image_rollouts.py) then collects with ``layout.collect`` and
-finishes the reward with ``layout.score``. The rollouts themselves are ``rollout.rollout`` (Flash-GRPO, stepwise) or
+end of this file); the image collector (modalities/image_rollouts.py) then collects with ``layout.collect`` (where
+``layout.collects``; stepwise GRPO keeps the run's own rollouts) and finishes the reward with ``layout.score``. The rollouts themselves are ``rollout.rollout`` (Flash-GRPO, stepwise) or
 its loop with the model called once per tree node (TreeGRPO), so a re-scored step is the step that was sampled.
 """
 
@@ -220,6 +220,8 @@ def x0_estimates(sampler: Sampler, batch: Trajectory) -> Tensor:
 
 # -- layouts: how the image collector collects and scores for these objectives --------------------------------
 class _Layout:
+    collects = True  # the layout lays out the rollouts itself (collect); False: the run's plain rollouts are kept
+
     def score(self, collector: Any, batch: Trajectory, reward: Any, out: RewardOutput) -> RewardOutput:
         return out
 
@@ -275,36 +277,10 @@ X0_REWARD = "stepwise/x0_reward_{:02d}"  # the reward component holding the rewa
 
 @dataclass
 class StepwiseLayout(_Layout):
-    """Stepwise-Flow-GRPO: plain rollouts (the run's SDE window) that keep their step means, and at scoring the reward
+    """Stepwise-Flow-GRPO: the run's plain rollouts (its SDE window), which keep their step means, and at scoring the reward
     of every step's x0 estimate beside the final one's (components ``stepwise/x0_reward_kk``)."""
 
-    def collect(
-        self, collector: Any, iteration: int, prompts, metadata, group_ids: Tensor, gen: RowGenerators, noise: Tensor
-    ) -> Trajectory:
-        from .rollout import sde_window
-
-        cfg, pipeline = collector.config.rollout, collector.pipeline
-        window = sde_window(cfg.num_inference_steps, cfg.sde_window_size, cfg.sde_window_start, cfg.sde_window_slide_every, iteration)
-        sigmas = pipeline.schedule.sigmas(cfg.num_inference_steps).to(collector.modality.device)
-        chunks = []
-        for start in range(0, len(prompts), cfg.batch_size):
-            sl = slice(start, start + cfg.batch_size)
-            chunks.append(
-                rollout(
-                    pipeline,
-                    collector.sampler,
-                    prompts[sl],
-                    metadata[sl],
-                    group_ids[sl],
-                    sigmas,
-                    gen[sl],
-                    cfg.guidance_scale,
-                    window,
-                    initial_noise=noise[sl],
-                    record_means=True,
-                )
-            )
-        return Trajectory.cat(chunks)
+    collects = False  # the run's own rollouts: they keep their step means, since the objective declares needs_step_means
 
     def score(self, collector: Any, batch: Trajectory, reward: Any, out: RewardOutput) -> RewardOutput:
         x0 = x0_estimates(collector.sampler, batch)
