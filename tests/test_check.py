@@ -272,7 +272,19 @@ def dpo_pairs(tmp_path_factory):
     return write_pairs(d / "pairs", pairs, rewards)
 
 
-def preset_overrides(name: str, tiny_checkpoints, prompt_files, dpo_pairs) -> list[str]:
+@pytest.fixture(scope="module")
+def opd_teachers(tmp_path_factory):
+    """A DiffusionOPD teacher checkpoint in flowrl's format (the base digits model's weights): the preset's teachers
+    are trained by its bench, which a check at tiny size does not run."""
+    from flowrl.pipelines.digits import DigitsConfig
+    from flowrl.training.checkpoint import save_checkpoint
+
+    weights = DigitsConfig(pretrained="digits_flow").build("cpu").trainable_state_dict()
+    directory = tmp_path_factory.mktemp("opd") / "step_000000"
+    return save_checkpoint(directory, weights, {"state": {}, "param_groups": []}, {"step": 0, "roles": {"policy": ""}}, "")
+
+
+def preset_overrides(name: str, tiny_checkpoints, prompt_files, dpo_pairs, opd_teachers=None) -> list[str]:
     """The preset at tiny size: one small group and few steps; a real family on its tiny random checkpoint, on the CPU in
     float32, with a reward and prompts that need no hub (the edit models' prompts carry source images)."""
     if name.startswith("dllm/"):
@@ -284,6 +296,9 @@ def preset_overrides(name: str, tiny_checkpoints, prompt_files, dpo_pairs) -> li
         return [*GROUP, *EVAL, *steps, "objective.branch_steps=[0]", "objective.branch_factor=2"]
     if name == "digits/diffusion_dpo":
         return ["train.batch_size=2", *EVAL, *steps, f"prompts.pairs={dpo_pairs}"]
+    if name == "digits/diffusion_opd":  # both teachers on one checkpoint, each taking its preset's digits
+        teachers = f"[{{name: ink, checkpoint: {opd_teachers}, route: [0, 2, 4, 6, 8]}}, {{name: one, checkpoint: {opd_teachers}, route: [1, 3, 5, 7, 9]}}]"
+        return [*GROUP, *EVAL, *steps, f"objective.teachers={teachers}"]
     prefix, entry = _real_family(name)
     if prefix is None:
         return [*GROUP, *EVAL, *steps]
@@ -299,8 +314,8 @@ def preset_overrides(name: str, tiny_checkpoints, prompt_files, dpo_pairs) -> li
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", preset_names())
-def test_every_preset_passes_at_tiny_size(name, tiny_checkpoints, prompt_files, dpo_pairs):
-    result = check(name, preset_overrides(name, tiny_checkpoints, prompt_files, dpo_pairs), sample_command=_sample_command)
+def test_every_preset_passes_at_tiny_size(name, tiny_checkpoints, prompt_files, dpo_pairs, opd_teachers):
+    result = check(name, preset_overrides(name, tiny_checkpoints, prompt_files, dpo_pairs, opd_teachers), sample_command=_sample_command)
     assert result.passed, result.mismatches
 
 
