@@ -24,7 +24,7 @@ from .embedded_adapter import EmbeddedAdapter, EmbeddedPipelineConfig
 class DigitsPipeline(EmbeddedAdapter):
     """Pixel-space UNet2DConditionModel + CLIP text encoder, with classifier-free guidance."""
 
-    embedded = ("digits_flow", "digits_ddpm")
+    embedded = ("digits_flow", "digits_ddpm", "digits_flow_2step")
     required = ("unet", "text_encoder", "tokenizer", "scheduler")
     max_prompt_tokens = MAX_PROMPT_TOKENS
     denoiser_subfolder = "unet"
