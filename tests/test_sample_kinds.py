@@ -17,13 +17,13 @@ from flowrl.presets import embedded_lm_presets
 
 
 def test_the_embedded_models_are_read_from_the_families():
-    assert set(EMBEDDED_IMAGE_FAMILIES) == {"digits_flow", "digits_ddpm", "digits_video", "digits_masked"}
+    assert set(EMBEDDED_IMAGE_FAMILIES) == {"digits_flow", "digits_ddpm", "digits_flow_2step", "digits_video", "digits_masked"}
     assert embedded_lm_presets() == {"arith_mdlm": "dllm/bgpo", "arith_bd3lm": "dllm/block_elbo"}  # the first by name
     assert {*EMBEDDED_IMAGE_FAMILIES, *EMBEDDED_LMS} == {*EMBEDDED_IMAGE_FAMILIES, "arith_mdlm", "arith_bd3lm"} == set(shipped_generators())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["digits_flow", "digits_ddpm", "digits_video", "digits_masked"])
+@pytest.mark.parametrize("name", ["digits_flow", "digits_ddpm", "digits_flow_2step", "digits_video", "digits_masked"])
 def test_every_embedded_image_model_samples_by_name(name, tmp_path):
     out = tmp_path / "grid.png"
     assert main(["sample", name, "--prompt", "a handwritten seven", "-n", "1", "--steps", "2", "--out", str(out)]) == 0
