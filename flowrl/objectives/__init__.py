@@ -32,6 +32,7 @@ OBJECTIVES = Registry(
         "tree_grpo": "flowrl.objectives.tree_grpo:TreeGRPOConfig",  # shared-prefix trees, per-edge advantages
         "stepwise_grpo": "flowrl.objectives.stepwise_grpo:StepwiseGRPOConfig",  # dense credit: gains of the x0 estimate's reward
         "dmd2": "flowrl.objectives.dmd2:DMD2Config",  # few-step distillation: student + fake score
+        "dmdr": "flowrl.objectives.dmdr:DMDRConfig",  # RL on a few-step student, DMD as the regulariser
         "diffusion_opd": "flowrl.objectives.diffusion_opd:DiffusionOPDConfig",  # on-policy distillation from task teachers
         # diffusion language models (modality "text")
         "diffu_grpo": "flowrl.objectives.dllm.policy:DiffuGRPOConfig",

@@ -45,6 +45,7 @@ its SDXL LoRA run adapts the generator alone, the fake score staying a full UNet
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -132,6 +133,16 @@ class DMD2Objective:
         """Whether the minibatch now being trained also steps the student (after ``losses`` counted it)."""
         return self.minibatches % self.fake_steps_per_student_step == 0
 
+    def teacher(self, pipeline: Pipeline) -> AbstractContextManager:
+        """Where ``predict`` runs the real score: the base with the adapters off (DMDR may name another model)."""
+        return pipeline.reference()
+
+    def student_loss(
+        self, pipeline: Pipeline, x0: Tensor, batch: Trajectory, steps: Tensor, generator: torch.Generator
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The student's loss on its x0 predictions ``x0``, row i's made at its step ``steps[i]`` (DMDR adds its reward)."""
+        return self._dm_loss(pipeline, x0, batch.cond, generator)
+
     def _dm_loss(self, pipeline: Pipeline, x0: Tensor, cond: Any, generator: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
         n, device = len(x0), x0.device
         with torch.no_grad():
@@ -140,7 +151,7 @@ class DMD2Objective:
             x_t, _ = noised_and_target(pipeline, x0.detach(), noise, sigma)
             with pipeline.use_adapter(FAKE_SCORE):
                 fake_x0 = flow_x0(x_t, sigma, pipeline.predict(x_t, sigma, cond, 1.0).float())
-            with pipeline.reference():
+            with self.teacher(pipeline):
                 real_x0 = flow_x0(x_t, sigma, guided_velocity(pipeline, x_t, sigma, cond, self.real_guidance_scale))
             grad = dm_gradient(x0.detach(), real_x0, fake_x0)
         loss = dm_loss(x0, grad)
@@ -161,7 +172,7 @@ class DMD2Objective:
         s_k = sigmas[k].to(device)
         if student:
             x0 = flow_x0(x_k, s_k, pipeline.predict(x_k, s_k, batch.cond, batch.guidance_scale).float())
-            loss, metrics = self._dm_loss(pipeline, x0, batch.cond, generator)
+            loss, metrics = self.student_loss(pipeline, x0, batch, k, generator)
             yield LossOutput(loss, metrics, role="policy")
             x0 = x0.detach()
         else:
@@ -211,7 +222,11 @@ class DMD2Config(ObjectiveSection):
             raise ValueError("dmd2 trains the student and the fake score as two LoRA adapters on the teacher's base; set pipeline.lora")
 
     def build(self, context: BuildContext | None = None) -> DMD2Objective:
-        pipeline = getattr(context, "pipeline", None)
+        self.check_model(getattr(context, "pipeline", None))
+        return DMD2Objective(**self.target_kwargs())
+
+    def check_model(self, pipeline: Pipeline | None) -> None:
+        """Refuse, in one sentence, a model DMD2 cannot distil (or None: not known yet)."""
         if pipeline is not None and getattr(pipeline, "prediction_type", "flow") != "flow":
             raise FlowRLError(f"objective 'dmd2' distils rectified-flow models; this model predicts '{pipeline.prediction_type}'.")
         if pipeline is not None and getattr(pipeline, "step_distilled", False) and self.real_guidance_scale != 1.0:
@@ -220,7 +235,6 @@ class DMD2Config(ObjectiveSection):
                 f"this checkpoint is step-distilled (is_distilled: true) and runs without guidance, so its teacher has no "
                 f"CFG: set objective.real_guidance_scale to 1 (got {self.real_guidance_scale})."
             )
-        return DMD2Objective(**self.target_kwargs())
 
 
 __all__ = ["DMD2Config", "DMD2Objective", "dm_gradient", "dm_loss", "fake_score_loss", "flow_x0", "guided_velocity"]

@@ -520,6 +520,17 @@ class DiffusersAdapter:
         finally:
             self._use_reference = False
 
+    @contextlib.contextmanager
+    def use_denoiser(self, model: torch.nn.Module):
+        """Inside the block, predict() runs ``model`` (a denoiser of this family, e.g. DMDR's separate teacher) in place
+        of this one, with this pipeline's conditioning and timestep conventions."""
+        saved = self._reference, self._use_reference
+        self._reference, self._use_reference = model, True
+        try:
+            yield self
+        finally:
+            self._reference, self._use_reference = saved
+
     # -- export ---------------------------------------------------------------------------------
     def save_lora(self, directory: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """Write ``pytorch_lora_weights.safetensors`` in the diffusers format, so that
