@@ -71,7 +71,7 @@ from .transformers_lm import (
 DLLMFamily = Literal["auto", "llada", "mmada", "dream"]
 FAMILIES: tuple[str, ...] = get_args(DLLMFamily)
 _ASSETS = Path(__file__).resolve().parents[1] / "assets"
-EMBEDDED_LMS = {name: _ASSETS / name for name in ("arith_mdlm", "arith_bd3lm")}  # shipped models by name
+EMBEDDED_LMS = {name: _ASSETS / name for name in ("arith_mdlm", "arith_bd3lm", "sudoku_mdlm")}  # shipped models by name
 LLADA_MASK_TOKEN_ID = 126336  # "<|mdm_mask|>" in the LLaDA / MMaDA tokenizer
 LLADA_EOS_TOKEN_ID = 126081  # "<|endoftext|>" (LLaDA's config eos/pad); "<|eot_id|>" is 126348
 

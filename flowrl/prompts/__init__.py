@@ -34,6 +34,7 @@ PROMPT_SOURCES = Registry(
         "math500": "flowrl.prompts:_shared_file",
         "countdown": "flowrl.prompts:_shared_file",
         "sudoku": "flowrl.prompts:_shared_file",
+        "sudoku_compact": "flowrl.prompts:_sudoku_compact",
         "file": "flowrl.prompts:_prompt_file",
         "hf": "flowrl.prompts:_hf_dataset",
         "toy2d": "flowrl.prompts:_toy2d",
@@ -145,6 +146,16 @@ def _shared_file(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
     from ..data import text_tasks
 
     return getattr(text_tasks, f"load_{pc.dataset}")(limit=_size(pc, role))
+
+
+def _sudoku_compact(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
+    """The embedded Sudoku LM's task: generated puzzles (train, none of them a test puzzle) and the shared test
+    file's (eval), both as 16 digits."""
+    from ..data import sudoku
+
+    if split not in ("train", "eval"):
+        raise FlowRLError(f"prompt split '{split}' does not exist for dataset 'sudoku_compact' (use train or eval).")
+    return sudoku.training_set(TRAIN_POOL_SIZE) if split == "train" else sudoku.held_out(limit=_size(pc, role))
 
 
 def _prompt_file(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flowrl.errors import FlowRLError
 from flowrl.reward_models.math_answer import completion_texts, extract_answer
 from flowrl.types import RewardOutput
 
@@ -211,10 +212,20 @@ class SudokuReward:
     ``puzzle[i] == "0"``); 0.0 with no answer; NaN for a row without puzzle/solution, or a puzzle without
     empty cells (d1 scores that 0.0; here it is "not applicable"). Extras: ``solved`` (B,) 0/1, all
     16 cells equal to the solution. Metadata: ``{"puzzle": "3102...", "solution": "3142..."}``.
+    ``grade="solved"`` scores that instead (1.0 when all 16 cells equal the solution, else 0.0): the accuracy the
+    embedded Sudoku LM's presets report, where a miscopied clue fails the puzzle.
+
+    Args:
+        grade: "cells" (d1's score: the fraction of empty cells filled right) or "solved" (1 when all 16 cells are right).
     """
 
     name = "sudoku"
     differentiable = False
+
+    def __init__(self, grade: str = "cells") -> None:
+        if grade not in ("cells", "solved"):
+            raise FlowRLError(f"sudoku grade must be 'cells' or 'solved', not {grade!r}.")
+        self.grade = grade
 
     def score(self, text: str, puzzle: str, solution: str) -> tuple[float, bool]:
         puzzle, solution = _grid(puzzle, "puzzle"), _grid(solution, "solution")
@@ -238,7 +249,7 @@ class SudokuReward:
                 solved.append(0.0)
                 continue
             s, ok = self.score(text, meta["puzzle"], meta["solution"])
-            scores.append(s)
+            scores.append(float(ok) if self.grade == "solved" and not math.isnan(s) else s)
             solved.append(1.0 if ok else 0.0)
         return RewardOutput(
             scores=torch.tensor(scores, dtype=torch.float32),
@@ -246,4 +257,34 @@ class SudokuReward:
         )
 
 
-__all__ = ["CountdownReward", "SudokuReward", "parse_arithmetic", "safe_evaluate"]
+class SudokuConstraintReward:
+    """A verifier of 4x4 Sudoku answers that never sees the solution (best-of-N's selection rule): it reads the
+    puzzle from the prompt, whose 16 digits (0 = empty) are the compact prompt ``flowrl.data.sudoku`` writes (d1's
+    long prompt carries other digits, so it is refused there: NaN), and the answer's 16 cells as ``SudokuReward``
+    does. Score = 1 - (rows, columns and boxes without 1-4 once + clues not kept) / 28, so 1.0 exactly when the
+    answer is a valid grid keeping every clue, which for a puzzle with one solution is the solution; 0.0 with no
+    answer. Metadata is not read.
+    """
+
+    name = "sudoku_constraints"
+    differentiable = False
+
+    def score(self, text: str, prompt: str) -> float:
+        from ..data.sudoku import sudoku_violations
+
+        puzzle = "".join(c for c in prompt if c.isdigit())
+        if len(puzzle) != 16:
+            return math.nan
+        digits = "".join(c for c in (extract_answer(text, prefer_answer_tags=True) or "") if c.isdigit())
+        if not digits:
+            return 0.0
+        grid = (digits + "0" * 16)[:16]
+        broken_clues = sum(p != "0" and p != g for p, g in zip(puzzle, grid, strict=True))
+        return 1.0 - (sudoku_violations(grid) + broken_clues) / 28
+
+    def __call__(self, samples: Sequence[str], prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+        texts = completion_texts(samples)
+        return RewardOutput(scores=torch.tensor([self.score(t, p) for t, p in zip(texts, prompts, strict=True)], dtype=torch.float32))
+
+
+__all__ = ["CountdownReward", "SudokuConstraintReward", "SudokuReward", "parse_arithmetic", "safe_evaluate"]

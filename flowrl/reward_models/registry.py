@@ -47,6 +47,7 @@ _BUILTIN = {
     "format": "flowrl.reward_models.math_answer:FormatReward",
     "countdown": "flowrl.reward_models.puzzles:CountdownReward",
     "sudoku": "flowrl.reward_models.puzzles:SudokuReward",
+    "sudoku_constraints": "flowrl.reward_models.puzzles:SudokuConstraintReward",  # solution-free: best-of-N's verifier
 }
 
 

@@ -64,14 +64,17 @@ def encode(tokenizer, pairs):
     return ids, mask
 
 
-def masked_completion_loss(model, tokenizer, x: torch.Tensor, attention_mask: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """LLaDA's SFT loss on a batch of encoded problems: each completion token masked with probability t ~ U(0, 1)
-    (at least one per row), the prompt never; the mean cross-entropy of the masked tokens."""
-    batch_size = x.shape[0]
+def masked_completion_loss(
+    model, tokenizer, x: torch.Tensor, attention_mask: torch.Tensor, gen: torch.Generator, prompt_len: int = PROMPT_LEN
+) -> torch.Tensor:
+    """LLaDA's SFT loss on a batch of encoded problems (``prompt_len`` prompt tokens, then the completion): each
+    completion token masked with probability t ~ U(0, 1) (at least one per row), the prompt never; the mean
+    cross-entropy of the masked tokens. (The Sudoku LM's script shares it with its own prompt length.)"""
+    batch_size, completion_len = x.shape[0], x.shape[1] - prompt_len
     t = torch.rand(batch_size, 1, generator=gen)
-    masked = torch.rand(batch_size, COMPLETION_LEN, generator=gen) < t
-    masked[torch.arange(batch_size), torch.randint(0, COMPLETION_LEN, (batch_size,), generator=gen)] = True
-    masked = torch.cat([torch.zeros(batch_size, PROMPT_LEN, dtype=torch.bool), masked], dim=1)
+    masked = torch.rand(batch_size, completion_len, generator=gen) < t
+    masked[torch.arange(batch_size), torch.randint(0, completion_len, (batch_size,), generator=gen)] = True
+    masked = torch.cat([torch.zeros(batch_size, prompt_len, dtype=torch.bool), masked], dim=1)
     logits = model(input_ids=torch.where(masked, tokenizer.mask_token_id, x), attention_mask=attention_mask).logits
     return torch.nn.functional.cross_entropy(logits[masked], x[masked])
 
