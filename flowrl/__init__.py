@@ -22,6 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Loaded now (it needs only pathlib) so that the function ``presets`` below, not this submodule, is ``flowrl.presets``:
+# importing a submodule for the first time binds it as an attribute of the package, over a function of the same name.
+from . import presets as _preset_files
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -54,9 +58,7 @@ def __getattr__(name: str) -> Any:  # lazy: `import flowrl` does not import torc
 
 def presets() -> list[str]:
     """The names of the presets shipped with flowrl (``flowrl.Trainer("digits/grpo")``, ``flowrl train digits/grpo``)."""
-    from .presets import preset_names
-
-    return preset_names()
+    return _preset_files.preset_names()
 
 
 def reward(name: str, **kwargs: Any) -> Any:

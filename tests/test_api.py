@@ -32,6 +32,14 @@ def test_importing_flowrl_is_cheap():
     assert out.strip() == "False ['digits/adjoint_matching']"
 
 
+def test_presets_stays_a_function_after_its_module_is_imported():
+    """Importing the submodule flowrl.presets (as the CLI does) must not replace the function flowrl.presets."""
+    import flowrl.presets
+    from flowrl.presets import preset_names
+
+    assert callable(flowrl.presets) and flowrl.presets() == flowrl.presets() == preset_names()
+
+
 @pytest.mark.slow
 def test_a_preset_by_name_a_function_as_reward_train_sample_evaluate(tmp_path):
     run = tmp_path / "run"
