@@ -168,3 +168,21 @@ def test_the_preset_distils_and_the_kl_falls_on_a_fixed_batch(tmp_path, checkpoi
 def test_refusals(tmp_path):
     with pytest.raises(FlowRLError, match=r"teacher checkpoint '.*nowhere' does not exist \(train the teachers first\)\.$"):
         _trainer(tmp_path, f"[{{name: a, checkpoint: {tmp_path / 'nowhere'}, route: [1]}}]")
+
+
+@pytest.mark.slow
+def test_the_ode_form_is_half_the_squared_difference_of_the_euler_steps(tmp_path, checkpoints):
+    teachers = f"[{{name: moved, checkpoint: {checkpoints['moved']}, route: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]}}]"
+    trainer = _trainer(tmp_path, teachers, sampler="{name: ode}")
+    batch = trainer.score(trainer.collect(0))
+    assert not batch.stochastic.any()
+    pipeline, steps = trainer.pipeline, batch.num_steps
+    losses = list(trainer.objective.losses(pipeline, trainer.sampler, batch, torch.Generator()))
+    for k, out in enumerate(losses):
+        x, s, dt = batch.latents[:, k], batch.sigmas[k], batch.sigmas[k + 1] - batch.sigmas[k]
+        with torch.no_grad():
+            v_student = pipeline.predict(x, s, batch.cond)
+            with teacher_model(pipeline, trainer.objective.teacher_moved):
+                v_teacher = pipeline.predict(x, s, batch.cond)
+        want = (0.5 * (dt * (v_student - v_teacher)) ** 2).flatten(1).mean(1).mean() / steps  # Euler means x + dt v
+        assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
