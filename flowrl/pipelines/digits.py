@@ -63,7 +63,7 @@ class DigitsPipeline(EmbeddedAdapter):
 
 
 class DigitsConfig(EmbeddedPipelineConfig):
-    """``pipeline.name: digits`` (the embedded 8x8 digit generators digits_flow / digits_ddpm)."""
+    """``pipeline.name: digits`` (the embedded 8x8 digit generators digits_flow / digits_ddpm / digits_flow_2step, the 2-step student)."""
 
     name: str = "digits"
     adapter: ClassVar[Any] = DigitsPipeline
