@@ -66,13 +66,13 @@ def solutions(puzzle: str) -> list[str]:
     return [g for g in all_grids() if consistent(g, puzzle)]
 
 
-def train_puzzles(n: int, seed: int, exclude: set[str]) -> list[tuple[str, str]]:
-    """``n`` distinct (puzzle, solution) pairs: a random grid, 8 random clues kept, only puzzles with one solution
-    and none in ``exclude`` (the held-out puzzles); deterministic in seed."""
+def train_puzzles(n: int, seed: int, exclude: set[str], clues: int = CLUES) -> list[tuple[str, str]]:
+    """``n`` distinct (puzzle, solution) pairs: a random grid, ``clues`` random cells kept, only puzzles with one
+    solution and none in ``exclude`` (the held-out puzzles); deterministic in seed."""
     rng, grids, out, seen = random.Random(seed), all_grids(), [], set(exclude)
     while len(out) < n:
         grid = rng.choice(grids)
-        keep = set(rng.sample(range(16), CLUES))
+        keep = set(rng.sample(range(16), clues))
         puzzle = "".join(c if i in keep else "0" for i, c in enumerate(grid))
         if puzzle in seen or len(solutions(puzzle)) != 1:
             continue
@@ -101,12 +101,13 @@ def held_out(limit: int | None = None) -> list[tuple[str, dict[str, Any]]]:
     return [example(m["puzzle"], m["solution"]) for _, m in load_sudoku(limit=limit)]
 
 
-def training_set(n: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
-    """``n`` generated training puzzles, none of them a puzzle of the shared test file (which must exist)."""
+def training_set(n: int, seed: int = 0, clues: int = CLUES) -> list[tuple[str, dict[str, Any]]]:
+    """``n`` generated training puzzles with ``clues`` clues, none of them a puzzle of the shared test file (which
+    must exist)."""
     exclude = {m["puzzle"] for _, m in held_out()}
     if not exclude:
         raise FlowRLError("the shared Sudoku test file has no puzzles; the training puzzles cannot exclude them.")
-    return [example(p, s) for p, s in train_puzzles(n, seed, exclude)]
+    return [example(p, s) for p, s in train_puzzles(n, seed, exclude, clues)]
 
 
 def vocabulary() -> list[str]:

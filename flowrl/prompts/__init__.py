@@ -149,13 +149,13 @@ def _shared_file(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
 
 
 def _sudoku_compact(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:
-    """The embedded Sudoku LM's task: generated puzzles (train, none of them a test puzzle) and the shared test
-    file's (eval), both as 16 digits."""
+    """The embedded Sudoku LM's task: generated puzzles (train: none of them a test puzzle; seed 1, so not the
+    puzzles sudoku_mdlm's SFT drew with seed 0) and the shared test file's (eval), both as 16 digits."""
     from ..data import sudoku
 
     if split not in ("train", "eval"):
         raise FlowRLError(f"prompt split '{split}' does not exist for dataset 'sudoku_compact' (use train or eval).")
-    return sudoku.training_set(TRAIN_POOL_SIZE) if split == "train" else sudoku.held_out(limit=_size(pc, role))
+    return sudoku.training_set(TRAIN_POOL_SIZE, seed=1) if split == "train" else sudoku.held_out(limit=_size(pc, role))
 
 
 def _prompt_file(pc: PromptsConfig, role: Role, split: str) -> list[Prompt]:

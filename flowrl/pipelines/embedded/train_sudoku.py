@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...data.sudoku import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, completion_text, training_set, vocabulary
+from ...data.sudoku import CLUES, COMPLETION_LEN, PROMPT_LEN, build_tokenizer, completion_text, training_set, vocabulary
 from .train_arith import masked_completion_loss
 from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
@@ -55,13 +55,15 @@ def encode(tokenizer, pairs) -> torch.Tensor:
     return ids
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_puzzles: int, hidden: int = 128, layers: int = 4) -> dict:
+def train(
+    out: Path, steps: int, batch_size: int, lr: float, seed: int, num_puzzles: int, hidden: int = 128, layers: int = 4, clues: int = CLUES
+) -> dict:
     """Fit the model on ``num_puzzles`` generated puzzles for ``steps`` steps and write it into ``out``; returns the
     training_info written beside it."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     tokenizer = build_tokenizer()
-    ids = encode(tokenizer, training_set(num_puzzles, seed))
+    ids = encode(tokenizer, training_set(num_puzzles, seed, clues))
     attn = torch.ones_like(ids)  # fixed length: no padding anywhere
     model = build_model(hidden, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -73,8 +75,16 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_puzz
         optimizer_step(loss, opt, sched, clip=model.parameters())
         ema = loss_ema(ema, loss)
         bar.set_postfix(loss=f"{ema:.3f}")
-    command = f"python -m flowrl.pipelines.embedded.train_sudoku --steps {steps} --seed {seed} --puzzles {num_puzzles} --threads {torch.get_num_threads()}"
-    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "train_puzzles": num_puzzles, "hidden": hidden}
+    command = f"python -m flowrl.pipelines.embedded.train_sudoku --steps {steps} --seed {seed} --puzzles {num_puzzles} --clues {clues} --threads {torch.get_num_threads()}"
+    settings = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "train_puzzles": num_puzzles,
+        "clues": clues,
+        "hidden": hidden,
+    }
     info = {**settings, "layers": layers, "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1), "command": command}
     save_model(out, [("", model), ("", tokenizer)], info)  # one directory holding model and tokenizer, like a hub checkpoint
     print(json.dumps(info))
@@ -83,9 +93,12 @@ def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_puzz
 
 def main() -> None:
     p = training_parser(__doc__, out=ASSETS / "sudoku_mdlm", steps=170, batch_size=64, lr=1e-3, threads=1)
-    p.add_argument("--puzzles", type=int, default=2000, help="generated training puzzles (8 clues, one solution each)")
+    p.add_argument("--puzzles", type=int, default=2000, help="generated training puzzles (one solution each)")
+    p.add_argument("--clues", type=int, default=CLUES, help="clues per training puzzle (the test puzzles have 8)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
     a = parse_training_arguments(p)
-    train(a.out, a.steps, a.batch_size, a.lr, a.seed, a.puzzles)
+    train(a.out, a.steps, a.batch_size, a.lr, a.seed, a.puzzles, a.hidden, a.layers, a.clues)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ RUNS: dict[str, TinyRun] = {
     **{f"dllm/{name}": TinyRun(f"dllm/{name}", "dllm", "mdlm") for name in ("bgpo", "dcolt", "diffu_grpo", "unigrpo")},
     "dllm/diffu_grpo_block_cache": TinyRun("dllm/diffu_grpo_block_cache", "dllm", "bd3lm"),
     "dllm/just_grpo": TinyRun("dllm/just_grpo", "dllm", "mdlm"),
+    "dllm/sudoku_diffu_grpo": TinyRun("dllm/sudoku_diffu_grpo", "dllm", "mdlm"),  # the arith vocabulary holds 0-4 and the tags
     "dllm/block_elbo": TinyRun("dllm/block_elbo", "dllm", "bd3lm"),
     "dllm/diffusion_gemma_step_grpo": TinyRun("dllm/diffusion_gemma_step_grpo", "diffusion_gemma", "tiny"),
 }
