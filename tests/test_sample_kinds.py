@@ -18,8 +18,9 @@ from flowrl.presets import embedded_lm_presets
 
 def test_the_embedded_models_are_read_from_the_families():
     assert set(EMBEDDED_IMAGE_FAMILIES) == {"digits_flow", "digits_ddpm", "digits_flow_2step", "digits_video", "digits_masked"}
-    assert embedded_lm_presets() == {"arith_mdlm": "dllm/bgpo", "arith_bd3lm": "dllm/block_elbo"}  # the first by name
-    assert {*EMBEDDED_IMAGE_FAMILIES, *EMBEDDED_LMS} == {*EMBEDDED_IMAGE_FAMILIES, "arith_mdlm", "arith_bd3lm"} == set(shipped_generators())
+    presets = {"arith_mdlm": "dllm/bgpo", "arith_bd3lm": "dllm/block_elbo", "sudoku_mdlm": "dllm/sudoku_diffu_grpo"}  # the first by name
+    assert embedded_lm_presets() == presets
+    assert {*EMBEDDED_IMAGE_FAMILIES, *EMBEDDED_LMS} == {*EMBEDDED_IMAGE_FAMILIES, *presets} == set(shipped_generators())
 
 
 @pytest.mark.slow
@@ -31,13 +32,15 @@ def test_every_embedded_image_model_samples_by_name(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["arith_mdlm", "arith_bd3lm"])
-def test_an_embedded_language_model_samples_text(name, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "name, prompt", [("arith_mdlm", "What is 3 + 4?"), ("arith_bd3lm", "What is 3 + 4?"), ("sudoku_mdlm", " ".join("3102200002100320"))]
+)
+def test_an_embedded_language_model_samples_text(name, prompt, tmp_path, capsys):
     out = tmp_path / "completions.jsonl"
-    assert main(["sample", name, "--prompt", "What is 3 + 4?", "-n", "2", "--out", str(out)]) == 0
+    assert main(["sample", name, "--prompt", prompt, "-n", "2", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert rows == printed and len(rows) == 2 and all(r["prompt"] == "What is 3 + 4?" and r["completion"] for r in rows)
+    assert rows == printed and len(rows) == 2 and all(r["prompt"] == prompt and r["completion"] for r in rows)
     assert main(["sample", name, "--prompt", "x", "--out", str(tmp_path / "grid.png")]) == 2
     assert "a diffusion LM's samples are text: give --out a .jsonl file" in capsys.readouterr().err
 
