@@ -187,3 +187,16 @@ def test_the_preset_trains_two_iterations_with_the_teacher_frozen(tmp_path, one_
     rows = [row for row in rows if "loss/refl" in row]
     assert [row["step"] for row in rows] == [1, 2]
     assert all({"loss/dm", "loss/refl", "loss/fake_score", "dmdr/last_step_rows"} <= set(row) for row in rows)
+
+
+@pytest.mark.slow
+def test_a_reward_without_a_gradient_is_refused_before_training(tmp_path, one_thread):
+    from accelerate.state import AcceleratorState
+
+    from flowrl.trainer import Trainer
+
+    AcceleratorState._reset_state(True)
+    overrides = fast_overrides(tmp_path / "run", **{"reward.components": "{digit_realism: 1.0}", "log.trackers": "[]"})
+    with pytest.raises(FlowRLError, match=r"^reward 'digit_realism' is not differentiable; dmdr needs a reward gradient"):
+        Trainer(load_config(PRESET, overrides)).fit()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained, nothing logged

@@ -108,7 +108,8 @@ class DMDRConfig(DMD2Config):
     towards a teacher (needs pipeline.lora, a flow model, sampler.name: ode and a differentiable reward)."""
 
     name: str = "dmdr"
-    distillation: ClassVar[str] = "distribution matching distillation with reinforcement learning (DMDR)"
+    # the model card says "fine-tuned with reinforcement learning": the base is the student, not the teacher
+    distillation: ClassVar[str | None] = None
     reward_weight: float = Field(
         1.0, ge=0, description="Weight of the ReFL reward loss against the DM loss (released: dino_loss_weight 0.05; 0 = DMD2)."
     )
