@@ -187,7 +187,9 @@ def _base_text(p: Any) -> str:
     """The base model as the card names it: a hub link, or where it comes from."""
     if _hub_base(p):
         return f"[`{p.pretrained}`](https://huggingface.co/{p.pretrained})"
-    where = "embedded in flowrl" if p.name in EMBEDDED or p.pretrained in ("arith_mdlm", "arith_bd3lm") else "a local model directory"
+    from .pipelines.dllm import EMBEDDED_LMS  # the shipped diffusion LMs, by name
+
+    where = "embedded in flowrl" if p.name in EMBEDDED or p.pretrained in EMBEDDED_LMS else "a local model directory"
     return f"`{p.pretrained}` ({where})"
 
 
