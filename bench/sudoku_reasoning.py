@@ -110,6 +110,15 @@ def main() -> None:
                 for i in fixed
             ]
     print(json.dumps(out, indent=1))
+    run = a.checkpoint.resolve().parents[1]  # the training run the checkpoint belongs to: its curve and wall time
+    if (run / "summary.json").is_file():
+        summary = json.loads((run / "summary.json").read_text())
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        out["run"] = {
+            "wall_seconds": summary.get("wall_seconds_this_process"),
+            "iterations": summary.get("iterations_completed"),
+            "greedy_accuracy_curve": [[r["step"], r["eval/reward/mean"]] for r in rows if "eval/reward/mean" in r],
+        }
     record.write("sudoku_reasoning", {**record.stamp(record.this_command()), "checkpoint": str(a.checkpoint), "puzzles": len(items), **out})
 
 
