@@ -69,6 +69,7 @@ ORDER: list[str] = [
     "flowrl.training.run",
     "flowrl.trainer",
     "flowrl.eval_command",
+    "flowrl.pipelines.embedded.distil_digits_student",  # ships the DMD2 student: runs its preset through the Trainer
     "flowrl.check",  # flowrl check: builds a run and drives its loop, evaluation, sampling and card
     # what users call: the Python API (the package itself), the servers, the command line
     "flowrl",

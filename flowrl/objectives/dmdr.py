@@ -143,14 +143,12 @@ class DMDRConfig(DMD2Config):
 
 def load_teacher(pipeline: Pipeline, teacher: str) -> torch.nn.Module:
     """The denoiser of ``teacher`` (a model of ``pipeline``'s family), frozen, on the pipeline's device."""
-    from ..pipelines import build_pipeline
-
     if not hasattr(pipeline, "use_denoiser"):
         raise FlowRLError(
             f"objective.teacher needs an image or video pipeline that can run another denoiser; {type(pipeline).__name__} cannot."
         )
     section = pipeline.config.model_copy(update={"pretrained": teacher, "lora": None})
-    loaded = build_pipeline(section, pipeline.device)
+    loaded = section.build(pipeline.device)  # the family's own section builds the family's adapter
     if loaded.prediction_type != pipeline.prediction_type:  # run under the student's conventions, it would mean nothing
         raise FlowRLError(
             f"objective.teacher '{teacher}' predicts '{loaded.prediction_type}', but the student predicts "
