@@ -8,7 +8,8 @@ copy of the teacher's UNet (``merged_denoiser``) and writes a model directory of
 text_encoder/, tokenizer/, scheduler/) with ``training_info.json``: the command, ``num_inference_steps: 2`` (the grid
 it was distilled for: sample it with ``rollout.num_inference_steps: 2``), and the held-out evaluation of the LoRA
 run and of the written model itself (``flowrl eval``'s setting: 20 unseen phrasings x 4 seeds). Load it as
-``pipeline.pretrained: digits_flow_2step``. Deterministic for a thread count (one by default).
+``pipeline.pretrained: digits_flow_2step``. Deterministic for a thread count (one by default): a second run wrote
+the same UNet and text encoder files byte for byte (2026-11-28, 276 s of training on the shared 2-core machine).
 """
 
 from __future__ import annotations
