@@ -80,6 +80,7 @@ bench: install-test
 assets: install-test
 	$(BIN)/python -m flowrl.reward_models.train_digit_classifier
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind flow
+	$(BIN)/python -m flowrl.pipelines.embedded.distil_digits_student --threads 1  # DMD2 on digits_flow: needs it first
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits --kind ddpm
 	$(BIN)/python -m flowrl.pipelines.embedded.train_masked_digits
 	$(BIN)/python -m flowrl.pipelines.embedded.train_arith --steps 1000 --seed 0 --flaw-rate 0.3
