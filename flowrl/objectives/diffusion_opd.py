@@ -163,8 +163,8 @@ def _attribute(name: str) -> str:
 
 
 def _rows(cond: Any, index: Tensor) -> Any:
-    """The condition of the rows ``index`` (a dict of per-row tensors, as every image pipeline encodes prompts)."""
-    return {k: v[index.to(v.device)] for k, v in cond.items()}
+    """The condition of the rows ``index``: each per-row tensor of the encoded prompts indexed, anything else kept."""
+    return {k: v[index.to(v.device)] if torch.is_tensor(v) and v.ndim > 0 else v for k, v in cond.items()}
 
 
 class TeacherSection(Section):
