@@ -186,3 +186,28 @@ def test_the_ode_form_is_half_the_squared_difference_of_the_euler_steps(tmp_path
                 v_teacher = pipeline.predict(x, s, batch.cond)
         want = (0.5 * (dt * (v_student - v_teacher)) ** 2).flatten(1).mean(1).mean() / steps  # Euler means x + dt v
         assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_lora_teacher_is_its_lora_checkpoint(tmp_path):
+    """A LoRA student's teachers are LoRA checkpoints of the same settings: the copy holds the teacher's adapter."""
+    from flowrl.pipelines.common import LoraConfig
+
+    lora = LoraConfig(r=4, alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    teacher = DigitsConfig(pretrained="digits_flow", lora=lora).build("cpu")
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in teacher.trainable_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    state = {"step": 0, "roles": {"policy": ""}}
+    ckpt = save_checkpoint(tmp_path / "t" / "step_000000", teacher.trainable_state_dict(), {"state": {}, "param_groups": []}, state, "")
+    teachers = f"[{{name: t, checkpoint: {ckpt}, route: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]}}]"
+    trainer = _trainer(tmp_path, teachers, **{"pipeline.lora": "{r: 4, alpha: 8, target_modules: [to_q, to_k, to_v, to_out.0]}"})
+    x = torch.randn(2, 1, 8, 8, generator=gen)
+    cond = trainer.pipeline.encode(["a 3", "an 8"])
+    with torch.no_grad():
+        want = teacher.predict(x, torch.tensor(0.4), cond)
+        with teacher_model(trainer.pipeline, trainer.objective.teacher_t):
+            got = trainer.pipeline.predict(x, torch.tensor(0.4), cond)
+        student = trainer.pipeline.predict(x, torch.tensor(0.4), cond)
+    assert torch.equal(got, want) and not torch.allclose(student, want, atol=1e-4)
