@@ -34,7 +34,7 @@ KL-term convention, the exact KL times |dt|), Flow-Factory by ``std_dev_t^2 (-dt
 the two differ by the constant factor |dt| (a learning-rate scale); with a shifted grid also in how steps are weighted.
 Teachers are full copies of the policy's model with each teacher checkpoint's weights (flowrl checkpoints of the same
 model: its LoRA adapter or the whole denoiser), not adapters on one backbone (the released code's ``teacher_<name>``
-PEFT adapters): the same forward, more memory (on digits a copy is 2 MB). The released MOPD loop gives each teacher
+PEFT adapters): the same forward, more memory (on digits a copy is 3.2 MB). The released MOPD loop gives each teacher
 whole sampling batches in turn (round-robin); here a batch mixes tasks and each row goes to its teacher (Flow-Factory's
 per-sample routing); no EMA of the student.
 """
