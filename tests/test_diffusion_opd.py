@@ -168,6 +168,8 @@ def test_the_preset_distils_and_the_kl_falls_on_a_fixed_batch(tmp_path, checkpoi
 def test_refusals(tmp_path):
     with pytest.raises(FlowRLError, match=r"teacher checkpoint '.*nowhere' does not exist \(train the teachers first\)\.$"):
         _trainer(tmp_path, f"[{{name: a, checkpoint: {tmp_path / 'nowhere'}, route: [1]}}]")
+    with pytest.raises(FlowRLError, match=r"objective.teachers is empty: diffusion_opd distils task teachers, so name one at least"):
+        load_config(PRESET, ["objective.teachers=[]"])
 
 
 @pytest.mark.slow

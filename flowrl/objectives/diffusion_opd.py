@@ -193,7 +193,8 @@ class DiffusionOPDConfig(ObjectiveSection):
     learns_from_reward_differences: ClassVar[bool] = False  # it reads no reward: the loop's flat-reward stop is off
     distillation: ClassVar[str] = "on-policy distillation from task teachers (DiffusionOPD)"  # the model card's words
     teachers: list[TeacherSection] = Field(
-        min_length=1, description="The task teachers: each a checkpoint and the prompts (route values) it supervises."
+        default_factory=list,
+        description="The task teachers: each a checkpoint and the prompts (route values) it supervises (a run needs one at least).",
     )
     route_key: str = Field(
         "digit", description="The prompt metadata key whose value picks a prompt's teacher (digits: the digit asked for)."
@@ -208,6 +209,12 @@ class DiffusionOPDConfig(ObjectiveSection):
         if len(set(values)) != len(values):
             raise ValueError("objective.teachers route one value to two teachers; each prompt has one teacher")
         return self
+
+    def check_run(self, config: Any) -> None:
+        if not self.teachers:
+            raise ValueError(
+                "objective.teachers is empty: diffusion_opd distils task teachers, so name one at least (a checkpoint and its route)"
+            )
 
     def build(self, context: BuildContext | None = None) -> DiffusionOPDObjective:
         pipeline = getattr(context, "pipeline", None)
