@@ -1,6 +1,11 @@
 """DMD2 (Yin et al., NeurIPS 2024, arXiv:2405.14867): distribution matching distillation of a many-step teacher
 into a few-step student, with a fake-score model trained alongside the student. Checked against the released
-code, tianweiy/DMD2 (``main/sd_guidance.py``, ``main/sd_unified_model.py``, ``main/train_sd.py``).
+code, tianweiy/DMD2 (``main/sd_guidance.py``, ``main/sd_unified_model.py``, ``main/train_sd.py``), and against
+verl-omni's DMD2 runtime (verl-project/verl-omni at 39221191, PRs #546/#611: ``workers/engine/fsdp/dmd_impl.py``,
+``trainer/diffusion/distillation/utils.py``): the same DM gradient, loss, fake-score loss, update ratio and LoRA
+roles on one base, the teacher being the base with adapters off. It differs in shifted score times, an EMA adapter,
+a 1e-6 normaliser floor and the teacher's CFG norm rescale on Qwen-Image, which ``guided_velocity`` drops
+(docs/objectives/dmd2.md, "Against verl-omni's runtime").
 
 Conventions: sigma in [0, 1], 1 = noise, 0 = data; a rectified flow ``x_sigma = (1 - sigma) x0 + sigma eps`` with
 velocity ``v = eps - x0``, and the data estimate of a velocity ``u`` is ``x0_hat = x_sigma - sigma u``.
