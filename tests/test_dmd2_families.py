@@ -207,3 +207,26 @@ def test_a_step_distilled_teacher_refuses_cfg(tmp_path):
     AcceleratorState._reset_state(True)
     with pytest.raises(FlowRLError, match=r"step-distilled .* set objective\.real_guidance_scale to 1 \(got 4\.0\)\.$"):
         Trainer(load_config("flux2/dmd2_klein", overrides))
+
+
+def test_the_teachers_guidance_is_the_familys_own_on_qwen_image(tmp_path):
+    """Qwen-Image guides with a norm rescale (each token's guided velocity scaled to its conditional's norm,
+    verl-omni's ``layer_norm``): the DM loss's real score at a noise level per row is the family's own guided
+    velocity, row by row, and not the plain ``u + s (c - u)`` (which differs from it by a measurable amount)."""
+    from flowrl.config import load_config
+    from flowrl.pipelines import build_pipeline
+
+    base = tiny_checkpoint("qwen_image", tmp_path / "base")
+    run = next(r for r in RUNS.values() if r.family == "qwen_image")
+    config = load_config(run.preset, tiny_overrides(run.preset, base, tmp_path / "run"))
+    pipeline = build_pipeline(config.pipeline, "cpu")
+    cond = pipeline.encode(PROMPTS)
+    x = torch.randn(2, *pipeline.latent_shape(), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        got = guided_velocity(pipeline, x, sigma, cond, 4.0)
+        rows = [pipeline.predict(x[i : i + 1], sigma[i], {k: v[i : i + 1] for k, v in cond.items()}, 4.0) for i in range(2)]
+        c = pipeline.predict(x, sigma, cond, 1.0)
+        u = pipeline.predict(x, sigma, pipeline.unconditional(2, cond), 1.0)
+    torch.testing.assert_close(got, torch.cat(rows), rtol=0, atol=1e-5)
+    assert (got - (u + 4.0 * (c - u))).abs().max() > 1e-3  # the rescale is there to be dropped

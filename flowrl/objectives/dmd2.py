@@ -3,9 +3,9 @@ into a few-step student, with a fake-score model trained alongside the student. 
 code, tianweiy/DMD2 (``main/sd_guidance.py``, ``main/sd_unified_model.py``, ``main/train_sd.py``), and against
 verl-omni's DMD2 runtime (verl-project/verl-omni at 39221191, PRs #546/#611: ``workers/engine/fsdp/dmd_impl.py``,
 ``trainer/diffusion/distillation/utils.py``): the same DM gradient, loss, fake-score loss, update ratio and LoRA
-roles on one base, the teacher being the base with adapters off. It differs in shifted score times, an EMA adapter,
-a 1e-6 normaliser floor and the teacher's CFG norm rescale on Qwen-Image, which ``guided_velocity`` drops
-(docs/objectives/dmd2.md, "Against verl-omni's runtime").
+roles on one base, the teacher being the base with adapters off, and the teacher's guidance the family's own (on
+Qwen-Image with its norm rescale: verl-omni's ``layer_norm``). It differs in shifted score times, an EMA adapter and a
+1e-6 normaliser floor (docs/objectives/dmd2.md, "Against verl-omni's runtime").
 
 Conventions: sigma in [0, 1], 1 = noise, 0 = data; a rectified flow ``x_sigma = (1 - sigma) x0 + sigma eps`` with
 velocity ``v = eps - x0``, and the data estimate of a velocity ``u`` is ``x0_hat = x_sigma - sigma u``.
@@ -77,13 +77,11 @@ def flow_x0(x_t: Tensor, sigma: Tensor, velocity: Tensor) -> Tensor:
 
 
 def guided_velocity(pipeline: Pipeline, x: Tensor, sigma: Tensor, cond: Any, scale: float) -> Tensor:
-    """Classifier-free guidance ``uncond + scale (cond - uncond)`` (DMD2's ``predict_noise``) with a noise level per
-    row: the two branches as two calls (a family's batched CFG takes one noise level for the whole batch)."""
-    out = pipeline.predict(x, sigma, cond, 1.0).float()
-    if scale == 1.0:
-        return out
-    uncond = pipeline.predict(x, sigma, pipeline.unconditional(len(x), cond), 1.0).float()
-    return uncond + scale * (out - uncond)
+    """The family's own guided velocity at a noise level per row (DMD2's ``predict_noise`` with the teacher's CFG):
+    ``pipeline.predict`` at ``scale``, so the real score is the teacher ``flowrl sample`` runs at that scale, with
+    what the family adds to ``uncond + scale (cond - uncond)`` (Qwen-Image's norm rescale, Wan2.2's per-expert scales,
+    FLUX.1-dev's embedded guidance)."""
+    return pipeline.predict(x, sigma, cond, scale).float()
 
 
 def dm_gradient(x0: Tensor, real_x0: Tensor, fake_x0: Tensor) -> Tensor:
@@ -235,7 +233,7 @@ class DMD2Config(ObjectiveSection):
         if pipeline is not None and getattr(pipeline, "prediction_type", "flow") != "flow":
             raise FlowRLError(f"objective 'dmd2' distils rectified-flow models; this model predicts '{pipeline.prediction_type}'.")
         if pipeline is not None and getattr(pipeline, "step_distilled", False) and self.real_guidance_scale != 1.0:
-            # guided_velocity's two calls would run CFG on a model distilled to run without it (FLUX.2-klein)
+            # a teacher CFG would run on a model distilled to run without it (FLUX.2-klein)
             raise FlowRLError(
                 f"this checkpoint is step-distilled (is_distilled: true) and runs without guidance, so its teacher has no "
                 f"CFG: set objective.real_guidance_scale to 1 (got {self.real_guidance_scale})."

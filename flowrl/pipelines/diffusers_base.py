@@ -33,7 +33,7 @@ from ..samplers.schedules import SamplingGrid
 from ..sections import PipelineSection
 from ..types import Condition, cat_conditions
 from .common import DTYPES, DeviceSpec, Dtype, LoraConfig
-from .guidance import guided_prediction
+from .guidance import guided_prediction, rows_sigma
 
 
 class PipelineConfig(PipelineSection):
@@ -398,7 +398,7 @@ class DiffusersAdapter:
         sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32)
 
         def forward(x_in: Tensor, c: Condition) -> Tensor:
-            return self._forward(model, x_in, sigma, c, guidance_scale)
+            return self._forward(model, x_in, rows_sigma(sigma, x_in.shape[0]), c, guidance_scale)
 
         if self.guidance_mode == "embedded" or guidance_scale == 1.0:
             return forward(x, cond).float()

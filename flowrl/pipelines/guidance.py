@@ -28,6 +28,14 @@ GUIDANCE_MODES: tuple[str, ...] = get_args(GuidanceMode)
 Forward = Callable[[Tensor, Condition], Tensor]
 
 
+def rows_sigma(sigma: Tensor, rows: int) -> Tensor:
+    """``sigma`` for a batch of ``rows``: a noise level per sample is repeated when CFG runs both branches as one
+    doubled batch (a single level broadcasts as it is)."""
+    if sigma.ndim == 0 or sigma.shape[0] in (1, rows):
+        return sigma
+    return sigma.repeat(rows // sigma.shape[0], *([1] * (sigma.ndim - 1)))
+
+
 def guided_prediction(forward: Forward, x: Tensor, cond: Condition, uncond: Condition, scale: float, mode: str = "cfg") -> Tensor:
     """Return ``forward(x, cond)`` guided by ``uncond`` at ``scale`` (float32).
 

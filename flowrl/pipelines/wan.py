@@ -46,6 +46,7 @@ from ..samplers.log_prob import as_sigma
 from ..samplers.schedules import FLOW_GRIDS, FlowSchedule, config_default, sampling_grid
 from ..types import Condition, cat_conditions
 from .diffusers_base import DiffusersAdapter, PipelineConfig, _unwrap
+from .guidance import rows_sigma
 from .sd3 import flow_shift
 
 try:  # torch >= 2.6; FSDP2's fully_shard turns a module into an FSDPModule
@@ -576,7 +577,8 @@ class WanAdapter(DiffusersAdapter):
                 u = self._forward(model, x, sigma, uncond, scale).float()
             c = self._forward(model, x, sigma, cond, scale).float()
         else:
-            c, u = self._forward(model, torch.cat([x, x]), sigma, cat_conditions([cond, uncond]), scale).float().chunk(2)
+            both = rows_sigma(sigma, 2 * x.shape[0])
+            c, u = self._forward(model, torch.cat([x, x]), both, cat_conditions([cond, uncond]), scale).float().chunk(2)
         return u + per_row * (c - u)
 
     def _pin_first_frame(self, out: Tensor, x: Tensor, sigma: Tensor, cond: Condition) -> Tensor:
