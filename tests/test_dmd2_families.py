@@ -195,7 +195,7 @@ def test_the_exported_student_lora_reproduces_the_few_step_sample_in_diffusers(t
 
 def test_a_step_distilled_teacher_refuses_cfg(tmp_path):
     """FLUX.2-klein (is_distilled) runs without guidance: a teacher CFG scale is refused in one sentence at start-up,
-    where the DM loss's two-call CFG would otherwise run on it silently."""
+    before the DM loss's teacher call would refuse it mid-run."""
     from accelerate.state import AcceleratorState
 
     from flowrl.config import load_config
