@@ -99,7 +99,11 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=list(OBJECTIVES))
     p.add_argument("--out", type=Path, default=REPO / "runs" / "sudoku_comparison")
+    p.add_argument("--plot-only", action="store_true", help="draw the plot from the JSON the runs wrote (an interrupted bench)")
     a = p.parse_args()
+    if a.plot_only:
+        plot(record.read("sudoku_rl_comparison")["runs"], PLOT)
+        return
     runs = []
     for seed in a.seeds:  # seed-major: an interrupted bench still has every objective at the first seeds
         for name in a.objectives:
