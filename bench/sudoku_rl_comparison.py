@@ -100,11 +100,13 @@ def main() -> None:
     p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=list(OBJECTIVES))
     p.add_argument("--out", type=Path, default=REPO / "runs" / "sudoku_comparison")
     p.add_argument("--plot-only", action="store_true", help="draw the plot from the JSON the runs wrote (an interrupted bench)")
+    p.add_argument("--append", action="store_true", help="add these runs to the JSON's (more seeds for an interrupted bench)")
     a = p.parse_args()
     if a.plot_only:
         plot(record.read("sudoku_rl_comparison")["runs"], PLOT)
         return
-    runs = []
+    earlier = record.read("sudoku_rl_comparison") if a.append else None
+    runs = list(earlier["runs"]) if earlier else []
     for seed in a.seeds:  # seed-major: an interrupted bench still has every objective at the first seeds
         for name in a.objectives:
             runs.append(run(name, seed, a.iterations, a.every, a.out / f"{name}_s{seed}"))
