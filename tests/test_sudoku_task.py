@@ -111,3 +111,17 @@ def test_constraint_verifier_reads_the_puzzle_from_the_prompt_never_the_solution
     scores = verifier(answers, [prompt] * 4, [{"solution": "0" * 16}] * 4).scores.tolist()  # metadata ignored
     assert scores == pytest.approx([1.0, 1 - 4 / 28, 1 - 8 / 28, 0.0])
     assert math.isnan(verifier(answers[:1], ["Solve the 4x4 puzzle 1200"], [{}]).scores.item())
+
+
+@needs_data
+def test_a_quarter_of_the_test_puzzles_have_two_solutions_and_the_verifier_accepts_both():
+    from flowrl.reward_models.puzzles import SudokuConstraintReward
+
+    held = sudoku.held_out()
+    counts = [len(sudoku.solutions(m["puzzle"])) for _, m in held]
+    assert counts.count(1) == 376 and counts.count(2) == 124  # the grader knows one of the two (the docs' caveat)
+    prompt, meta = next((p, m) for (p, m), c in zip(held, counts, strict=True) if c == 2)
+    both = sudoku.solutions(meta["puzzle"])
+    answers = [sudoku.completion_text(g) for g in both]
+    assert SudokuConstraintReward()(answers, [prompt] * 2, [{}] * 2).scores.tolist() == [1.0, 1.0]
+    assert sorted(SudokuReward(grade="solved")(answers, [prompt] * 2, [meta] * 2).scores.tolist()) == [0.0, 1.0]
