@@ -4,8 +4,8 @@ puzzles, greedy and at temperature 1, measured the same way in one run.
 Per setting: accuracy (all 16 cells right), cell accuracy (empty cells right), the mean number of broken rows,
 columns and boxes (``flowrl.data.sudoku.sudoku_violations``), the clue-copy rate (answers keeping every clue), the
 well-formed rate (an ``<answer>`` block with exactly 16 digits), the accuracy among the answers that keep every clue,
-the valid rate (a grid breaking no rule and keeping every clue: 124 of the 500 puzzles have two solutions and the file
-lists one, so a valid answer can be graded wrong), and puzzles solved only after / only before; plus a few puzzles
+the valid rate (a grid breaking no rule and keeping every clue: 124 of the 500 puzzles have more than one solution and
+the file lists one, so a valid answer can be graded wrong), and puzzles solved only after / only before; plus a few puzzles
 the checkpoint solves and the base model does not, both answers shown.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sudoku_reasoning.py --checkpoint runs/dllm_sudoku_diffu_grpo/checkpoints/latest
@@ -69,7 +69,7 @@ def measure(texts: list[str], items) -> dict:
         "broken_units_mean": round(sum(sudoku_violations(g) if g else 12 for g in grids) / n, 3),
         "clue_copy_rate": round(sum(kept) / n, 4),
         "well_formed_rate": round(sum(g is not None for g in grids) / n, 4),
-        # d1's file lists one solution, but 124 of its 500 puzzles have two: a valid grid keeping the clues is right
+        # d1's file lists one solution, but 124 of its 500 puzzles have more: any valid grid keeping the clues is right
         "valid_rate": round(sum(g is not None and k and sudoku_violations(g) == 0 for g, k in zip(grids, kept, strict=True)) / n, 4),
         # how much of the accuracy is copying the clues: the solved share of the answers that keep them all
         "accuracy_given_clues_kept": round(sum(solved) / max(1, sum(kept)), 4),
