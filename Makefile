@@ -85,4 +85,5 @@ assets: install-test
 	$(BIN)/python -m flowrl.pipelines.embedded.train_masked_digits
 	$(BIN)/python -m flowrl.pipelines.embedded.train_arith --steps 1000 --seed 0 --flaw-rate 0.3
 	$(BIN)/python -m flowrl.pipelines.embedded.train_arith_bd3lm
+	$(BIN)/python -m flowrl.pipelines.embedded.train_sudoku --steps 170 --seed 0 --puzzles 2000 --clues 8 --threads 1
 	$(BIN)/python -m flowrl.pipelines.embedded.train_digits_video --steps 4500 --batch-size 32 --lr 0.002 --seed 0 --width 64 --layers 4 --threads 1
