@@ -30,24 +30,29 @@ from ...data.arith import COMPLETION_LEN, PROMPT_LEN, build_tokenizer, problems,
 from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
 
-def build_model(hidden: int = 128, layers: int = 4, heads: int = 4):
-    """arith_mdlm's architecture, a bidirectional BertForMaskedLM (the shipped size by default; flowrl tiny builds it
-    smaller)."""
+def bidirectional_lm(vocab_size: int, positions: int, hidden: int = 128, layers: int = 4, heads: int = 4):
+    """The embedded masked-diffusion LMs' architecture: a BertForMaskedLM (bidirectional attention, no dropout)."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        vocab_size=len(vocabulary()),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=2 * hidden,
-        max_position_embeddings=PROMPT_LEN + COMPLETION_LEN,
+        max_position_embeddings=positions,
         type_vocab_size=1,
         pad_token_id=0,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     return BertForMaskedLM(config)
+
+
+def build_model(hidden: int = 128, layers: int = 4, heads: int = 4):
+    """arith_mdlm's architecture, a bidirectional BertForMaskedLM (the shipped size by default; flowrl tiny builds it
+    smaller)."""
+    return bidirectional_lm(len(vocabulary()), PROMPT_LEN + COMPLETION_LEN, hidden, layers, heads)
 
 
 def encode(tokenizer, pairs):

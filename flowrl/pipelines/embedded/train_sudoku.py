@@ -23,27 +23,13 @@ import torch
 from tqdm import tqdm
 
 from ...data.sudoku import CLUES, COMPLETION_LEN, PROMPT_LEN, build_tokenizer, completion_text, training_set, vocabulary
-from .train_arith import masked_completion_loss
+from .train_arith import bidirectional_lm, masked_completion_loss
 from .training import ASSETS, loss_ema, optimizer_step, parse_training_arguments, save_model, training_parser, warmup_cosine
 
 
 def build_model(hidden: int = 128, layers: int = 4, heads: int = 4):
     """sudoku_mdlm's architecture: arith_mdlm's BertForMaskedLM over the Sudoku vocabulary and 34 positions."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    config = BertConfig(
-        vocab_size=len(vocabulary()),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=2 * hidden,
-        max_position_embeddings=PROMPT_LEN + COMPLETION_LEN,
-        type_vocab_size=1,
-        pad_token_id=0,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForMaskedLM(config)
+    return bidirectional_lm(len(vocabulary()), PROMPT_LEN + COMPLETION_LEN, hidden, layers, heads)
 
 
 def encode(tokenizer, pairs) -> torch.Tensor:
