@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# Loaded now (it needs only pathlib) so that the function ``presets`` below, not this submodule, is ``flowrl.presets``:
-# importing a submodule for the first time binds it as an attribute of the package, over a function of the same name.
-from . import presets as _preset_files
+# ``flowrl.presets`` is the submodule, made callable (``flowrl.presets()`` lists the names): a function of that name
+# would be replaced by the submodule when it is first imported (the CLI imports it), and ``import flowrl.presets as p``
+# would get the function. Loaded now; it needs only pathlib.
+from . import presets
 
 __version__ = "0.1.0"
 
@@ -54,11 +55,6 @@ def __getattr__(name: str) -> Any:  # lazy: `import flowrl` does not import torc
 
         return getattr(config, name)
     raise AttributeError(f"module 'flowrl' has no attribute {name!r}")
-
-
-def presets() -> list[str]:
-    """The names of the presets shipped with flowrl (``flowrl.Trainer("digits/grpo")``, ``flowrl train digits/grpo``)."""
-    return _preset_files.preset_names()
 
 
 def reward(name: str, **kwargs: Any) -> Any:

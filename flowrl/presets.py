@@ -8,6 +8,8 @@ wheel alike); a path to an existing YAML file always means that file. ``flowrl p
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 from .errors import FlowRLError
@@ -70,3 +72,14 @@ def embedded_lm_presets() -> dict[str, str]:
         if pipeline.get("pretrained") in EMBEDDED_LMS:
             found.setdefault(pipeline["pretrained"], name)
     return found
+
+
+class _CallablePresets(types.ModuleType):
+    """This module, callable: ``flowrl.presets()`` is ``preset_names()`` (the Python API's list of preset names)."""
+
+    def __call__(self) -> list[str]:
+        """The names of the presets shipped with flowrl (``flowrl.Trainer("digits/grpo")``, ``flowrl train digits/grpo``)."""
+        return preset_names()
+
+
+sys.modules[__name__].__class__ = _CallablePresets
