@@ -75,3 +75,13 @@ def launch_report(proc: subprocess.CompletedProcess, chars: int = 2500) -> str:
     workers, launcher = (err[:cut], err[cut:]) if "ChildFailedError" in err[cut:] else (err, "")
     root = launcher[launcher.find("Root Cause") :] if "Root Cause" in launcher else launcher[-600:]
     return f"workers' output (last {chars} chars):\n{workers[-chars:]}\nlauncher: {root[:600]}"
+
+
+def skip_without_sudoku_file(what: str) -> None:
+    """Skip the calling test when d1's Sudoku test file (FLOWRL_DATA_DIR, ../shared/data) is absent: ``what`` reads it."""
+    import pytest
+
+    from flowrl.data.text_tasks import SUDOKU_FILE, default_data_dir
+
+    if not (default_data_dir() / SUDOKU_FILE).is_file():
+        pytest.skip(f"{what} read the shared test file (FLOWRL_DATA_DIR), absent here")

@@ -315,10 +315,10 @@ def preset_overrides(name: str, tiny_checkpoints, prompt_files, dpo_pairs, opd_t
 @pytest.mark.slow
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_passes_at_tiny_size(name, tiny_checkpoints, prompt_files, dpo_pairs, opd_teachers):
-    from flowrl.data.text_tasks import SUDOKU_FILE, default_data_dir
+    from tests.conftest import skip_without_sudoku_file
 
-    if name.startswith("dllm/sudoku") and not (default_data_dir() / SUDOKU_FILE).is_file():
-        pytest.skip("the Sudoku presets read the shared test file (FLOWRL_DATA_DIR), absent here")
+    if name.startswith("dllm/sudoku"):
+        skip_without_sudoku_file("the Sudoku presets")
     result = check(name, preset_overrides(name, tiny_checkpoints, prompt_files, dpo_pairs, opd_teachers), sample_command=_sample_command)
     assert result.passed, result.mismatches
 

@@ -36,10 +36,10 @@ def test_every_embedded_image_model_samples_by_name(name, tmp_path):
     "name, prompt", [("arith_mdlm", "What is 3 + 4?"), ("arith_bd3lm", "What is 3 + 4?"), ("sudoku_mdlm", " ".join("3102200002100320"))]
 )
 def test_an_embedded_language_model_samples_text(name, prompt, tmp_path, capsys):
-    from flowrl.data.text_tasks import SUDOKU_FILE, default_data_dir
+    from tests.conftest import skip_without_sudoku_file
 
-    if name == "sudoku_mdlm" and not (default_data_dir() / SUDOKU_FILE).is_file():
-        pytest.skip("sampling sudoku_mdlm builds its preset, whose prompts read the shared test file (FLOWRL_DATA_DIR), absent here")
+    if name == "sudoku_mdlm":
+        skip_without_sudoku_file("sampling sudoku_mdlm builds its preset, whose prompts")
     out = tmp_path / "completions.jsonl"
     assert main(["sample", name, "--prompt", prompt, "-n", "2", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]

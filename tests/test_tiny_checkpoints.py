@@ -101,12 +101,12 @@ def test_one_iteration_of_every_run_on_its_tiny_checkpoint(name, checkpoints, tm
     from accelerate.state import AcceleratorState
 
     from flowrl.config import load_config
-    from flowrl.data.text_tasks import SUDOKU_FILE, default_data_dir
     from flowrl.trainer import Trainer
+    from tests.conftest import skip_without_sudoku_file
 
     run = RUNS[name]
-    if run.preset.startswith("dllm/sudoku") and not (default_data_dir() / SUDOKU_FILE).is_file():
-        pytest.skip("the Sudoku presets read the shared test file (FLOWRL_DATA_DIR), absent here")
+    if run.preset.startswith("dllm/sudoku"):
+        skip_without_sudoku_file("the Sudoku presets")
     out = checkpoints(run.family, run.variant)
     assert sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) < 4e6  # a few MB at most
     AcceleratorState._reset_state(True)
