@@ -84,17 +84,23 @@ def masked_completion_loss(
     return torch.nn.functional.cross_entropy(logits[masked], x[masked])
 
 
-def fit_on_problems(out: Path, name: str, make_model, batch_loss, settings: dict[str, Any], extra: dict[str, Any], command: str) -> None:
+def fit_on_problems(
+    out: Path, name: str, make_model, batch_loss, settings: dict[str, Any], extra: dict[str, Any], command: str, encoded=None
+) -> dict[str, Any]:
     """Train a math LM on the (flawed) SFT solutions and write it with its tokenizer into ``out``: the loop both
     embedded math LMs share. ``make_model()`` builds the model once the seed is set (its initial weights);
     ``batch_loss(model, tokenizer, ids, attention_mask, gen)`` noises a batch of encoded problems and returns the
     loss; ``settings``: steps, batch_size, lr, seed, train_problems and flaw_rate; ``extra``: the script's own
-    training_info entries."""
+    training_info entries. ``encoded()``: another task's (tokenizer, input_ids, attention_mask) to train on instead
+    (sudoku_bd3lm's puzzles; it must not draw from torch's generator). Returns the training_info written."""
     steps, batch_size, seed = settings["steps"], settings["batch_size"], settings["seed"]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    tokenizer = build_tokenizer()
-    ids, attn = encode(tokenizer, problems("train", settings["train_problems"], seed, settings["flaw_rate"]))
+    if encoded is None:
+        tokenizer = build_tokenizer()
+        ids, attn = encode(tokenizer, problems("train", settings["train_problems"], seed, settings["flaw_rate"]))
+    else:
+        tokenizer, ids, attn = encoded()
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.01)
     sched = warmup_cosine(opt, steps, warmup=max(1, steps // 20))
@@ -108,6 +114,7 @@ def fit_on_problems(out: Path, name: str, make_model, batch_loss, settings: dict
     info = {**settings, **extra, "final_loss_ema": ema, "train_seconds": round(time.time() - start, 1), "command": command}
     save_model(out, [("", model), ("", tokenizer)], info)  # one directory holding model and tokenizer, like a hub checkpoint
     print(json.dumps(info))
+    return info
 
 
 def train(out: Path, steps: int, batch_size: int, lr: float, seed: int, num_problems: int, flaw_rate: float) -> None:

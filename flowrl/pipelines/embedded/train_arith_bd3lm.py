@@ -32,14 +32,14 @@ from .train_arith import fit_on_problems
 from .training import ASSETS, parse_training_arguments, training_parser
 
 
-def build_model(block_length: int, hidden: int = 96, layers: int = 3, heads: int = 4):
+def build_model(block_length: int, hidden: int = 96, layers: int = 3, heads: int = 4, *, tokenizer=None, vocab_size: int | None = None):
     """arith_bd3lm's architecture, a LlamaForCausalLM run with block-causal attention (the shipped size by default;
-    flowrl tiny builds it smaller)."""
+    flowrl tiny builds it smaller). ``tokenizer`` and ``vocab_size``: another task's (the Sudoku one's); None: arith's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer() if tokenizer is None else tokenizer
     config = LlamaConfig(
-        vocab_size=len(vocabulary()),
+        vocab_size=len(vocabulary()) if vocab_size is None else vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -56,15 +56,16 @@ def build_model(block_length: int, hidden: int = 96, layers: int = 3, heads: int
     return LlamaForCausalLM(config)
 
 
-def block_diffusion_loss(block_length: int):
-    """BD3-LM's vectorised loss on a batch of encoded problems: ``[prompt ; x_t ; x_0]`` with each completion block
-    masked at its own rate t ~ U(0, 1) (at least one masked token per row), block-causal training attention, the
-    mean cross-entropy of the masked tokens."""
-    G, num_blocks = COMPLETION_LEN, COMPLETION_LEN // block_length
+def block_diffusion_loss(block_length: int, prompt_len: int = PROMPT_LEN, completion_len: int = COMPLETION_LEN):
+    """BD3-LM's vectorised loss on a batch of encoded problems (``prompt_len`` prompt tokens, then ``completion_len``
+    completion tokens; arith's by default): ``[prompt ; x_t ; x_0]`` with each completion block masked at its own
+    rate t ~ U(0, 1) (at least one masked token per row), block-causal training attention, the mean cross-entropy of
+    the masked tokens."""
+    P, G, num_blocks = prompt_len, completion_len, completion_len // block_length
 
     def batch_loss(model, tokenizer, x: torch.Tensor, attention_mask: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         batch_size = x.shape[0]
-        prompt, prompt_mask, x0 = x[:, :PROMPT_LEN], attention_mask[:, :PROMPT_LEN], x[:, PROMPT_LEN:]
+        prompt, prompt_mask, x0 = x[:, :P], attention_mask[:, :P], x[:, P:]
         t = torch.rand(batch_size, num_blocks, generator=gen).repeat_interleave(block_length, 1)  # one rate per block
         masked = torch.rand(batch_size, G, generator=gen) < t
         masked[torch.arange(batch_size), torch.randint(0, G, (batch_size,), generator=gen)] = True
@@ -73,7 +74,7 @@ def block_diffusion_loss(block_length: int):
             input_ids=torch.cat([prompt, x_t, x0], 1),
             attention_mask=block_diffusion_training_mask(prompt_mask, G, block_length, torch.float32),
             position_ids=block_diffusion_training_positions(prompt_mask, G),
-        ).logits[:, PROMPT_LEN : PROMPT_LEN + G]
+        ).logits[:, P : P + G]
         return torch.nn.functional.cross_entropy(logits[masked], x0[masked])
 
     return batch_loss
