@@ -42,6 +42,7 @@ OBJECTIVES = Registry(
         "step_grpo": "flowrl.objectives.dllm.step_grpo:StepGRPOConfig",  # uniform-noise block diffusion (DiffusionGemma)
         "just_grpo": "flowrl.objectives.dllm.just_grpo:JustGRPOConfig",  # left-to-right rollouts, exact likelihood
         "block_elbo": "flowrl.objectives.dllm.block_elbo:BlockELBOConfig",  # block diffusion: LLaDA2.1's EBPO
+        "tracerl": "flowrl.objectives.dllm.tracerl:TraceRLConfig",  # the sampler's own trajectory, token log-probs replayed
     },
     base=ObjectiveSection,
 )

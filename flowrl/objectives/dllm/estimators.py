@@ -22,7 +22,7 @@ batch it is scored in (micro-batching and rollout/train batch sizes may differ) 
 | AnswerMaskEstimator       | UniGRPO (paper) / dLLM-RL    | 1           | mean log-prob over a random answer mask   |
 | CoupledEstimator          | DiffuCoder coupled-GRPO      | 2           | ELBO, antithetic pair of masks            |
 | ELBOEstimator, elbo_terms | LLaDA ELBO (BGPO, SPG, VRPO) | num_samples | ELBO, stratified mask counts              |
-| TrajectoryReplayEstimator | TraceRL                      | num_steps   | log-prob of the sampled tokens            |
+| TrajectoryReplayEstimator | TraceRL                      | num_steps/k | log-prob of the sampled tokens            |
 """
 
 from __future__ import annotations
@@ -304,23 +304,47 @@ def replay_logits(lm: MaskedLM, traj: TokenTrajectory) -> Iterator[tuple[int, Te
         yield s, state, completion_logits(lm, traj, state)
 
 
+def step_groups(unmask_step: Tensor, num_steps: int, steps_per_forward: int) -> Tensor:
+    """(B, G) int64: each position's group of ``steps_per_forward`` consecutive acting steps of its own row (TraceRL's
+    ``collapse_k_unique``: a row's distinct unmasking steps in order, k to a group). Steps at which a row unmasked
+    nothing do not count, so with ``steps_per_forward=1`` the group is the rank of the position's step in its row."""
+    acted = torch.zeros(unmask_step.shape[0], num_steps, dtype=torch.long, device=unmask_step.device)
+    acted.scatter_(1, unmask_step, 1)
+    rank_of_step = acted.cumsum(1) - 1  # (B, num_steps): how many acting steps came before, for an acting step
+    return rank_of_step.gather(1, unmask_step) // steps_per_forward
+
+
 @dataclass(frozen=True)
 class TrajectoryReplayEstimator:
     """TraceRL-style trajectory replay (Wang et al. 2025, "Revolutionizing RL Framework for dLLMs", TraceRL).
 
-    For every step s, the log-prob (model softmax, temperature 1) of the tokens unmasked at s given the
-    state before s (``traj.state_at(s)``, prompt unmasked); weights 1 on every completion token. The sum
-    is ``sum_s log p(tokens chosen at s | state_s)``: the exact log-prob of the sampled TOKENS along this
-    trajectory given its unmasking order (the order's own probability is not included; see
-    ``plackett_luce.dcolt_log_probs`` for that). No randomness: ``seed_index`` is ignored.
-    Cost: one forward per denoising step (num_steps, e.g. 64-256), versus 1-4 for the masked estimators.
+    Each position's log-prob (model softmax, temperature 1) given the state its token was committed in: the
+    completion with every position of an earlier group of steps (``step_groups``) written and the rest masked, prompt
+    unmasked. With ``steps_per_forward=1`` the sum is ``sum_s log p(tokens chosen at s | state_s)``, the exact log-prob
+    of the sampled TOKENS along this trajectory given its unmasking order (the order's own probability is not included;
+    see ``plackett_luce.dcolt_log_probs`` for that); with k > 1, TraceRL's ``shrink``, the tokens of k consecutive
+    steps are scored together from the state before the first of them (one forward per k steps, an approximation).
+
+    ``step_weights``: weight 1 per token (False), or 1 / (tokens the position's group committed) so that each group
+    weighs 1 whatever its size (True; TraceRL's mean over each step's tokens, see ``objectives/dllm/tracerl.py``).
+    No randomness: ``seed_index`` is ignored. Cost: one forward per group (num_steps / k), versus 1-4 for the masked
+    estimators.
     """
 
+    steps_per_forward: int = 1
+    step_weights: bool = False
+
     def __call__(self, lm: MaskedLM, traj: TokenTrajectory, seed_index: int = 0) -> EstimatorOutput:
+        group = step_groups(traj.unmask_step, traj.num_steps, self.steps_per_forward)
         lp = torch.zeros(traj.completion_ids.shape, dtype=torch.float32, device=traj.completion_ids.device)
-        for s, _, logits in replay_logits(lm, traj):
-            lp = torch.where(traj.unmask_step == s, token_log_probs(logits, traj.completion_ids), lp)
-        return EstimatorOutput(lp, torch.ones_like(lp))
+        mask = torch.full_like(traj.completion_ids, lm.mask_token_id)
+        for g in range(int(group.max()) + 1 if group.numel() else 0):
+            state = torch.where(group < g, traj.completion_ids, mask)
+            lp = torch.where(group == g, token_log_probs(completion_logits(lm, traj, state), traj.completion_ids), lp)
+        if not self.step_weights:
+            return EstimatorOutput(lp, torch.ones_like(lp))
+        same_group = group[:, :, None] == group[:, None, :]  # (B, G, G)
+        return EstimatorOutput(lp, 1.0 / same_group.sum(-1).float())
 
 
 ESTIMATORS = {
@@ -344,6 +368,7 @@ __all__ = [
     "elbo_terms",
     "replay_logits",
     "row_generators",
+    "step_groups",
     "through_first_eos",
     "token_log_probs",
 ]
