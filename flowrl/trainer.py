@@ -86,6 +86,9 @@ class Trainer:
         self.modality = build_modality(config, self.accelerator.device, loaded=pipeline)
         self.pipeline, self.sampler, self.objective = self.modality.pipeline, self.modality.sampler, self.modality.objective
         self.modality.check()
+        # the task's prompts are read now, before a run directory exists, so a missing task file stops the run with
+        # nothing written (the text modality reads its pools when first used: sampling given prompts needs neither)
+        _ = self.modality.train_pool, getattr(self.modality, "eval_pool", None)
         self.modality.collector.check(self.reward)
         check_reward_can_score(config, self.reward, self.modality.collector)
         self.roles = build_roles(config, self.pipeline, self.modality.module_attr, self.objective, frozen_roles(self.objective))

@@ -35,11 +35,9 @@ def test_every_embedded_image_model_samples_by_name(name, tmp_path):
 @pytest.mark.parametrize(
     "name, prompt", [("arith_mdlm", "What is 3 + 4?"), ("arith_bd3lm", "What is 3 + 4?"), ("sudoku_mdlm", " ".join("3102200002100320"))]
 )
-def test_an_embedded_language_model_samples_text(name, prompt, tmp_path, capsys):
-    from tests.conftest import skip_without_sudoku_file
-
-    if name == "sudoku_mdlm":
-        skip_without_sudoku_file("sampling sudoku_mdlm builds its preset, whose prompts")
+def test_an_embedded_language_model_samples_text(name, prompt, tmp_path, capsys, monkeypatch):
+    # sampling given prompts reads no prompt pool: sudoku_mdlm samples even where its task's shared file is absent
+    monkeypatch.setenv("FLOWRL_DATA_DIR", str(tmp_path / "no_data_here"))
     out = tmp_path / "completions.jsonl"
     assert main(["sample", name, "--prompt", prompt, "-n", "2", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -85,3 +83,12 @@ def test_an_edit_models_sample_takes_its_prompt_with_its_source_image(tmp_path, 
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
     assert main(["sample", str(checkpoint), "-n", "1", "--out", str(tmp_path / "edit.png")]) == 0
     assert (tmp_path / "edit.png").is_file() and seen[0][0].get("image")  # the held-out item's source image
+
+
+def test_training_on_a_task_whose_file_is_absent_stops_with_nothing_written(tmp_path, monkeypatch, capsys):
+    """The text modality reads its prompt pools when first used; the Trainer reads them before a run directory exists,
+    so a missing task file is one sentence and no partial run."""
+    monkeypatch.setenv("FLOWRL_DATA_DIR", str(tmp_path / "no_data_here"))
+    run = tmp_path / "run"
+    assert main(["train", "dllm/sudoku_tracerl", f"output_dir={run}", "train.iterations=1"]) != 0
+    assert "data file not found" in capsys.readouterr().err and not run.exists()

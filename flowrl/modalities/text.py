@@ -4,6 +4,7 @@ by greedy decoding (accuracy = mean reward) whose decoded answers are written to
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,18 @@ class TextModality:
         self.sampler = config.sampler
         context = BuildContext(dict(config.reward.components), config.sampler, self.pipeline, run_dir=config.output_dir)
         self.objective = objective if objective is not None else build_objective(config.objective, context)
-        self.train_pool = prompts_for(config.prompts, "train")
-        self.eval_pool = eval_pool(config)
         self.collector = collector_for({"rollouts": lambda: TextRollouts(self)}, self.objective, "diffusion language")
+
+    # read when first used, not at construction: sampling given prompts (``flowrl sample NAME --prompt``) needs neither
+    # pool, so a model whose task file is absent (../shared/data) still samples; the Trainer reads both right after
+    # building the modality, so a missing file still stops a run before anything is written
+    @functools.cached_property
+    def train_pool(self) -> list:
+        return prompts_for(self.config.prompts, "train")
+
+    @functools.cached_property
+    def eval_pool(self) -> list:
+        return eval_pool(self.config)
 
     def check(self) -> None:
         if self.config.objective.name == "dcolt" and self.config.sampler.remasking != "policy":
