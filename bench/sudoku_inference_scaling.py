@@ -4,10 +4,12 @@ temperature 1 on d1's 500 test puzzles, chosen by majority vote, by the model's 
 prompt); pass@N (any candidate right) is the oracle bound. Each model is one ``flowrl eval --best-of N`` run.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sudoku_inference_scaling.py --checkpoint runs/dllm_sudoku_diffu_grpo/checkpoints/latest [--n 16]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sudoku_inference_scaling.py --checkpoint runs/dllm_sudoku_tracerl/checkpoints/latest \
+        --record sudoku_inference_scaling_tracerl
 
 For a 4x4 puzzle with one solution, a grid that breaks no rule and keeps every clue is the solution, so the
 verifier's choice is right whenever some candidate is: its curve is pass@N, reached without the answer key.
-Writes bench/results/sudoku_inference_scaling.json. Needs ../shared/data (FLOWRL_DATA_DIR). Results:
+Writes bench/results/sudoku_inference_scaling.json (or the ``--record`` name). Needs ../shared/data (FLOWRL_DATA_DIR). Results:
 docs/objectives/dllm.md.
 """
 
@@ -44,6 +46,7 @@ def best_of(source: str, n: int, out: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--record", default="sudoku_inference_scaling", help="the name of the JSON under bench/results/ (one per preset's checkpoint)")
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "sudoku_inference_scaling")
     a = p.parse_args()
@@ -51,7 +54,7 @@ def main() -> None:
     for name, source in (("base", PRESET), ("trained", str(a.checkpoint))):
         result[name] = best_of(source, a.n, a.out / f"{name}.png")
         print(name, json.dumps(result[name]), flush=True)
-    record.write("sudoku_inference_scaling", {**record.stamp(record.this_command()), "checkpoint": str(a.checkpoint), **result})
+    record.write(a.record, {**record.stamp(record.this_command()), "checkpoint": str(a.checkpoint), **result})
 
 
 if __name__ == "__main__":

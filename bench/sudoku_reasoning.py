@@ -9,8 +9,10 @@ the file lists one, so a valid answer can be graded wrong), and puzzles solved o
 the checkpoint solves and the base model does not, both answers shown.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sudoku_reasoning.py --checkpoint runs/dllm_sudoku_diffu_grpo/checkpoints/latest
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sudoku_reasoning.py --checkpoint runs/dllm_sudoku_tracerl/checkpoints/latest \
+        --record sudoku_reasoning_tracerl
 
-Writes bench/results/sudoku_reasoning.json. Needs ../shared/data (FLOWRL_DATA_DIR). Results: docs/objectives/dllm.md.
+Writes bench/results/sudoku_reasoning.json (or the ``--record`` name). Needs ../shared/data (FLOWRL_DATA_DIR). Results: docs/objectives/dllm.md.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from flowrl.data.sudoku import PROMPT_LEN, held_out, sudoku_violations  # noqa: 
 from flowrl.pipelines.dllm import load_masked_lm  # noqa: E402
 from flowrl.reward_models.math_answer import extract_answer  # noqa: E402
 from flowrl.samplers.masked import decode_completions, generate  # noqa: E402
-from flowrl.training.checkpoint import read_weights  # noqa: E402
+from flowrl.training.checkpoint import read_weights, resolve_checkpoint  # noqa: E402
 
 GEN = 18  # <answer>, 16 cells, </answer>: the preset's gen_length = steps = block_length (one cell per step)
 
@@ -79,6 +81,8 @@ def measure(texts: list[str], items) -> dict:
 
 def load(checkpoint: Path | None):
     lm = load_masked_lm(str(REPO / "flowrl" / "assets" / "sudoku_mdlm"))
+    if checkpoint is not None and checkpoint.name == "latest" and checkpoint.is_file():  # a run's pointer, not a directory
+        checkpoint = resolve_checkpoint("latest", checkpoint.parent.parent)
     if checkpoint is not None:
         lm.load_trainable_state_dict({k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")})
     lm.model.eval()
@@ -88,6 +92,7 @@ def load(checkpoint: Path | None):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--record", default="sudoku_reasoning", help="the name of the JSON under bench/results/ (one per preset's checkpoint)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--examples", type=int, default=3)
     a = p.parse_args()
@@ -123,7 +128,7 @@ def main() -> None:
             "iterations": summary.get("iterations_completed"),
             "greedy_accuracy_curve": [[r["step"], r["eval/reward/mean"]] for r in rows if "eval/reward/mean" in r],
         }
-    record.write("sudoku_reasoning", {**record.stamp(record.this_command()), "checkpoint": str(a.checkpoint), "puzzles": len(items), **out})
+    record.write(a.record, {**record.stamp(record.this_command()), "checkpoint": str(a.checkpoint), "puzzles": len(items), **out})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""diffu-GRPO, JustGRPO and DCoLT on the embedded 4x4 Sudoku LM (sudoku_mdlm) and the block-level ELBO objective on
+"""diffu-GRPO, JustGRPO, DCoLT and TraceRL on the embedded 4x4 Sudoku LM (sudoku_mdlm) and the block-level ELBO objective on
 a block-diffusion Sudoku LM (sudoku_bd3lm) at equal samples, several seeds: the held-out accuracy (greedy, d1's 500
 test puzzles) against iterations, in one plot.
 
 Each run is ``flowrl train configs/dllm/sudoku_diffu_grpo.yaml`` with the objective section replaced (the same
 prompts, reward, rollout size: prompts_per_iteration x num_generations completions per iteration, the same iterations
 for every objective) and ``seed`` set; JustGRPO's rollouts are its own (left to right, one token per step) and DCoLT's
-unmasking order is its trained head's (``sampler.remasking=policy``), as each method defines them. The block-level
+unmasking order is its trained head's (``sampler.remasking=policy``), as each method defines them; TraceRL takes its
+own preset's learning rate (3e-5) and shrink (configs/dllm/sudoku_tracerl.yaml), the others lr 1e-5. The block-level
 ELBO objective (``block_elbo``, the settings of configs/dllm/block_elbo.yaml) needs a block-diffusion model: it runs on
 sudoku_bd3lm (``flowrl.pipelines.embedded.train_sudoku_bd3lm``: the same SFT puzzles, a block-causal Llama, blocks of 9
 tokens), trained into runs/sudoku_bd3lm with its default settings (seed 0, one thread) when absent, and generates
@@ -13,7 +14,7 @@ with its blocks and the exact key-value cache. That model starts from its own ac
 draws every curve from its own start and the legend names each one's model and start.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sudoku_rl_comparison.py [--iterations 60] [--seeds 0 1 2] \\
-        [--objectives diffu_grpo just_grpo dcolt block_elbo] [--out runs/sudoku_comparison]
+        [--objectives diffu_grpo just_grpo dcolt block_elbo tracerl] [--out runs/sudoku_comparison]
 
 Writes bench/results/sudoku_rl_comparison.json (every run's curve and wall time) after each run and the plot
 docs/images/sudoku_rl_comparison.png. Needs ../shared/data (FLOWRL_DATA_DIR). Results: docs/objectives/dllm.md.
@@ -37,7 +38,8 @@ from bench import record  # noqa: E402
 PRESET = "configs/dllm/sudoku_diffu_grpo.yaml"
 PLOT = REPO / "docs" / "images" / "sudoku_rl_comparison.png"
 BD3LM = REPO / "runs" / "sudoku_bd3lm"  # block_elbo's model: not shipped, trained here when absent
-# each objective's section as its own preset on arith_mdlm writes it; the learning rate is the Sudoku preset's for all
+# each objective's section as its own preset on arith_mdlm writes it; the learning rate is the Sudoku preset's (1e-5) but
+# for tracerl, which has a Sudoku preset of its own
 OBJECTIVES = {
     "diffu_grpo": [],
     "just_grpo": ["objective={name: just_grpo, clip_range: 0.2, std: unbiased, loss_aggregation: nonzero_advantage_mean}"],
@@ -51,6 +53,8 @@ OBJECTIVES = {
         "sampler.kv_cache=exact",
         "objective={name: block_elbo, num_timesteps: 2, likelihood: vectorised, log_ratio: sum, clip_range: 0.2, num_mask_seeds: 2}",
     ],
+    # its own Sudoku preset's settings (configs/dllm/sudoku_tracerl.yaml): lr 3e-5, two steps per replayed forward
+    "tracerl": ["objective={name: tracerl, steps_per_forward: 2}", "train.learning_rate=3e-5"],
 }
 MODEL = {"block_elbo": "sudoku_bd3lm"}  # the model each objective trains, sudoku_mdlm where not named
 

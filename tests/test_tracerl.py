@@ -132,3 +132,14 @@ def test_config_checks():
         load_config(None, ["pipeline.name=dllm", "sampler.name=masked", "sampler.remasking=policy", "objective.name=tracerl"])
     with pytest.raises(FlowRLError, match="low <= high"):
         load_config(None, ["pipeline.name=dllm", "sampler.name=masked", "objective={name: tracerl, group_band: [0.8, 0.2]}"])
+
+
+def test_replay_follows_a_threshold_samplers_uneven_steps(lm, traj):
+    """With a confidence threshold each row commits as many tokens a step as pass it (a block may end early, leaving
+    steps unused): the replay still scores every token from its own row's state, equal to the recorded log-probs."""
+    t = generate(lm, traj.prompt_ids, traj.prompt_mask, G, STEPS, G, 1.0, threshold=0.5, generator=torch.Generator().manual_seed(1))
+    per_row = [len(set(r.tolist())) for r in t.unmask_step]
+    assert len(set(per_row)) > 1 and min(per_row) < STEPS  # rows took different numbers of steps
+    with torch.no_grad():
+        out = TrajectoryReplayEstimator()(lm, t)
+    torch.testing.assert_close(out.token_log_probs, t.token_log_probs.float(), atol=2e-5, rtol=0)

@@ -135,6 +135,7 @@ RUNS: dict[str, TinyRun] = {
     "dllm/diffu_grpo_block_cache": TinyRun("dllm/diffu_grpo_block_cache", "dllm", "bd3lm"),
     "dllm/just_grpo": TinyRun("dllm/just_grpo", "dllm", "mdlm"),
     "dllm/sudoku_diffu_grpo": TinyRun("dllm/sudoku_diffu_grpo", "dllm", "mdlm"),  # the arith vocabulary holds 0-4 and the tags
+    "dllm/sudoku_tracerl": TinyRun("dllm/sudoku_tracerl", "dllm", "mdlm"),
     "dllm/block_elbo": TinyRun("dllm/block_elbo", "dllm", "bd3lm"),
     "dllm/diffusion_gemma_step_grpo": TinyRun("dllm/diffusion_gemma_step_grpo", "diffusion_gemma", "tiny"),
 }
