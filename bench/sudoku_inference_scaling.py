@@ -46,7 +46,9 @@ def best_of(source: str, n: int, out: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True)
-    p.add_argument("--record", default="sudoku_inference_scaling", help="the name of the JSON under bench/results/ (one per preset's checkpoint)")
+    p.add_argument(
+        "--record", default="sudoku_inference_scaling", help="the name of the JSON under bench/results/ (one per preset's checkpoint)"
+    )
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "sudoku_inference_scaling")
     a = p.parse_args()
