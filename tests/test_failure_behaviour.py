@@ -299,6 +299,11 @@ def test_corruption_is_named_by_eval_sample_export_and_resume(trained, tmp_path,
         assert f"checkpoint file '{broken / name}' is corrupt" in one_line_error(capsys.readouterr().err)
     assert main(["eval", str(trained)]) == 2  # a run directory is not a checkpoint: said so, not evaluated
     assert "is a run directory, not a checkpoint" in one_line_error(capsys.readouterr().err)
+    # the run's latest pointer (a file) names its newest checkpoint, which flowrl eval and sample then read
+    from flowrl.cli import _config_for_source
+
+    config, checkpoint = _config_for_source(str(trained / "checkpoints" / "latest"), [])
+    assert checkpoint == trained / "checkpoints" / "step_000002" and config.output_dir == str(trained)
 
 
 @pytest.mark.slow
