@@ -92,7 +92,7 @@ def test_cached_rollout_rescored_by_full_sequence_replay(bd_lm, prompts, remaski
         kv_cache="exact",
     )
     assert not (traj.completion_ids == bd_lm.mask_token_id).any()
-    replay = TrajectoryReplayEstimator()(bd_lm, traj)
+    replay = TrajectoryReplayEstimator(1)(bd_lm, traj)
     torch.testing.assert_close(replay.token_log_probs, traj.token_log_probs, atol=2e-6, rtol=0)
     assert torch.exp(replay.token_log_probs.double() - traj.token_log_probs.double()).sub(1).abs().max() < 1e-5
 

@@ -164,7 +164,7 @@ def test_one_step_and_replay_are_exact_for_context_free_model():
     lm, traj = ContextFreeLM(), make_traj(8, seed=3)
     exact = lm.exact(traj.completion_ids).float()
     with torch.no_grad():
-        for est in (OneStepEstimator(0.15), TrajectoryReplayEstimator()):
+        for est in (OneStepEstimator(0.15), TrajectoryReplayEstimator(1)):
             torch.testing.assert_close(est(lm, traj, 0).sequence_log_prob(), exact)
 
 
@@ -175,7 +175,7 @@ ESTIMATORS = [
     AnswerMaskEstimator(0.1, 0.9),
     CoupledEstimator(),
     ELBOEstimator(num_samples=3),
-    TrajectoryReplayEstimator(),
+    TrajectoryReplayEstimator(1),
 ]
 
 
@@ -352,7 +352,7 @@ def test_dcolt_replay_reproduces_the_sampled_action_log_probs():
     assert replayed.shape == (5, traj.num_steps)
     torch.testing.assert_close(replayed, recorded, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(dcolt_log_probs(lm, scorer, traj, block_length=None), recorded, atol=1e-3)
-    tokens = TrajectoryReplayEstimator()(lm, traj, 0)  # the token half alone is TraceRL's replay
+    tokens = TrajectoryReplayEstimator(1)(lm, traj, 0)  # the token half alone is TraceRL's replay
     torch.testing.assert_close(tokens.token_log_probs, traj.token_log_probs, atol=1e-5, rtol=1e-5)
     replayed.sum().backward()
     assert scorer.bias.grad.abs().sum() > 0 and lm.head.weight.grad.abs().sum() > 0

@@ -52,7 +52,7 @@ def test_replay_reproduces_the_log_probs_the_sampler_recorded(lm, traj):
     the completion alone, so the two agree (the first PPO ratio is 1 by construction, not by copying)."""
     assert (traj.unmask_step.flatten().bincount(minlength=STEPS) == 2 * 8).all()  # every step commits two tokens a row
     with torch.no_grad():
-        out = TrajectoryReplayEstimator()(lm, traj)
+        out = TrajectoryReplayEstimator(1)(lm, traj)
     assert out.token_log_probs.min() < -0.5  # sampled at T = 1: some tokens were far from certain
     torch.testing.assert_close(out.token_log_probs, traj.token_log_probs.float(), atol=2e-5, rtol=0)
     assert (out.weights == 1).all()
@@ -99,7 +99,7 @@ def test_on_policy_loss_and_gradient_are_the_step_mean_policy_gradient(lm, traj)
     (loss_output,) = list(objective.losses(lm, None, batch, torch.Generator()))
     grads = torch.autograd.grad(loss_output.loss, params)
     assert abs(float(loss_output.loss.detach()) - float(-(adv * 8).sum() / 32)) < 1e-6  # = -mean(adv) = 0 up to rounding
-    lp = TrajectoryReplayEstimator()(lm, traj).token_log_probs[:4]
+    lp = TrajectoryReplayEstimator(1)(lm, traj).token_log_probs[:4]
     hand = -(adv[:, None] * 0.5 * lp).sum() / 32
     hand_grads = torch.autograd.grad(hand, params)
     for a, b in zip(grads, hand_grads, strict=True):
@@ -141,5 +141,5 @@ def test_replay_follows_a_threshold_samplers_uneven_steps(lm, traj):
     per_row = [len(set(r.tolist())) for r in t.unmask_step]
     assert len(set(per_row)) > 1 and min(per_row) < STEPS  # rows took different numbers of steps
     with torch.no_grad():
-        out = TrajectoryReplayEstimator()(lm, t)
+        out = TrajectoryReplayEstimator(1)(lm, t)
     torch.testing.assert_close(out.token_log_probs, t.token_log_probs.float(), atol=2e-5, rtol=0)

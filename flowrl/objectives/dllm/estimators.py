@@ -331,7 +331,7 @@ class TrajectoryReplayEstimator:
     estimators.
     """
 
-    steps_per_forward: int = 1
+    steps_per_forward: int  # 1: the exact replay (the objective's section holds the default)
     step_weights: bool = False
 
     def __call__(self, lm: MaskedLM, traj: TokenTrajectory, seed_index: int = 0) -> EstimatorOutput:
