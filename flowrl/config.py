@@ -128,7 +128,9 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     every: int = Field(10, ge=0, description="Iterations between evaluations; 0: only before and after training.")
-    samples_per_prompt: int = Field(4, ge=1, description="Samples generated per held-out prompt in an evaluation.")
+    samples_per_prompt: int = Field(
+        4, ge=1, description="Samples generated per held-out prompt in an evaluation of an image or video model (a diffusion LM's: one)."
+    )
     seed: int = Field(1234, description="Seed of the evaluation's noise, distinct from the training stream.")
     # every call has exactly this many rows, the last one padded, so a sample's bits never depend on the other items
     # evaluated beside it
