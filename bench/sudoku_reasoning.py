@@ -32,7 +32,7 @@ from flowrl.data.sudoku import PROMPT_LEN, held_out, sudoku_violations  # noqa: 
 from flowrl.pipelines.dllm import load_masked_lm  # noqa: E402
 from flowrl.reward_models.math_answer import extract_answer  # noqa: E402
 from flowrl.samplers.masked import decode_completions, generate  # noqa: E402
-from flowrl.training.checkpoint import read_weights, resolve_checkpoint  # noqa: E402
+from flowrl.training.checkpoint import checkpoint_directory, read_weights  # noqa: E402
 
 GEN = 18  # <answer>, 16 cells, </answer>: the preset's gen_length = steps = block_length (one cell per step)
 
@@ -81,10 +81,9 @@ def measure(texts: list[str], items) -> dict:
 
 def load(checkpoint: Path | None):
     lm = load_masked_lm(str(REPO / "flowrl" / "assets" / "sudoku_mdlm"))
-    if checkpoint is not None and checkpoint.name == "latest" and checkpoint.is_file():  # a run's pointer, not a directory
-        checkpoint = resolve_checkpoint("latest", checkpoint.parent.parent)
     if checkpoint is not None:
-        lm.load_trainable_state_dict({k: v for k, v in read_weights(checkpoint).items() if not k.startswith("objective.")})
+        weights = read_weights(checkpoint_directory(checkpoint))
+        lm.load_trainable_state_dict({k: v for k, v in weights.items() if not k.startswith("objective.")})
     lm.model.eval()
     return lm
 

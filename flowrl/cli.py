@@ -513,11 +513,9 @@ def _config_for_source(source: str, overrides: list[str]):
     """A checkpoint directory carries its config.yaml (verified against the checkpoint's checksums before it is
     read); a run's ``checkpoints/latest`` pointer names its newest valid checkpoint; anything else is a YAML config file."""
     from .config import load_config
-    from .training.checkpoint import STATE_FILE, resolve_checkpoint, verify_checkpoint
+    from .training.checkpoint import STATE_FILE, checkpoint_directory, verify_checkpoint
 
-    path = Path(source)
-    if path.name == "latest" and path.is_file() and path.parent.name == "checkpoints":  # a run's pointer, not a config
-        path = resolve_checkpoint("latest", path.parent.parent)
+    path = checkpoint_directory(Path(source))
     if path.is_dir():
         if (path / "checkpoints").is_dir() and not (path / STATE_FILE).exists():
             steps = sorted(p.name for p in (path / "checkpoints").glob("step_*") if p.is_dir())

@@ -41,6 +41,14 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, std: StdConvention = "u
     return adv
 
 
+def group_means(values: Tensor, valid: Tensor, ids: Tensor) -> Tensor:
+    """(B,) each row's mean of ``values`` over the valid rows sharing its id (ids in 0..n-1); NaN where none is valid."""
+    v = torch.where(valid, values.float(), torch.zeros_like(values, dtype=torch.float32))
+    sums = torch.zeros(int(ids.max()) + 1).index_add_(0, ids, v)
+    counts = torch.zeros(int(ids.max()) + 1).index_add_(0, ids, valid.float())
+    return (sums / counts)[ids]
+
+
 def best_worst_subset(rewards: Tensor, group_ids: Tensor, k: int) -> Tensor:
     """Indices of the top k/2 and bottom k/2 rewards of every group (DanceGRPO's best-of-N subset)."""
     keep = []

@@ -26,7 +26,7 @@ from ..samplers.step_credit import TreeLayout
 from ..sections import BuildContext, ObjectiveSection
 from ..types import LossOutput, Pipeline, Sampler, Trajectory
 from .advantages import GroupAdvantages, MultiRewardOption, clip_advantages, std_eps_option, std_option
-from .functional import StdConvention
+from .functional import StdConvention, group_means
 from .step_credit import StepCreditBase, refuse_rollout_settings, step_log_probs, weighted_step_loss
 
 EdgeAdvantage = Literal["subtree_mean", "minus_parent"]
@@ -39,15 +39,6 @@ def same_state(group_ids: Tensor, states: Tensor) -> Tensor:
     return torch.unique(keys, dim=0, return_inverse=True)[1]
 
 
-def subtree_means(values: Tensor, valid: Tensor, node: Tensor) -> Tensor:
-    """(B,) each row's mean of ``values`` over the valid rows sharing its ``node`` id; NaN where none is valid."""
-    v = torch.where(valid, values.float(), torch.zeros_like(values, dtype=torch.float32))
-    sums = torch.zeros(int(node.max()) + 1).index_add_(0, node, v)
-    counts = torch.zeros(int(node.max()) + 1).index_add_(0, node, valid.float())
-    mean = sums / counts
-    return mean[node]
-
-
 def tree_advantages(leaf_advantages: Tensor, valid: Tensor, batch: Trajectory, edge_advantage: EdgeAdvantage) -> Tensor:
     """(B, K) step-specific advantages: at branch step k, row b's is the mean leaf advantage under the child its path
     enters at k (rows sharing x_{k+1}), minus the mean under its parent (rows sharing x_k) for ``minus_parent``; NaN
@@ -55,9 +46,9 @@ def tree_advantages(leaf_advantages: Tensor, valid: Tensor, batch: Trajectory, e
     adv = torch.full(batch.log_probs.shape, float("nan"))
     group_ids, latents, valid, leaf = batch.group_ids.cpu(), batch.latents.cpu(), valid.cpu(), leaf_advantages.cpu()
     for k in torch.nonzero(batch.stochastic.cpu()).flatten().tolist():
-        child = subtree_means(leaf, valid, same_state(group_ids, latents[:, k + 1]))
+        child = group_means(leaf, valid, same_state(group_ids, latents[:, k + 1]))
         if edge_advantage == "minus_parent":
-            child = child - subtree_means(leaf, valid, same_state(group_ids, latents[:, k]))
+            child = child - group_means(leaf, valid, same_state(group_ids, latents[:, k]))
         adv[:, k] = child
     return adv
 

@@ -212,6 +212,15 @@ def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
     return find_latest(output_dir)[0] if spec == "latest" else Path(spec)
 
 
+def checkpoint_directory(path: Path) -> Path:
+    """``path`` as given, unless it is a run's ``checkpoints/latest`` pointer file: then the newest valid checkpoint of
+    that run (what a user copies from a run directory for ``flowrl eval`` or a bench's ``--checkpoint``)."""
+    path = Path(path)
+    if path.name == "latest" and path.is_file() and path.parent.name == "checkpoints":
+        return find_latest(path.parent.parent)[0]
+    return path
+
+
 def read_weights(directory: Path, verify: bool = True) -> dict[str, torch.Tensor]:
     if verify:
         verify_checkpoint(directory, ["denoiser.safetensors"])

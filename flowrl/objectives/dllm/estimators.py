@@ -343,8 +343,8 @@ class TrajectoryReplayEstimator:
             lp = torch.where(group == g, token_log_probs(completion_logits(lm, traj, state), traj.completion_ids), lp)
         if not self.step_weights:
             return EstimatorOutput(lp, torch.ones_like(lp))
-        same_group = group[:, :, None] == group[:, None, :]  # (B, G, G)
-        return EstimatorOutput(lp, 1.0 / same_group.sum(-1).float())
+        tokens_in_group = torch.zeros_like(lp).scatter_add_(1, group, torch.ones_like(lp))  # (B, G): column g = group g's size
+        return EstimatorOutput(lp, 1.0 / tokens_in_group.gather(1, group))
 
 
 ESTIMATORS = {

@@ -31,7 +31,7 @@ from torch import Tensor
 from ...sections import BuildContext
 from ...types import TokenTrajectory
 from ..advantages import std_option
-from ..functional import StdConvention
+from ..functional import StdConvention, group_means
 from .estimators import TrajectoryReplayEstimator
 from .policy import TokenPolicyConfig, TokenPolicyObjective
 
@@ -44,12 +44,8 @@ def groups_in_band(rewards: Tensor, group_ids: Tensor, band: tuple[float, float]
     """(B,) bool: rows whose group's mean reward (over its finite rewards) lies in ``band`` (all True for None)."""
     if band is None:
         return torch.ones_like(rewards, dtype=torch.bool)
-    finite = torch.isfinite(rewards)
-    _, group = torch.unique(group_ids, return_inverse=True)
-    sums = torch.zeros(int(group.max()) + 1, dtype=torch.float64).index_add_(0, group, torch.where(finite, rewards, 0).double())
-    counts = torch.zeros_like(sums).index_add_(0, group, finite.double())
-    mean = (sums / counts.clamp(min=1))[group]
-    return (mean >= band[0]) & (mean <= band[1])
+    mean = group_means(rewards, torch.isfinite(rewards), torch.unique(group_ids, return_inverse=True)[1])
+    return (mean >= band[0]) & (mean <= band[1])  # a group with no finite reward (NaN mean) is out
 
 
 @dataclass
